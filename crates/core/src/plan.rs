@@ -1,0 +1,1 @@
+//! Pure collective plans (to be written).

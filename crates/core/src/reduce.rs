@@ -1,0 +1,1 @@
+//! Host reduction loops (to be written).

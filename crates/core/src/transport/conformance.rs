@@ -1,0 +1,1 @@
+//! Transport conformance suite (to be written).

@@ -1,0 +1,132 @@
+//! The transport seam.
+//!
+//! A transport moves bytes between two ranks. Each *directed* connection
+//! (sender → receiver) is a bounded FIFO of fixed-size slots with credit-based
+//! flow control: the sender acquires a free slot, fills it and commits it; the
+//! receiver peeks the oldest committed slot, consumes it and releases it, which
+//! returns the credit to the sender. The transport declares where its slot
+//! memory lives ([`MemKind`]); only the engine touches slot memory.
+//!
+//! Set-up is two-phase and I/O-free from the runtime's point of view:
+//!
+//! 1. Each side of each directed connection calls [`Transport::listen`]
+//!    (receiving end) or [`Transport::prepare_send`] (sending end), which
+//!    allocates resources and returns an opaque *connect-info* blob.
+//! 2. The runtime exchanges the blobs through the bootstrap, then calls
+//!    [`PendingSend::connect`] on every sending end **first** and
+//!    [`PendingRecv::connect`] on every receiving end afterwards. A send-side
+//!    connect must never wait for the peer; a receive-side connect may wait (up
+//!    to its deadline) for the sender to attach.
+//!
+//! All data-path calls are non-blocking polls: the engine owns the waiting
+//! policy (spin, then yield, deadline, abort), so it is written once.
+
+pub mod conformance;
+
+use std::time::Instant;
+
+use crate::error::Result;
+use crate::types::MemKind;
+
+/// What the runtime knows about a rank when it sets up a connection.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PeerDesc {
+    /// The rank in the communicator.
+    pub rank: u32,
+    /// Identity of the memory domain the rank runs in: ranks with equal
+    /// `host_id` can share memory.
+    pub host_id: String,
+    /// Operating-system process id.
+    pub pid: u32,
+}
+
+/// Memory of one slot, in the transport's [`MemKind`].
+#[derive(Clone, Copy, Debug)]
+pub struct SlotBuf {
+    /// Start of the slot (aligned to at least 64 bytes).
+    pub ptr: *mut u8,
+    /// Capacity in bytes (the transport's `slot_bytes`).
+    pub cap: usize,
+}
+
+/// A transport implementation: one per crate (`braid-transport-*`).
+pub trait Transport: Send + Sync {
+    /// Short name used in logs and errors (`shm`, `socket`, ...).
+    fn name(&self) -> &'static str;
+    /// Where this transport's slot memory lives.
+    fn mem_kind(&self) -> MemKind;
+    /// Whether this transport can connect `me` and `peer` (pure decision).
+    fn can_connect(&self, me: &PeerDesc, peer: &PeerDesc) -> bool;
+    /// Phase 1, receiving end of `peer → me`: allocate and describe.
+    fn listen(&self, me: &PeerDesc, peer: &PeerDesc) -> Result<(Box<dyn PendingRecv>, Vec<u8>)>;
+    /// Phase 1, sending end of `me → peer`: allocate and describe.
+    fn prepare_send(
+        &self,
+        me: &PeerDesc,
+        peer: &PeerDesc,
+    ) -> Result<(Box<dyn PendingSend>, Vec<u8>)>;
+}
+
+/// A sending end between phase 1 and phase 2.
+pub trait PendingSend: Send {
+    /// Phase 2: attach to the receiver described by `receiver_info`. Must not
+    /// wait for the receiver to act.
+    fn connect(self: Box<Self>, receiver_info: &[u8], deadline: Instant)
+        -> Result<Box<dyn SendChannel>>;
+}
+
+/// A receiving end between phase 1 and phase 2.
+pub trait PendingRecv: Send {
+    /// Phase 2: finish the connection with the sender described by
+    /// `sender_info`; may wait until `deadline` for the sender to attach.
+    fn connect(self: Box<Self>, sender_info: &[u8], deadline: Instant)
+        -> Result<Box<dyn RecvChannel>>;
+}
+
+/// The sending end of a connected FIFO.
+pub trait SendChannel: Send {
+    /// The receiving rank.
+    fn peer(&self) -> u32;
+    /// Transport name for errors.
+    fn transport(&self) -> &'static str;
+    /// Where slot memory lives.
+    fn mem_kind(&self) -> MemKind;
+    /// Bytes per slot.
+    fn slot_bytes(&self) -> usize;
+    /// Number of slots (the most credits the sender can hold).
+    fn slots(&self) -> usize;
+    /// Non-blocking: the next free slot, or `None` while no credit is left.
+    /// Calling it again before `commit` returns the same slot.
+    fn poll_acquire(&mut self) -> Result<Option<SlotBuf>>;
+    /// Publish the slot last returned by `poll_acquire`, holding `len` bytes
+    /// (`len <= slot_bytes`).
+    fn commit(&mut self, len: usize) -> Result<()>;
+    /// Non-blocking: true once the receiver has released every committed slot.
+    fn poll_drained(&mut self) -> Result<bool>;
+    /// Liveness check, called now and then while waiting: an error if the peer
+    /// is known to be dead or to have aborted.
+    fn check_peer(&mut self) -> Result<()>;
+    /// Tell the peer that this side gave up (best effort, never blocks).
+    fn abort(&mut self, reason: &str);
+}
+
+/// The receiving end of a connected FIFO.
+pub trait RecvChannel: Send {
+    /// The sending rank.
+    fn peer(&self) -> u32;
+    /// Transport name for errors.
+    fn transport(&self) -> &'static str;
+    /// Where slot memory lives.
+    fn mem_kind(&self) -> MemKind;
+    /// Bytes per slot.
+    fn slot_bytes(&self) -> usize;
+    /// Non-blocking: the oldest committed slot and its length, or `None`.
+    /// Calling it again before `release` returns the same slot.
+    fn poll_peek(&mut self) -> Result<Option<(SlotBuf, usize)>>;
+    /// Give the slot last returned by `poll_peek` back to the sender.
+    fn release(&mut self) -> Result<()>;
+    /// Liveness check, called now and then while waiting.
+    fn check_peer(&mut self) -> Result<()>;
+    /// Tell the peer that this side gave up (best effort, never blocks).
+    fn abort(&mut self, reason: &str);
+}

@@ -1,0 +1,1 @@
+//! Bootstrap (to be written).

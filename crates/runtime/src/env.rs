@@ -1,0 +1,1 @@
+//! Launch environment (to be written).

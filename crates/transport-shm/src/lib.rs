@@ -1,0 +1,1 @@
+//! Shared-memory transport (to be written).
