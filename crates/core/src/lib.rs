@@ -10,6 +10,7 @@
 pub mod error;
 pub mod plan;
 pub mod reduce;
+pub mod reference;
 pub mod sim;
 pub mod transport;
 pub mod types;

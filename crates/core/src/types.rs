@@ -160,7 +160,11 @@ impl FromStr for RedOp {
             "min" => RedOp::Min,
             "max" => RedOp::Max,
             "avg" => RedOp::Avg,
-            _ => return Err(format!("unknown reduction '{s}': use one of sum prod min max avg")),
+            _ => {
+                return Err(format!(
+                    "unknown reduction '{s}': use one of sum prod min max avg"
+                ))
+            }
         })
     }
 }
@@ -177,15 +181,23 @@ pub enum MemKind {
 
 pub use half::{bf16, f16};
 
+mod sealed {
+    pub trait Sealed {}
+}
+
 /// A Rust type that braid can reduce and move: the typed API's element.
-pub trait Element: Copy + Send + Sync + 'static {
+/// Sealed: implemented exactly for the plain number types of [`DataType`],
+/// which have no padding and for which every bit pattern is a valid value
+/// (the runtime relies on both when it views buffers as bytes).
+pub trait Element: sealed::Sealed + Copy + Send + Sync + 'static {
     /// The matching datatype.
     const DTYPE: DataType;
 }
 
 macro_rules! element {
     ($($t:ty => $d:ident),* $(,)?) => {
-        $(impl Element for $t { const DTYPE: DataType = DataType::$d; })*
+        $(impl sealed::Sealed for $t {}
+          impl Element for $t { const DTYPE: DataType = DataType::$d; })*
     };
 }
 element!(i8 => I8, u8 => U8, i32 => I32, u32 => U32, i64 => I64, u64 => U64,

@@ -1,1 +1,820 @@
-//! Shared-memory transport (to be written).
+//! Shared-memory transport: POSIX shm slot FIFOs between processes of one host.
+//!
+//! # How the seam maps to shared memory
+//!
+//! Each directed connection sender → receiver is one POSIX shared-memory
+//! object, created by the **receiver** in [`Transport::listen`] and named
+//! `/braid-<receiver pid>-<random hex>-<from>-<to>`. It holds a control block
+//! of atomics followed by `slots` slots of `slot_bytes` each (every slot
+//! page-aligned); see the `segment` module for the exact layout.
+//!
+//! - **Set-up.** `listen` creates, sizes, maps and pre-faults the segment and
+//!   returns a blob with its name, geometry, a random nonce and the receiver's
+//!   pid. `prepare_send` allocates nothing and returns the sender's pid. The
+//!   sender's `connect` opens and maps the segment, checks it against the blob
+//!   (geometry, nonce), sets its `attached` flag and returns at once — it
+//!   never waits for the receiver. The receiver's `connect` waits (sleeping,
+//!   bounded by the deadline, watching the sender's pid) until `attached` is
+//!   set, then `shm_unlink`s the name: from then on nothing is left in
+//!   `/dev/shm`, whatever happens to either process. The sender unlinks too
+//!   right after attaching (best effort, `ENOENT` ignored), which closes the
+//!   window in which a receiver crash would leak the name. If set-up fails or
+//!   a pending receiver is dropped, the receiver unlinks.
+//! - **Credits.** `head` counts slots the sender committed, `tail` slots the
+//!   receiver released; both only grow. A slot is free for the sender iff
+//!   `head - tail < slots`; slot `n % slots` carries message `n`, and its
+//!   length sits in `lens[n % slots]`.
+//! - **Data path.** `poll_acquire`/`commit`/`poll_peek`/`release`/
+//!   `poll_drained` are plain loads and stores on the mapping, never a system
+//!   call, so the engine can spin on them.
+//! - **Liveness.** Each side has `closed` and `abort` flags (plus a short
+//!   abort reason) in the segment. `check_peer` reports the peer's abort or
+//!   close as [`CoreError::PeerAborted`], and a dead peer process
+//!   (`kill(pid, 0)` fails with `ESRCH`, or `/proc/<pid>/stat` says zombie) as
+//!   [`CoreError::Peer`] "process <pid> is gone". A receiver whose sender
+//!   closed normally keeps working until it has read every committed slot.
+//!
+//! # Memory orderings
+//!
+//! The sender writes the payload into the slot and the length into
+//! `lens[i]`, then publishes with `head.store(Release)`. The receiver loads
+//! `head` with `Acquire`; every slot below the value it saw is then fully
+//! visible (payload and length), so the length load itself can be `Relaxed`.
+//! The receiver's `tail.store(Release)` after reading a slot pairs with the
+//! sender's `tail.load(Acquire)` before it reuses that slot, so the
+//! receiver's reads of the old message happen before the sender overwrites
+//! it. `poll_drained` loads `tail` with `Acquire` for the same reason (after
+//! it says true, the sender may reuse or free whatever it sent from). Flags
+//! are stored with `Release` after the data they describe (the abort reason,
+//! the final `head`) and loaded with `Acquire`.
+//!
+//! # Tuning
+//!
+//! `BRAID_SHM_SLOT_BYTES` (default 512 KiB; at least 4096, a multiple of 64)
+//! and `BRAID_SHM_SLOTS` (default 8; 2 to 1024), read by
+//! [`ShmTransport::new`]. The segment is mapped with `MAP_POPULATE`, touched
+//! page by page on creation and advised `MADV_HUGEPAGE`, so the hot path does
+//! not take first-use page faults.
+
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use braid_core::error::{CoreError, Result};
+use braid_core::transport::{
+    PeerDesc, PendingRecv, PendingSend, RecvChannel, SendChannel, SlotBuf, Transport,
+};
+use braid_core::types::MemKind;
+
+mod info;
+mod segment;
+
+use info::{RecvInfo, SendInfo};
+use segment::{Layout, SegError, Segment, Side};
+
+const NAME: &str = "shm";
+
+/// Environment variable: bytes per slot.
+pub const ENV_SLOT_BYTES: &str = "BRAID_SHM_SLOT_BYTES";
+/// Environment variable: slots per connection.
+pub const ENV_SLOTS: &str = "BRAID_SHM_SLOTS";
+
+/// The shared-memory transport. Cheap to clone; holds only its parameters.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ShmTransport {
+    slot_bytes: usize,
+    slots: usize,
+}
+
+impl Default for ShmTransport {
+    fn default() -> Self {
+        ShmTransport {
+            slot_bytes: Self::DEFAULT_SLOT_BYTES,
+            slots: Self::DEFAULT_SLOTS,
+        }
+    }
+}
+
+impl ShmTransport {
+    /// Default bytes per slot.
+    pub const DEFAULT_SLOT_BYTES: usize = 512 * 1024;
+    /// Default slots per connection.
+    pub const DEFAULT_SLOTS: usize = 8;
+
+    /// Parameters from `BRAID_SHM_SLOT_BYTES` / `BRAID_SHM_SLOTS`, defaults
+    /// where unset. An invalid value is logged and replaced by the default;
+    /// use [`ShmTransport::from_env`] to get the error instead.
+    pub fn new() -> Self {
+        match Self::from_env() {
+            Ok(t) => t,
+            Err(e) => {
+                tracing::warn!("{e}; using the shm defaults");
+                Self::default()
+            }
+        }
+    }
+
+    /// Parameters from the environment; an error if a variable is set but
+    /// invalid.
+    pub fn from_env() -> Result<Self> {
+        fn var(name: &str, default: usize) -> Result<usize> {
+            match std::env::var(name) {
+                Err(_) => Ok(default),
+                Ok(s) => s.trim().parse().map_err(|_| {
+                    CoreError::InvalidArgument(format!(
+                        "{name}={s:?} is not a number of {}",
+                        if name == ENV_SLOTS { "slots" } else { "bytes" }
+                    ))
+                }),
+            }
+        }
+        Self::with_params(
+            var(ENV_SLOT_BYTES, Self::DEFAULT_SLOT_BYTES)?,
+            var(ENV_SLOTS, Self::DEFAULT_SLOTS)?,
+        )
+    }
+
+    /// Explicit parameters: `slot_bytes` a multiple of 64, 4096 to 1 GiB;
+    /// `slots` 2 to 1024.
+    pub fn with_params(slot_bytes: usize, slots: usize) -> Result<Self> {
+        if Layout::new(slot_bytes, slots).is_none() {
+            return Err(CoreError::InvalidArgument(format!(
+                "shm geometry {slots} slots x {slot_bytes} bytes is invalid: \
+                 {ENV_SLOT_BYTES} must be a multiple of 64 between 4096 and {} \
+                 and {ENV_SLOTS} between 2 and {}",
+                segment::MAX_SLOT_BYTES,
+                segment::MAX_SLOTS
+            )));
+        }
+        Ok(ShmTransport { slot_bytes, slots })
+    }
+
+    /// Bytes per slot of the connections this transport listens for.
+    pub fn slot_bytes(&self) -> usize {
+        self.slot_bytes
+    }
+
+    /// Slots per connection this transport listens for.
+    pub fn slots(&self) -> usize {
+        self.slots
+    }
+}
+
+/// Names in `/dev/shm` that start with `braid-` (for leak checks).
+pub fn leftover_segments() -> Vec<String> {
+    let mut v: Vec<String> = std::fs::read_dir("/dev/shm")
+        .map(|d| {
+            d.filter_map(|e| e.ok())
+                .filter_map(|e| e.file_name().into_string().ok())
+                .filter(|n| n.starts_with("braid-"))
+                .collect()
+        })
+        .unwrap_or_default();
+    v.sort();
+    v
+}
+
+fn peer_err(peer: u32, what: String) -> CoreError {
+    CoreError::Peer {
+        transport: NAME,
+        peer,
+        what,
+        source: None,
+    }
+}
+
+fn seg_err(peer: u32, doing: &str, e: SegError) -> CoreError {
+    peer_err(peer, format!("{doing}: {e}"))
+}
+
+fn protocol(peer: u32, detail: String) -> CoreError {
+    CoreError::Protocol { peer, detail }
+}
+
+fn random_u64() -> Result<u64> {
+    let mut b = [0u8; 8];
+    getrandom::getrandom(&mut b).map_err(|e| CoreError::Unavailable {
+        transport: NAME,
+        reason: format!("no randomness for segment names: {e}"),
+    })?;
+    Ok(u64::from_le_bytes(b))
+}
+
+impl Transport for ShmTransport {
+    fn name(&self) -> &'static str {
+        NAME
+    }
+
+    fn mem_kind(&self) -> MemKind {
+        MemKind::Host
+    }
+
+    fn can_connect(&self, me: &PeerDesc, peer: &PeerDesc) -> bool {
+        me.host_id == peer.host_id
+    }
+
+    fn listen(&self, me: &PeerDesc, peer: &PeerDesc) -> Result<(Box<dyn PendingRecv>, Vec<u8>)> {
+        let layout = Layout::new(self.slot_bytes, self.slots)
+            .ok_or_else(|| CoreError::InvalidArgument("invalid shm geometry".into()))?;
+        let pid = std::process::id();
+        let nonce = random_u64()?;
+        let name = format!(
+            "/braid-{pid}-{:016x}-{}-{}",
+            random_u64()?,
+            peer.rank,
+            me.rank
+        );
+        let seg = Segment::create(&name, layout, nonce, pid).map_err(|e| {
+            seg_err(
+                peer.rank,
+                &format!(
+                    "creating shared memory {name} ({} bytes; is /dev/shm full?)",
+                    layout.total
+                ),
+                e,
+            )
+        })?;
+        tracing::debug!(segment = %name, from = peer.rank, to = me.rank, "shm listen");
+        let blob = RecvInfo {
+            pid,
+            from: peer.rank,
+            to: me.rank,
+            slots: layout.slots as u32,
+            slot_bytes: layout.slot_bytes as u64,
+            nonce,
+            name,
+        }
+        .encode();
+        let pending = ShmPendingRecv {
+            seg: Some(seg),
+            me: me.rank,
+            peer: peer.rank,
+        };
+        Ok((Box::new(pending), blob))
+    }
+
+    fn prepare_send(
+        &self,
+        me: &PeerDesc,
+        peer: &PeerDesc,
+    ) -> Result<(Box<dyn PendingSend>, Vec<u8>)> {
+        let blob = SendInfo {
+            pid: std::process::id(),
+            from: me.rank,
+            to: peer.rank,
+        }
+        .encode();
+        Ok((
+            Box::new(ShmPendingSend {
+                me: me.rank,
+                peer: peer.rank,
+            }),
+            blob,
+        ))
+    }
+}
+
+/// Liveness of a process: `Err(what)` if it is gone.
+fn process_alive(pid: u32) -> std::result::Result<(), String> {
+    use nix::sys::signal::kill;
+    use nix::unistd::Pid;
+    // `pid` was validated to be in 1..=i32::MAX when the blob was parsed.
+    // EPERM means it exists but belongs to someone else; only ESRCH is proof.
+    if let Err(nix::errno::Errno::ESRCH) = kill(Pid::from_raw(pid as i32), None) {
+        return Err(format!("process {pid} is gone"));
+    }
+    // A killed child that its parent has not reaped yet still answers
+    // kill(2); /proc tells us it is a zombie.
+    if let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        // Format: "pid (comm) S ..."; comm may contain spaces and parens.
+        if let Some(state) = stat
+            .rfind(')')
+            .and_then(|i| stat[i + 1..].split_whitespace().next())
+        {
+            if state == "Z" || state == "X" {
+                return Err(format!("process {pid} is gone (exited, not yet reaped)"));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Reads a side's abort reason, if it aborted.
+fn abort_reason(side: &Side) -> Option<String> {
+    match side.abort.load(Ordering::Acquire) {
+        segment::ABORT_NONE => None,
+        segment::ABORT_SET => {
+            let n = (side.reason_len.load(Ordering::Relaxed) as usize).min(segment::REASON_BYTES);
+            let bytes: Vec<u8> = side.reason[..n]
+                .iter()
+                .map(|b| b.load(Ordering::Relaxed))
+                .collect();
+            Some(String::from_utf8_lossy(&bytes).into_owned())
+        }
+        _ => Some("aborted (no reason given yet)".into()),
+    }
+}
+
+/// Publishes this side's abort with `reason` (first call wins).
+fn publish_abort(side: &Side, reason: &str) {
+    if side
+        .abort
+        .compare_exchange(
+            segment::ABORT_NONE,
+            segment::ABORT_WRITING,
+            Ordering::Relaxed,
+            Ordering::Relaxed,
+        )
+        .is_err()
+    {
+        return;
+    }
+    let mut n = reason.len().min(segment::REASON_BYTES);
+    while !reason.is_char_boundary(n) {
+        n -= 1;
+    }
+    for (dst, src) in side.reason.iter().zip(&reason.as_bytes()[..n]) {
+        dst.store(*src, Ordering::Relaxed);
+    }
+    side.reason_len.store(n as u32, Ordering::Relaxed);
+    // Release: a reader that sees ABORT_SET (Acquire) sees the reason.
+    side.abort.store(segment::ABORT_SET, Ordering::Release);
+}
+
+/// The checks both ends share: peer abort, then peer process liveness.
+fn check_abort_and_process(peer_side: &Side, peer: u32, peer_pid: u32) -> Result<()> {
+    if let Some(reason) = abort_reason(peer_side) {
+        return Err(CoreError::PeerAborted {
+            transport: NAME,
+            peer,
+            reason,
+        });
+    }
+    process_alive(peer_pid).map_err(|what| peer_err(peer, what))
+}
+
+/// A receiving end between `listen` and `connect`.
+#[derive(Debug)]
+struct ShmPendingRecv {
+    /// `Some` until connect takes it; dropping it unlinks the name.
+    seg: Option<Segment>,
+    me: u32,
+    peer: u32,
+}
+
+impl Drop for ShmPendingRecv {
+    fn drop(&mut self) {
+        if let Some(seg) = &self.seg {
+            // Tell a sender that may have attached that nobody will read.
+            seg.header().receiver.0.closed.store(1, Ordering::Release);
+        }
+        // Segment's drop unmaps and (still owning the name) unlinks.
+    }
+}
+
+impl PendingRecv for ShmPendingRecv {
+    fn connect(
+        mut self: Box<Self>,
+        sender_info: &[u8],
+        deadline: Instant,
+    ) -> Result<Box<dyn RecvChannel>> {
+        let peer = self.peer;
+        let start = Instant::now();
+        let info = SendInfo::decode(sender_info)
+            .map_err(|e| protocol(peer, format!("shm sender connect-info: {e}")))?;
+        if info.from != peer || info.to != self.me {
+            return Err(protocol(
+                peer,
+                format!(
+                    "shm sender connect-info is for {} -> {}, expected {} -> {}",
+                    info.from, info.to, peer, self.me
+                ),
+            ));
+        }
+        let seg = self.seg.as_ref().expect("pending receiver used twice");
+        let hdr = seg.header();
+        let sender = &hdr.sender.0;
+        let mut spins = 0u32;
+        let mut last_pid_check = start;
+        // Acquire: pairs with the sender's Release store of `attached`, so
+        // its pid store is visible below.
+        while sender.attached.load(Ordering::Acquire) == 0 {
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(CoreError::Timeout {
+                    transport: NAME,
+                    peer,
+                    waiting_for: "the sender to attach to the shared-memory segment",
+                    after: now - start,
+                });
+            }
+            if now - last_pid_check >= Duration::from_millis(50) {
+                last_pid_check = now;
+                check_abort_and_process(sender, peer, info.pid)?;
+            }
+            spins += 1;
+            if spins < 64 {
+                std::hint::spin_loop();
+            } else if spins < 256 {
+                std::thread::yield_now();
+            } else {
+                let nap = Duration::from_micros(if spins < 1024 { 50 } else { 1000 });
+                std::thread::sleep(nap.min(deadline.saturating_duration_since(now)));
+            }
+        }
+        let attached_pid = sender.pid.load(Ordering::Relaxed);
+        if attached_pid != info.pid {
+            return Err(protocol(
+                peer,
+                format!(
+                    "shm segment {} was attached by process {attached_pid}, but rank {peer} is process {}",
+                    seg.name(),
+                    info.pid
+                ),
+            ));
+        }
+        let mut seg = self.seg.take().expect("checked above");
+        let layout = seg.layout();
+        // Both processes have it mapped: the name is no longer needed.
+        seg.unlink()
+            .map_err(|e| seg_err(peer, "unlinking the shm segment", e))?;
+        tracing::debug!(segment = %seg.name(), peer, "shm receiver connected");
+        Ok(Box::new(ShmRecv {
+            seg,
+            peer,
+            peer_pid: info.pid,
+            slots: layout.slots as u64,
+            slot_bytes: layout.slot_bytes,
+            tail: 0,
+            head_cache: 0,
+            peeked: false,
+            aborted: None,
+        }))
+    }
+}
+
+/// A sending end between `prepare_send` and `connect` (holds no resources).
+#[derive(Debug)]
+struct ShmPendingSend {
+    me: u32,
+    peer: u32,
+}
+
+impl PendingSend for ShmPendingSend {
+    fn connect(
+        self: Box<Self>,
+        receiver_info: &[u8],
+        _deadline: Instant,
+    ) -> Result<Box<dyn SendChannel>> {
+        let peer = self.peer;
+        let (info, layout) = RecvInfo::decode(receiver_info)
+            .map_err(|e| protocol(peer, format!("shm receiver connect-info: {e}")))?;
+        if info.from != self.me || info.to != peer {
+            return Err(protocol(
+                peer,
+                format!(
+                    "shm receiver connect-info is for {} -> {}, expected {} -> {}",
+                    info.from, info.to, self.me, peer
+                ),
+            ));
+        }
+        let mut seg = Segment::open(&info.name, layout, info.nonce)
+            .map_err(|e| seg_err(peer, "attaching to the receiver's shm segment", e))?;
+        let hdr = seg.header();
+        check_abort_and_process(&hdr.receiver.0, peer, info.pid)?;
+        if hdr.receiver.0.closed.load(Ordering::Acquire) != 0 {
+            return Err(CoreError::PeerAborted {
+                transport: NAME,
+                peer,
+                reason: "the receiver gave up before the sender attached".into(),
+            });
+        }
+        let me = &hdr.sender.0;
+        me.pid.store(std::process::id(), Ordering::Relaxed);
+        // Release: the receiver that sees `attached` (Acquire) sees our pid.
+        if me
+            .attached
+            .compare_exchange(0, 1, Ordering::Release, Ordering::Relaxed)
+            .is_err()
+        {
+            return Err(protocol(
+                peer,
+                format!("shm segment {} already has a sender attached", info.name),
+            ));
+        }
+        // Best effort: both sides have it mapped now; the receiver unlinks
+        // too and ignores ENOENT.
+        let _ = seg.unlink();
+        tracing::debug!(segment = %info.name, peer, "shm sender connected");
+        Ok(Box::new(ShmSend {
+            seg,
+            peer,
+            peer_pid: info.pid,
+            slots: layout.slots as u64,
+            slot_bytes: layout.slot_bytes,
+            head: 0,
+            tail_cache: 0,
+            acquired: false,
+            aborted: None,
+        }))
+    }
+}
+
+/// The sending end of a connected segment.
+#[derive(Debug)]
+struct ShmSend {
+    seg: Segment,
+    peer: u32,
+    peer_pid: u32,
+    slots: u64,
+    slot_bytes: usize,
+    /// Slots committed (only this side writes the shared `head`).
+    head: u64,
+    /// Last `tail` seen.
+    tail_cache: u64,
+    /// A slot was handed out by `poll_acquire` and not committed yet.
+    acquired: bool,
+    /// Set by our own `abort`.
+    aborted: Option<String>,
+}
+
+impl ShmSend {
+    fn not_aborted(&self) -> Result<()> {
+        match &self.aborted {
+            Some(r) => Err(CoreError::Aborted(r.clone())),
+            None => Ok(()),
+        }
+    }
+
+    /// Loads `tail` (Acquire: the receiver's reads of released slots happen
+    /// before our next writes to them) and validates it.
+    fn load_tail(&mut self) -> Result<u64> {
+        let t = self.seg.header().tail.0.load(Ordering::Acquire);
+        if t > self.head || t < self.tail_cache {
+            return Err(protocol(
+                self.peer,
+                format!(
+                    "shm receiver released {t} slots but {} were committed (corrupt segment)",
+                    self.head
+                ),
+            ));
+        }
+        self.tail_cache = t;
+        Ok(t)
+    }
+}
+
+impl SendChannel for ShmSend {
+    fn peer(&self) -> u32 {
+        self.peer
+    }
+
+    fn transport(&self) -> &'static str {
+        NAME
+    }
+
+    fn mem_kind(&self) -> MemKind {
+        MemKind::Host
+    }
+
+    fn slot_bytes(&self) -> usize {
+        self.slot_bytes
+    }
+
+    fn slots(&self) -> usize {
+        self.slots as usize
+    }
+
+    fn poll_acquire(&mut self) -> Result<Option<SlotBuf>> {
+        self.not_aborted()?;
+        if self.head - self.tail_cache >= self.slots && self.head - self.load_tail()? >= self.slots
+        {
+            return Ok(None);
+        }
+        self.acquired = true;
+        Ok(Some(SlotBuf {
+            ptr: self.seg.slot_ptr((self.head % self.slots) as usize),
+            cap: self.slot_bytes,
+        }))
+    }
+
+    fn commit(&mut self, len: usize) -> Result<()> {
+        self.not_aborted()?;
+        if !self.acquired {
+            return Err(CoreError::InvalidArgument(
+                "shm commit without a slot from poll_acquire".into(),
+            ));
+        }
+        if len > self.slot_bytes {
+            return Err(CoreError::InvalidArgument(format!(
+                "shm commit of {len} bytes into a {}-byte slot",
+                self.slot_bytes
+            )));
+        }
+        let hdr = self.seg.header();
+        // Relaxed: ordered before the receiver's read by the Release below.
+        self.seg
+            .len_word((self.head % self.slots) as usize)
+            .store(len as u64, Ordering::Relaxed);
+        self.head += 1;
+        // Release: the payload and length written above become visible to
+        // the receiver's Acquire load of `head` that sees this value.
+        hdr.head.0.store(self.head, Ordering::Release);
+        self.acquired = false;
+        Ok(())
+    }
+
+    fn poll_drained(&mut self) -> Result<bool> {
+        self.not_aborted()?;
+        Ok(self.load_tail()? == self.head)
+    }
+
+    fn check_peer(&mut self) -> Result<()> {
+        let hdr = self.seg.header();
+        let recv = &hdr.receiver.0;
+        check_abort_and_process(recv, self.peer, self.peer_pid)?;
+        if recv.closed.load(Ordering::Acquire) != 0 {
+            return Err(CoreError::PeerAborted {
+                transport: NAME,
+                peer: self.peer,
+                reason: "the receiver closed its end".into(),
+            });
+        }
+        Ok(())
+    }
+
+    fn abort(&mut self, reason: &str) {
+        if self.aborted.is_none() {
+            self.aborted = Some(reason.to_owned());
+        }
+        publish_abort(&self.seg.header().sender.0, reason);
+    }
+}
+
+impl Drop for ShmSend {
+    fn drop(&mut self) {
+        // Release: after our last `head` store, so a receiver that sees
+        // `closed` (Acquire) also sees every committed slot.
+        self.seg
+            .header()
+            .sender
+            .0
+            .closed
+            .store(1, Ordering::Release);
+    }
+}
+
+/// The receiving end of a connected segment.
+#[derive(Debug)]
+struct ShmRecv {
+    seg: Segment,
+    peer: u32,
+    peer_pid: u32,
+    slots: u64,
+    slot_bytes: usize,
+    /// Slots released (only this side writes the shared `tail`).
+    tail: u64,
+    /// Last `head` seen.
+    head_cache: u64,
+    /// A slot was handed out by `poll_peek` and not released yet.
+    peeked: bool,
+    /// Set by our own `abort`.
+    aborted: Option<String>,
+}
+
+impl ShmRecv {
+    /// Loads `head` (Acquire: pairs with the sender's Release in `commit`,
+    /// making every committed payload and length visible) and validates it.
+    fn load_head(&mut self) -> Result<u64> {
+        let h = self.seg.header().head.0.load(Ordering::Acquire);
+        if h < self.head_cache || h - self.tail > self.slots {
+            return Err(protocol(
+                self.peer,
+                format!(
+                    "shm sender committed {h} slots with {} released and {} slots (corrupt segment)",
+                    self.tail, self.slots
+                ),
+            ));
+        }
+        self.head_cache = h;
+        Ok(h)
+    }
+}
+
+impl RecvChannel for ShmRecv {
+    fn peer(&self) -> u32 {
+        self.peer
+    }
+
+    fn transport(&self) -> &'static str {
+        NAME
+    }
+
+    fn mem_kind(&self) -> MemKind {
+        MemKind::Host
+    }
+
+    fn slot_bytes(&self) -> usize {
+        self.slot_bytes
+    }
+
+    fn poll_peek(&mut self) -> Result<Option<(SlotBuf, usize)>> {
+        if let Some(r) = &self.aborted {
+            return Err(CoreError::Aborted(r.clone()));
+        }
+        if self.head_cache == self.tail && self.load_head()? == self.tail {
+            return Ok(None);
+        }
+        let idx = (self.tail % self.slots) as usize;
+        // Relaxed: the Acquire load of `head` that covered this slot already
+        // ordered the sender's store of the length before us.
+        let len = self.seg.len_word(idx).load(Ordering::Relaxed);
+        if len > self.slot_bytes as u64 {
+            return Err(protocol(
+                self.peer,
+                format!(
+                    "shm slot holds {len} bytes, more than its {} (corrupt segment)",
+                    self.slot_bytes
+                ),
+            ));
+        }
+        self.peeked = true;
+        Ok(Some((
+            SlotBuf {
+                ptr: self.seg.slot_ptr(idx),
+                cap: self.slot_bytes,
+            },
+            len as usize,
+        )))
+    }
+
+    fn release(&mut self) -> Result<()> {
+        if let Some(r) = &self.aborted {
+            return Err(CoreError::Aborted(r.clone()));
+        }
+        if !self.peeked {
+            return Err(CoreError::InvalidArgument(
+                "shm release without a slot from poll_peek".into(),
+            ));
+        }
+        self.tail += 1;
+        self.peeked = false;
+        // Release: our reads of the slot happen before the sender's Acquire
+        // load of `tail` that lets it overwrite the slot.
+        self.seg.header().tail.0.store(self.tail, Ordering::Release);
+        Ok(())
+    }
+
+    fn check_peer(&mut self) -> Result<()> {
+        let sender = &self.seg.header().sender.0;
+        check_abort_and_process(sender, self.peer, self.peer_pid)?;
+        // Acquire: pairs with the Release in ShmSend::drop, so the `head`
+        // loaded next is the sender's final one.
+        let closed = sender.closed.load(Ordering::Acquire) != 0;
+        if closed && self.load_head()? == self.tail {
+            return Err(CoreError::PeerAborted {
+                transport: NAME,
+                peer: self.peer,
+                reason: "the sender closed its end".into(),
+            });
+        }
+        Ok(())
+    }
+
+    fn abort(&mut self, reason: &str) {
+        if self.aborted.is_none() {
+            self.aborted = Some(reason.to_owned());
+        }
+        publish_abort(&self.seg.header().receiver.0, reason);
+    }
+}
+
+impl Drop for ShmRecv {
+    fn drop(&mut self) {
+        self.seg
+            .header()
+            .receiver
+            .0
+            .closed
+            .store(1, Ordering::Release);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn params() {
+        assert!(ShmTransport::with_params(4096, 2).is_ok());
+        assert!(ShmTransport::with_params(4096 + 64, 3).is_ok());
+        assert!(ShmTransport::with_params(4000, 8).is_err());
+        assert!(ShmTransport::with_params(4096, 1).is_err());
+        let d = ShmTransport::default();
+        assert_eq!((d.slot_bytes(), d.slots()), (512 * 1024, 8));
+    }
+
+    #[test]
+    fn own_process_is_alive() {
+        assert!(process_alive(std::process::id()).is_ok());
+    }
+}

@@ -71,16 +71,22 @@ pub trait Transport: Send + Sync {
 pub trait PendingSend: Send {
     /// Phase 2: attach to the receiver described by `receiver_info`. Must not
     /// wait for the receiver to act.
-    fn connect(self: Box<Self>, receiver_info: &[u8], deadline: Instant)
-        -> Result<Box<dyn SendChannel>>;
+    fn connect(
+        self: Box<Self>,
+        receiver_info: &[u8],
+        deadline: Instant,
+    ) -> Result<Box<dyn SendChannel>>;
 }
 
 /// A receiving end between phase 1 and phase 2.
 pub trait PendingRecv: Send {
     /// Phase 2: finish the connection with the sender described by
     /// `sender_info`; may wait until `deadline` for the sender to attach.
-    fn connect(self: Box<Self>, sender_info: &[u8], deadline: Instant)
-        -> Result<Box<dyn RecvChannel>>;
+    fn connect(
+        self: Box<Self>,
+        sender_info: &[u8],
+        deadline: Instant,
+    ) -> Result<Box<dyn RecvChannel>>;
 }
 
 /// The sending end of a connected FIFO.

@@ -1,0 +1,804 @@
+//! The communicator: creation, connection set-up, and the operations.
+
+use std::collections::HashMap;
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use braid_core::plan::{self, Collective, P2p, P2pKind, PlanParams, Program};
+use braid_core::transport::{PeerDesc, PendingRecv, PendingSend};
+use braid_core::types::Element;
+use braid_core::{CoreError, DataType, RedOp};
+use tracing::{debug, info, info_span};
+
+use crate::bootstrap::{create_unique_id, Bootstrap, RootServer, UniqueId};
+use crate::engine::{self, Channels, Exec, RawBuf, WaitPolicy};
+use crate::env::{timeout_from_env, LaunchInfo};
+use crate::error::{Error, Result};
+use crate::select::{self, TransportTable};
+
+/// Options for creating a communicator.
+#[derive(Clone, Debug)]
+pub struct Config {
+    /// Bound on every wait without progress (bootstrap, connection set-up,
+    /// operations). Default: `BRAID_TIMEOUT` or 120 s.
+    pub timeout: Duration,
+}
+
+impl Config {
+    /// Defaults, overridden by the environment (`BRAID_TIMEOUT`).
+    pub fn from_env() -> Result<Config> {
+        Ok(Config {
+            timeout: timeout_from_env()?,
+        })
+    }
+}
+
+/// A group of ranks that run collectives together. Cheap to clone: clones
+/// share the same connections, and operations issued through any clone are
+/// serialised in the order they take the communicator's lock.
+///
+/// Every rank must issue the same operations in the same order (as with NCCL
+/// and MPI); a mismatch is reported as an error when the ranks notice it.
+#[derive(Clone, Debug)]
+pub struct Communicator {
+    shared: Arc<Shared>,
+}
+
+#[derive(Debug)]
+struct Shared {
+    rank: u32,
+    nranks: u32,
+    ring: Vec<u32>,
+    piece: usize,
+    policy: WaitPolicy,
+    abort: AtomicBool,
+    state: Mutex<State>,
+    bootstrap: Mutex<Bootstrap>,
+    transports: Vec<&'static str>,
+    _root: Option<RootServer>,
+}
+
+#[derive(Debug)]
+struct State {
+    chans: Channels,
+    seq: u64,
+    broken: Option<String>,
+    cache: HashMap<(Collective, DataType), Arc<Program>>,
+}
+
+/// Default slot size when a communicator has no links (one rank).
+const DEFAULT_PIECE: usize = 512 * 1024;
+
+impl Communicator {
+    /// Join the communicator named by `id` as `rank` of `nranks`. Some process
+    /// must host the id's root ([`Communicator::unique_id`] does).
+    pub fn init(id: &UniqueId, rank: u32, nranks: u32, config: &Config) -> Result<Communicator> {
+        Self::init_inner(id, rank, nranks, config, None)
+    }
+
+    /// Create a unique id whose rendezvous root runs in this process, on
+    /// `addr` (port 0 picks a free port). Hand the id's text form to the other
+    /// ranks; keep the returned server alive until they have all joined, or
+    /// pass it to [`Communicator::init_hosting`].
+    pub fn unique_id(addr: SocketAddr) -> Result<(UniqueId, RootServer)> {
+        create_unique_id(addr)
+    }
+
+    /// Like [`Communicator::init`], and keep `root` alive as long as this
+    /// communicator.
+    pub fn init_hosting(
+        id: &UniqueId,
+        root: RootServer,
+        rank: u32,
+        nranks: u32,
+        config: &Config,
+    ) -> Result<Communicator> {
+        Self::init_inner(id, rank, nranks, config, Some(root))
+    }
+
+    /// Create the communicator from the launcher's environment: `braid-run`
+    /// (`BRAID_*`), torchrun, Slurm or Open MPI.
+    pub fn from_env() -> Result<Communicator> {
+        crate::init_logging();
+        let info = LaunchInfo::from_env()?;
+        let config = Config::from_env()?;
+        let root = info.host_root_server(config.timeout)?;
+        info!(
+            rank = info.rank,
+            nranks = info.nranks,
+            launcher = info.source,
+            "braid: joining communicator"
+        );
+        Self::init_inner(&info.id, info.rank, info.nranks, &config, root)
+    }
+
+    /// Create all `nranks` ranks as threads of this process (tests, and
+    /// programs that drive several devices from one process).
+    pub fn init_threads(nranks: u32, config: &Config) -> Result<Vec<Communicator>> {
+        if nranks == 0 {
+            return Err(Error::InvalidArgument("nranks must be at least 1".into()));
+        }
+        let (id, root) = create_unique_id(SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 0))?;
+        let root = Arc::new(Mutex::new(Some(root)));
+        let handles: Vec<_> = (0..nranks)
+            .map(|r| {
+                let (id, config, root) = (id, config.clone(), root.clone());
+                std::thread::Builder::new()
+                    .name(format!("braid-init-{r}"))
+                    .spawn(move || {
+                        let root = if r == 0 {
+                            root.lock().ok().and_then(|mut g| g.take())
+                        } else {
+                            None
+                        };
+                        Self::init_inner(&id, r, nranks, &config, root)
+                    })
+            })
+            .collect();
+        let mut out = Vec::new();
+        let mut first_err = None;
+        for h in handles {
+            match h {
+                Ok(h) => match h.join() {
+                    Ok(Ok(c)) => out.push(c),
+                    Ok(Err(e)) => first_err = first_err.or(Some(e)),
+                    Err(_) => {
+                        first_err =
+                            first_err.or(Some(Error::Unusable("an init thread panicked".into())))
+                    }
+                },
+                Err(e) => {
+                    first_err = first_err.or(Some(Error::BootstrapIo {
+                        what: "spawning an init thread".into(),
+                        source: e,
+                    }))
+                }
+            }
+        }
+        match first_err {
+            Some(e) => Err(e),
+            None => Ok(out),
+        }
+    }
+
+    fn init_inner(
+        id: &UniqueId,
+        rank: u32,
+        nranks: u32,
+        config: &Config,
+        root: Option<RootServer>,
+    ) -> Result<Communicator> {
+        crate::init_logging();
+        if nranks == 0 || rank >= nranks {
+            return Err(Error::InvalidArgument(format!(
+                "rank {rank} out of range for {nranks} ranks: ranks are 0..nranks-1"
+            )));
+        }
+        let timeout = config.timeout;
+        let me = PeerDesc {
+            rank,
+            host_id: select::host_id(),
+            pid: std::process::id(),
+        };
+        let (boot, infos) = Bootstrap::connect(id, rank, nranks, &encode_peer(&me), timeout)?;
+        let peers: Vec<PeerDesc> = infos
+            .iter()
+            .enumerate()
+            .map(|(r, b)| decode_peer(b, r as u32))
+            .collect::<Result<_>>()?;
+
+        let table = TransportTable::from_env()?;
+        let choice = table.select_all(&me, &peers)?;
+        let ring: Vec<u32> = (0..nranks).collect();
+        info!(rank, ring = ?ring, "braid: ring order");
+
+        // Phase 1: allocate both ends of every link, collect connect-info.
+        let p = nranks as usize;
+        let mut pend_recv: Vec<Option<Box<dyn PendingRecv>>> = (0..p).map(|_| None).collect();
+        let mut pend_send: Vec<Option<Box<dyn PendingSend>>> = (0..p).map(|_| None).collect();
+        let mut blobs: Vec<(Vec<u8>, Vec<u8>)> = vec![(Vec::new(), Vec::new()); p];
+        for q in 0..p {
+            let Some(t) = choice[q] else { continue };
+            let t = table.get(t);
+            let (pr, rb) = t.listen(&me, &peers[q])?;
+            let (ps, sb) = t.prepare_send(&me, &peers[q])?;
+            pend_recv[q] = Some(pr);
+            pend_send[q] = Some(ps);
+            blobs[q] = (rb, sb);
+        }
+        let all = boot.allgather(&encode_blobs(&blobs))?;
+        let all: Vec<Vec<(Vec<u8>, Vec<u8>)>> = all
+            .iter()
+            .enumerate()
+            .map(|(r, b)| decode_blobs(b, p, r as u32))
+            .collect::<Result<_>>()?;
+        // Phase 2: send ends first (they never wait), then receive ends.
+        let deadline = Instant::now() + timeout;
+        let mut chans = Channels {
+            send: (0..p).map(|_| None).collect(),
+            recv: (0..p).map(|_| None).collect(),
+        };
+        for q in 0..p {
+            if let Some(ps) = pend_send[q].take() {
+                // q's receive end for the link rank → q.
+                chans.send[q] = Some(ps.connect(&all[q][rank as usize].0, deadline)?);
+            }
+        }
+        for q in 0..p {
+            if let Some(pr) = pend_recv[q].take() {
+                chans.recv[q] = Some(pr.connect(&all[q][rank as usize].1, deadline)?);
+            }
+        }
+        boot.barrier()?;
+        let piece = chans.min_slot_bytes().unwrap_or(DEFAULT_PIECE);
+        let transports = choice
+            .iter()
+            .map(|c| c.map(|i| table.get(i).name()).unwrap_or("self"))
+            .collect();
+        info!(rank, nranks, piece, "braid: communicator ready");
+        Ok(Communicator {
+            shared: Arc::new(Shared {
+                rank,
+                nranks,
+                ring,
+                piece,
+                policy: WaitPolicy {
+                    timeout,
+                    ..WaitPolicy::default()
+                },
+                abort: AtomicBool::new(false),
+                state: Mutex::new(State {
+                    chans,
+                    seq: 0,
+                    broken: None,
+                    cache: HashMap::new(),
+                }),
+                bootstrap: Mutex::new(boot),
+                transports,
+                _root: root,
+            }),
+        })
+    }
+
+    /// This rank.
+    pub fn rank(&self) -> u32 {
+        self.shared.rank
+    }
+
+    /// Number of ranks.
+    pub fn nranks(&self) -> u32 {
+        self.shared.nranks
+    }
+
+    /// The ring order used by ring algorithms.
+    pub fn ring(&self) -> &[u32] {
+        &self.shared.ring
+    }
+
+    /// The transport used to reach each rank (`"self"` for this rank).
+    pub fn transports(&self) -> &[&'static str] {
+        &self.shared.transports
+    }
+
+    /// Make every pending and later operation fail promptly. Callable from any
+    /// thread; the peers see the abort as an error naming this rank.
+    pub fn abort(&self) {
+        self.shared.abort.store(true, Ordering::SeqCst);
+        if let Ok(mut st) = self.shared.state.try_lock() {
+            st.broken
+                .get_or_insert_with(|| "aborted by the caller".into());
+            st.chans.abort_all("aborted by the caller");
+        }
+    }
+
+    /// The error that broke this communicator, if any (like
+    /// `ncclCommGetAsyncError`).
+    pub fn async_error(&self) -> Option<String> {
+        if self.shared.abort.load(Ordering::SeqCst) {
+            return Some("aborted by the caller".into());
+        }
+        self.lock().ok().and_then(|st| st.broken.clone())
+    }
+
+    /// Synchronise all ranks through the bootstrap (slow path; for set-up and
+    /// tests, not for hot loops).
+    pub fn barrier(&self) -> Result<()> {
+        self.shared
+            .bootstrap
+            .lock()
+            .map_err(|_| Error::Unusable("a thread panicked while holding the bootstrap".into()))?
+            .barrier()
+    }
+
+    fn lock(&self) -> Result<MutexGuard<'_, State>> {
+        self.shared
+            .state
+            .lock()
+            .map_err(|_| Error::Unusable("a thread panicked inside an operation".into()))
+    }
+
+    /// Plan and run one operation over raw buffers (validated by the caller).
+    fn run(&self, coll: Collective, dt: DataType, bufs: &[RawBuf]) -> Result<()> {
+        let sh = &*self.shared;
+        let mut st = self.lock()?;
+        if let Some(why) = &st.broken {
+            return Err(Error::Unusable(why.clone()));
+        }
+        if sh.abort.load(Ordering::SeqCst) {
+            return Err(Error::Unusable("aborted by the caller".into()));
+        }
+        let seq = st.seq;
+        st.seq += 1;
+        let name = coll.name();
+        let _span = info_span!("op", op = name, seq, rank = sh.rank).entered();
+        let prog = self.program(&mut st, coll, dt)?;
+        debug!(ops = prog.ops.len(), "start");
+        let ex = Exec {
+            bufs,
+            policy: &sh.policy,
+            abort: &sh.abort,
+        };
+        // SAFETY: the typed entry points built `bufs` from live slices of the
+        // right lengths (checked), borrowed for this whole call, aligned for
+        // `dt`, aliasing only as the in-place plans allow.
+        let res = unsafe { engine::execute(&prog, &mut st.chans, &ex) };
+        match res {
+            Ok(()) => Ok(()),
+            Err(source) => {
+                let msg = format!("{name} #{seq} failed: {source}");
+                tracing::error!(rank = sh.rank, "{msg}");
+                // Tell the peers the original cause, not a chain of relays:
+                // a rank that failed because a peer aborted passes that
+                // peer's reason on unchanged.
+                let origin = match &source {
+                    CoreError::PeerAborted { reason, .. } => reason.clone(),
+                    other => format!("rank {}: {other}", sh.rank),
+                };
+                st.chans.abort_all(&origin);
+                st.broken = Some(msg);
+                Err(Error::Operation {
+                    rank: sh.rank,
+                    op: name.to_string(),
+                    seq,
+                    source,
+                })
+            }
+        }
+    }
+
+    fn program(&self, st: &mut State, coll: Collective, dt: DataType) -> Result<Arc<Program>> {
+        let sh = &*self.shared;
+        let cacheable = !matches!(coll, Collective::Group(_));
+        if cacheable {
+            if let Some(p) = st.cache.get(&(coll.clone(), dt)) {
+                return Ok(p.clone());
+            }
+        }
+        let params = PlanParams {
+            rank: sh.rank,
+            ring: sh.ring.clone(),
+            piece_bytes: sh.piece,
+        };
+        let prog = Arc::new(plan::plan(&coll, dt, &params)?);
+        if cacheable {
+            if st.cache.len() >= 256 {
+                st.cache.clear();
+            }
+            st.cache.insert((coll, dt), prog.clone());
+        }
+        Ok(prog)
+    }
+
+    /// Run a collective described by `coll` on byte buffers holding elements
+    /// of `dt` (the untyped API, like NCCL's `void*` + datatype). Buffer sizes
+    /// follow [`Collective::buffer_counts`]; on non-root ranks a Broadcast's
+    /// `send` and a Reduce's `recv` are not used and may be empty.
+    pub fn run_bytes(
+        &self,
+        coll: &Collective,
+        dt: DataType,
+        send: &[u8],
+        recv: &mut [u8],
+    ) -> Result<()> {
+        let rank = self.shared.rank;
+        let counts = self.check_coll(coll, dt)?;
+        let non_root = coll.root().is_some_and(|r| r != rank);
+        let send_used = !(non_root && matches!(coll, Collective::Broadcast { .. }));
+        let recv_used = !(non_root && matches!(coll, Collective::Reduce { .. }));
+        let r = raw_bytes(recv);
+        let s = if send_used { raw_bytes(send) } else { r };
+        if send_used {
+            self.check_buf(coll, "send", s, counts[0], dt)?;
+        }
+        if recv_used {
+            self.check_buf(coll, "recv", r, counts[1], dt)?;
+        } else {
+            self.check_align(coll, "recv", r, dt)?;
+        }
+        self.run(coll.clone(), dt, &[s, r])
+    }
+
+    /// Run a collective in place on `buf` (see [`Communicator::run_bytes`]):
+    /// AllReduce, Broadcast and Reduce use `buf` as both buffers; AllGather
+    /// takes this rank's contribution from block `rank` of `buf`;
+    /// ReduceScatter leaves this rank's result in block `rank` of `buf`.
+    /// AllToAll has no in-place form.
+    pub fn run_bytes_in_place(
+        &self,
+        coll: &Collective,
+        dt: DataType,
+        buf: &mut [u8],
+    ) -> Result<()> {
+        let counts = self.check_coll(coll, dt)?;
+        let b = raw_bytes(buf);
+        let es = dt.size();
+        let block = |n: usize| RawBuf {
+            // SAFETY: the caller checked that `buf` holds nranks · n
+            // elements, so block `rank` lies inside it.
+            ptr: unsafe { b.ptr.add(self.shared.rank as usize * n * es) },
+            len: n * es,
+        };
+        let bufs = match *coll {
+            Collective::AllReduce { .. }
+            | Collective::Broadcast { .. }
+            | Collective::Reduce { .. } => {
+                self.check_buf(coll, "buffer", b, counts[0], dt)?;
+                [b, b]
+            }
+            Collective::AllGather { send_count } => {
+                self.check_buf(coll, "buffer", b, counts[1], dt)?;
+                [block(send_count), b]
+            }
+            Collective::ReduceScatter { recv_count, .. } => {
+                self.check_buf(coll, "buffer", b, counts[0], dt)?;
+                [b, block(recv_count)]
+            }
+            Collective::AllToAll { .. } | Collective::Group(_) => {
+                return Err(Error::InvalidArgument(format!(
+                    "{} has no in-place form: pass separate send and receive buffers",
+                    coll.name()
+                )))
+            }
+        };
+        self.run(coll.clone(), dt, &bufs)
+    }
+
+    fn check_coll(&self, coll: &Collective, dt: DataType) -> Result<Vec<usize>> {
+        if let Collective::Group(_) = coll {
+            return Err(Error::InvalidArgument(
+                "point-to-point operations go through Communicator::group()".into(),
+            ));
+        }
+        let inv = |e: CoreError| match e {
+            CoreError::InvalidArgument(m) => {
+                Error::InvalidArgument(format!("rank {}: {m}", self.shared.rank))
+            }
+            other => Error::Core(other),
+        };
+        coll.validate(dt, self.shared.rank, self.shared.nranks)
+            .map_err(inv)?;
+        coll.buffer_counts(self.shared.nranks).map_err(inv)
+    }
+
+    fn check_align(&self, coll: &Collective, what: &str, b: RawBuf, dt: DataType) -> Result<()> {
+        if b.len > 0 && !(b.ptr as usize).is_multiple_of(dt.size()) {
+            return Err(Error::InvalidArgument(format!(
+                "rank {}: {} {what} buffer at {:p} is not aligned for {dt} ({} bytes)",
+                self.shared.rank,
+                coll.name(),
+                b.ptr,
+                dt.size()
+            )));
+        }
+        Ok(())
+    }
+
+    fn check_buf(
+        &self,
+        coll: &Collective,
+        what: &str,
+        b: RawBuf,
+        count: usize,
+        dt: DataType,
+    ) -> Result<()> {
+        self.check_align(coll, what, b, dt)?;
+        let want = count * dt.size();
+        if b.len != want {
+            let p = self.shared.nranks;
+            return Err(Error::InvalidArgument(format!(
+                "rank {}: {} {what} buffer holds {} bytes ({} elements of {dt}) but {want} bytes ({count} elements) are needed with {p} ranks",
+                self.shared.rank,
+                coll.name(),
+                b.len,
+                b.len / dt.size(),
+            )));
+        }
+        Ok(())
+    }
+
+    /// AllReduce: `recv[i] = op over ranks of send[i]`.
+    pub fn all_reduce<T: Element>(&self, send: &[T], recv: &mut [T], op: RedOp) -> Result<()> {
+        let coll = Collective::AllReduce {
+            count: send.len(),
+            op,
+        };
+        self.run_bytes(&coll, T::DTYPE, bytes(send), bytes_mut(recv))
+    }
+
+    /// AllReduce in place.
+    pub fn all_reduce_in_place<T: Element>(&self, buf: &mut [T], op: RedOp) -> Result<()> {
+        let coll = Collective::AllReduce {
+            count: buf.len(),
+            op,
+        };
+        self.run_bytes_in_place(&coll, T::DTYPE, bytes_mut(buf))
+    }
+
+    /// ReduceScatter: `send` holds `nranks · n` elements, `recv` receives the
+    /// `n` elements of block `rank` of the reduced array.
+    pub fn reduce_scatter<T: Element>(&self, send: &[T], recv: &mut [T], op: RedOp) -> Result<()> {
+        let coll = Collective::ReduceScatter {
+            recv_count: recv.len(),
+            op,
+        };
+        self.run_bytes(&coll, T::DTYPE, bytes(send), bytes_mut(recv))
+    }
+
+    /// ReduceScatter in place: `buf` holds `nranks · n` elements; the result
+    /// lands in block `rank` of it.
+    pub fn reduce_scatter_in_place<T: Element>(&self, buf: &mut [T], op: RedOp) -> Result<()> {
+        let recv_count = self.block_count("ReduceScatter", buf.len())?;
+        let coll = Collective::ReduceScatter { recv_count, op };
+        self.run_bytes_in_place(&coll, T::DTYPE, bytes_mut(buf))
+    }
+
+    /// AllGather: `recv` receives every rank's `send`, in rank order.
+    pub fn all_gather<T: Element>(&self, send: &[T], recv: &mut [T]) -> Result<()> {
+        let coll = Collective::AllGather {
+            send_count: send.len(),
+        };
+        self.run_bytes(&coll, T::DTYPE, bytes(send), bytes_mut(recv))
+    }
+
+    /// AllGather in place: this rank's contribution is already in block
+    /// `rank` of `buf`.
+    pub fn all_gather_in_place<T: Element>(&self, buf: &mut [T]) -> Result<()> {
+        let send_count = self.block_count("AllGather", buf.len())?;
+        let coll = Collective::AllGather { send_count };
+        self.run_bytes_in_place(&coll, T::DTYPE, bytes_mut(buf))
+    }
+
+    /// Broadcast in place: the root's `buf` is copied to every rank's `buf`.
+    pub fn broadcast<T: Element>(&self, buf: &mut [T], root: u32) -> Result<()> {
+        let coll = Collective::Broadcast {
+            count: buf.len(),
+            root,
+        };
+        self.run_bytes_in_place(&coll, T::DTYPE, bytes_mut(buf))
+    }
+
+    /// Broadcast out of place: `send` is read on the root only (other ranks
+    /// may pass an empty slice).
+    pub fn broadcast_from<T: Element>(&self, send: &[T], recv: &mut [T], root: u32) -> Result<()> {
+        let coll = Collective::Broadcast {
+            count: recv.len(),
+            root,
+        };
+        self.run_bytes(&coll, T::DTYPE, bytes(send), bytes_mut(recv))
+    }
+
+    /// Reduce to `root`: the root's `recv` receives the reduction of every
+    /// rank's `send`; other ranks' `recv` is not used (may be empty).
+    pub fn reduce<T: Element>(
+        &self,
+        send: &[T],
+        recv: &mut [T],
+        op: RedOp,
+        root: u32,
+    ) -> Result<()> {
+        let coll = Collective::Reduce {
+            count: send.len(),
+            op,
+            root,
+        };
+        self.run_bytes(&coll, T::DTYPE, bytes(send), bytes_mut(recv))
+    }
+
+    /// Reduce in place: the root's `buf` receives the result; other ranks'
+    /// buffers are left as they are.
+    pub fn reduce_in_place<T: Element>(&self, buf: &mut [T], op: RedOp, root: u32) -> Result<()> {
+        let coll = Collective::Reduce {
+            count: buf.len(),
+            op,
+            root,
+        };
+        self.run_bytes_in_place(&coll, T::DTYPE, bytes_mut(buf))
+    }
+
+    /// AllToAll: block `j` of `send` goes to rank `j`, landing in block
+    /// `rank` of its `recv`. Both hold `nranks · n` elements.
+    pub fn all_to_all<T: Element>(&self, send: &[T], recv: &mut [T]) -> Result<()> {
+        let count = self.block_count("AllToAll", send.len())?;
+        self.run_bytes(
+            &Collective::AllToAll { count },
+            T::DTYPE,
+            bytes(send),
+            bytes_mut(recv),
+        )
+    }
+
+    fn block_count(&self, op: &str, len: usize) -> Result<usize> {
+        let p = self.shared.nranks as usize;
+        if !len.is_multiple_of(p) {
+            return Err(Error::InvalidArgument(format!(
+                "rank {}: {op}: a buffer of {len} elements does not split into {p} equal blocks",
+                self.shared.rank
+            )));
+        }
+        Ok(len / p)
+    }
+
+    /// Send `buf` to `peer` (which must call [`Communicator::recv`]). Two
+    /// ranks that send to each other must use a [`Group`].
+    pub fn send<T: Element>(&self, buf: &[T], peer: u32) -> Result<()> {
+        let mut g = self.group();
+        g.send(buf, peer);
+        g.run()
+    }
+
+    /// Receive `buf.len()` elements from `peer`.
+    pub fn recv<T: Element>(&self, buf: &mut [T], peer: u32) -> Result<()> {
+        let mut g = self.group();
+        g.recv(buf, peer);
+        g.run()
+    }
+
+    /// Start a group of point-to-point operations that progress together
+    /// (the building block of AllToAllv, gather, scatter, halo exchanges).
+    pub fn group<'a>(&'a self) -> Group<'a> {
+        Group {
+            comm: self,
+            ops: Vec::new(),
+            bufs: Vec::new(),
+            dtype: None,
+            error: None,
+            _borrows: std::marker::PhantomData,
+        }
+    }
+}
+
+/// Point-to-point operations issued together; run them with [`Group::run`].
+/// All operations of a group share one datatype.
+#[derive(Debug)]
+pub struct Group<'a> {
+    comm: &'a Communicator,
+    ops: Vec<P2p>,
+    bufs: Vec<RawBuf>,
+    dtype: Option<DataType>,
+    error: Option<String>,
+    _borrows: std::marker::PhantomData<&'a mut [u8]>,
+}
+
+impl<'a> Group<'a> {
+    fn add<T: Element>(&mut self, kind: P2pKind, peer: u32, b: RawBuf, count: usize) {
+        match self.dtype {
+            Some(d) if d != T::DTYPE => {
+                self.error.get_or_insert(format!(
+                    "a group mixes datatypes {d} and {}; issue one group per datatype",
+                    T::DTYPE
+                ));
+            }
+            _ => self.dtype = Some(T::DTYPE),
+        }
+        self.ops.push(P2p { kind, peer, count });
+        self.bufs.push(b);
+    }
+
+    /// Add a send of `buf` to `peer`.
+    pub fn send<T: Element>(&mut self, buf: &'a [T], peer: u32) -> &mut Self {
+        self.add::<T>(P2pKind::Send, peer, raw_bytes(bytes(buf)), buf.len());
+        self
+    }
+
+    /// Add a receive into `buf` from `peer`.
+    pub fn recv<T: Element>(&mut self, buf: &'a mut [T], peer: u32) -> &mut Self {
+        let n = buf.len();
+        self.add::<T>(P2pKind::Recv, peer, raw_bytes(bytes_mut(buf)), n);
+        self
+    }
+
+    /// Run every operation of the group; returns when all are done.
+    pub fn run(self) -> Result<()> {
+        if let Some(e) = self.error {
+            return Err(Error::InvalidArgument(e));
+        }
+        let Some(dt) = self.dtype else { return Ok(()) };
+        let coll = Collective::Group(self.ops);
+        coll.validate(dt, self.comm.rank(), self.comm.nranks())
+            .map_err(|e| match e {
+                CoreError::InvalidArgument(m) => Error::InvalidArgument(m),
+                other => Error::Core(other),
+            })?;
+        self.comm.run(coll, dt, &self.bufs)
+    }
+}
+
+/// The bytes of a typed slice.
+fn bytes<T: Element>(s: &[T]) -> &[u8] {
+    // SAFETY: Element types are plain numbers without padding; the byte view
+    // covers exactly the slice's memory and borrows it for the same lifetime.
+    unsafe { std::slice::from_raw_parts(s.as_ptr() as *const u8, std::mem::size_of_val(s)) }
+}
+
+/// The bytes of a typed slice, writable.
+fn bytes_mut<T: Element>(s: &mut [T]) -> &mut [u8] {
+    // SAFETY: as in `bytes`; moreover every bit pattern is a valid value of
+    // each Element type (integers, IEEE floats), so writes through the byte
+    // view cannot produce invalid values.
+    unsafe { std::slice::from_raw_parts_mut(s.as_mut_ptr() as *mut u8, std::mem::size_of_val(s)) }
+}
+
+/// A byte slice as the engine's raw buffer (writable only if it came from a
+/// `&mut`: the plans never write a send buffer).
+fn raw_bytes(s: &[u8]) -> RawBuf {
+    RawBuf {
+        ptr: s.as_ptr() as *mut u8,
+        len: s.len(),
+    }
+}
+
+fn encode_peer(p: &PeerDesc) -> Vec<u8> {
+    let mut v = Vec::new();
+    v.extend_from_slice(&p.rank.to_le_bytes());
+    v.extend_from_slice(&p.pid.to_le_bytes());
+    v.extend_from_slice(p.host_id.as_bytes());
+    v
+}
+
+fn decode_peer(b: &[u8], from: u32) -> Result<PeerDesc> {
+    let bad = || Error::Bootstrap(format!("rank {from} sent a malformed peer description"));
+    if b.len() < 8 || b.len() > 8 + 4096 {
+        return Err(bad());
+    }
+    let rank = u32::from_le_bytes(b[0..4].try_into().map_err(|_| bad())?);
+    let pid = u32::from_le_bytes(b[4..8].try_into().map_err(|_| bad())?);
+    let host_id = String::from_utf8(b[8..].to_vec()).map_err(|_| bad())?;
+    if rank != from {
+        return Err(Error::Bootstrap(format!(
+            "slot {from} of the rendezvous holds rank {rank}'s description"
+        )));
+    }
+    Ok(PeerDesc { rank, host_id, pid })
+}
+
+fn encode_blobs(blobs: &[(Vec<u8>, Vec<u8>)]) -> Vec<u8> {
+    let mut v = Vec::new();
+    for (a, b) in blobs {
+        for x in [a, b] {
+            v.extend_from_slice(&(x.len() as u32).to_le_bytes());
+            v.extend_from_slice(x);
+        }
+    }
+    v
+}
+
+fn decode_blobs(b: &[u8], p: usize, from: u32) -> Result<Vec<(Vec<u8>, Vec<u8>)>> {
+    let bad = || Error::Bootstrap(format!("rank {from} sent malformed connect-info"));
+    let mut out = Vec::with_capacity(p);
+    let mut at = 0usize;
+    let mut take = || -> Result<Vec<u8>> {
+        let l = b.get(at..at + 4).ok_or_else(bad)?;
+        let l = u32::from_le_bytes(l.try_into().map_err(|_| bad())?) as usize;
+        let x = b.get(at + 4..at + 4 + l).ok_or_else(bad)?.to_vec();
+        at += 4 + l;
+        Ok(x)
+    };
+    for _ in 0..p {
+        let r = take()?;
+        let s = take()?;
+        out.push((r, s));
+    }
+    Ok(out)
+}

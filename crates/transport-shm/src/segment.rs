@@ -1,0 +1,455 @@
+//! The shared-memory segment: creation, mapping, layout and raw access.
+//!
+//! This is the only module of the crate with `unsafe` code. Everything the
+//! two processes share lives in one `MAP_SHARED` mapping of a POSIX shm
+//! object; the control block ([`Header`]) consists of atomics only, so either
+//! process may read or write it at any time without a data race. Slot memory
+//! is handed out as raw pointers ([`Segment::slot_ptr`]); who may touch which
+//! slot when is decided by the `head`/`tail` protocol in `lib.rs`.
+//!
+//! Layout (offsets from the start of the mapping):
+//!
+//! | offset | what | written by |
+//! | --- | --- | --- |
+//! | 0 | identity line: magic, version, slots, slot_bytes, stride, data offset, nonce, receiver pid | creator, once |
+//! | 128 | `head`: slots committed by the sender | sender |
+//! | 256 | `tail`: slots released by the receiver | receiver |
+//! | 384 | sender side: pid, attached, closed, abort, abort reason | sender |
+//! | 512 | receiver side: pid, attached, closed, abort, abort reason | receiver |
+//! | 640 | `lens[slots]`: byte length of each slot's message | sender |
+//! | `data_offset` (multiple of 4096) | `slots` slots, each `stride` bytes apart (`stride` = `slot_bytes` rounded up to 4096) | sender writes, receiver reads |
+//!
+//! Fields that different processes write sit on separate 128-byte lines (two
+//! cache lines, so that the adjacent-line prefetcher does not couple them).
+
+use std::mem::size_of;
+use std::num::NonZeroUsize;
+use std::os::fd::AsRawFd;
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicU32, AtomicU64, AtomicU8, Ordering};
+
+use nix::errno::Errno;
+use nix::fcntl::OFlag;
+use nix::sys::mman::{self, MapFlags, MmapAdvise, ProtFlags};
+use nix::sys::stat::Mode;
+
+/// `"BRAIDSHM"` in ASCII: the first word of every segment.
+pub(crate) const HEADER_MAGIC: u64 = u64::from_be_bytes(*b"BRAIDSHM");
+/// Version of the in-memory layout (bumped on any change to [`Header`]).
+pub(crate) const LAYOUT_VERSION: u32 = 1;
+/// Page size the layout aligns to.
+pub(crate) const PAGE: usize = 4096;
+/// Bytes of abort reason kept in the segment (longer reasons are cut).
+pub(crate) const REASON_BYTES: usize = 96;
+/// Most slots a segment may have.
+pub(crate) const MAX_SLOTS: usize = 1024;
+/// Largest slot.
+pub(crate) const MAX_SLOT_BYTES: usize = 1 << 30;
+
+/// Values of [`Side::abort`].
+pub(crate) const ABORT_NONE: u32 = 0;
+/// The aborting side is still writing its reason.
+pub(crate) const ABORT_WRITING: u32 = 1;
+/// The reason is complete.
+pub(crate) const ABORT_SET: u32 = 2;
+
+/// Aligns its content to 128 bytes (two cache lines).
+#[repr(C, align(128))]
+pub(crate) struct Padded<T>(pub T);
+
+/// State one end of the connection publishes about itself.
+#[repr(C)]
+pub(crate) struct Side {
+    /// Process id of this end (0 until it attaches).
+    pub pid: AtomicU32,
+    /// Non-zero once this end has mapped the segment.
+    pub attached: AtomicU32,
+    /// Non-zero once this end dropped its channel (normal close).
+    pub closed: AtomicU32,
+    /// `ABORT_NONE`, `ABORT_WRITING` or `ABORT_SET`.
+    pub abort: AtomicU32,
+    /// Valid bytes in `reason` once `abort == ABORT_SET`.
+    pub reason_len: AtomicU32,
+    /// UTF-8 abort reason (possibly cut).
+    pub reason: [AtomicU8; REASON_BYTES],
+}
+
+/// The control block at the start of every segment. All fields are atomics:
+/// the peer process may write any of them at any time.
+#[repr(C)]
+pub(crate) struct Header {
+    /// [`HEADER_MAGIC`], stored last by the creator (Release).
+    pub magic: AtomicU64,
+    /// [`LAYOUT_VERSION`].
+    pub version: AtomicU32,
+    /// Number of slots.
+    pub slots: AtomicU32,
+    /// Capacity of one slot.
+    pub slot_bytes: AtomicU64,
+    /// Distance between two slots.
+    pub stride: AtomicU64,
+    /// Offset of slot 0.
+    pub data_offset: AtomicU64,
+    /// Random value also carried by the connect-info blob.
+    pub nonce: AtomicU64,
+    /// Process id of the creator (the receiver).
+    pub receiver_pid: AtomicU32,
+    /// Slots committed by the sender so far (monotonic).
+    pub head: Padded<AtomicU64>,
+    /// Slots released by the receiver so far (monotonic).
+    pub tail: Padded<AtomicU64>,
+    /// The sender's side.
+    pub sender: Padded<Side>,
+    /// The receiver's side.
+    pub receiver: Padded<Side>,
+}
+
+/// Sizes and offsets of a segment, derived from `(slot_bytes, slots)`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Layout {
+    pub slots: usize,
+    pub slot_bytes: usize,
+    pub stride: usize,
+    pub lens_offset: usize,
+    pub data_offset: usize,
+    pub total: usize,
+}
+
+fn round_up(v: usize, to: usize) -> Option<usize> {
+    v.checked_add(to - 1).map(|x| x / to * to)
+}
+
+impl Layout {
+    /// The layout for these parameters, or `None` if they are out of range
+    /// (`slot_bytes` a multiple of 64 in `4096..=1 GiB`, `slots` in `2..=1024`).
+    pub fn new(slot_bytes: usize, slots: usize) -> Option<Layout> {
+        if !(PAGE..=MAX_SLOT_BYTES).contains(&slot_bytes)
+            || slot_bytes & 63 != 0
+            || !(2..=MAX_SLOTS).contains(&slots)
+        {
+            return None;
+        }
+        let stride = round_up(slot_bytes, PAGE)?;
+        let lens_offset = size_of::<Header>();
+        let data_offset = round_up(lens_offset + slots * size_of::<AtomicU64>(), PAGE)?;
+        let total = stride.checked_mul(slots)?.checked_add(data_offset)?;
+        // Keep the mapping addressable as off_t on every target.
+        if total > (i64::MAX as usize) {
+            return None;
+        }
+        Some(Layout {
+            slots,
+            slot_bytes,
+            stride,
+            lens_offset,
+            data_offset,
+            total,
+        })
+    }
+}
+
+/// Why a segment could not be created or opened.
+#[derive(Debug)]
+pub(crate) enum SegError {
+    /// A system call failed.
+    Sys(&'static str, Errno),
+    /// The object exists but does not hold what the connect-info promised.
+    Mismatch(String),
+}
+
+impl std::fmt::Display for SegError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            SegError::Sys(call, e) => write!(f, "{call} failed: {e}"),
+            SegError::Mismatch(s) => f.write_str(s),
+        }
+    }
+}
+
+/// One mapping of a shm object. Unmapped on drop; unlinked on drop too while
+/// this process is responsible for the name (see [`Segment::unlink`]).
+pub(crate) struct Segment {
+    base: NonNull<u8>,
+    layout: Layout,
+    name: String,
+    /// Whether drop must `shm_unlink` the name.
+    owns_name: bool,
+}
+
+impl std::fmt::Debug for Segment {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Segment")
+            .field("name", &self.name)
+            .field("layout", &self.layout)
+            .field("owns_name", &self.owns_name)
+            .finish()
+    }
+}
+
+// SAFETY: `Segment` owns its mapping (nothing else in this process unmaps
+// it); the raw base pointer is only turned into `&Header`/`&AtomicU64`
+// (atomics, safe to share) or handed out as a raw slot pointer whose use is
+// governed by the head/tail protocol. Moving it to another thread is fine.
+unsafe impl Send for Segment {}
+
+/// Maps `len` bytes of `fd` shared and read-write, pre-faulting the page
+/// tables (`MAP_POPULATE`), and asks for transparent huge pages.
+fn map_shared(fd: &std::os::fd::OwnedFd, len: usize) -> Result<NonNull<u8>, SegError> {
+    let length = NonZeroUsize::new(len).ok_or(SegError::Sys("mmap", Errno::EINVAL))?;
+    // SAFETY: we map a fresh region chosen by the kernel (addr = None), so no
+    // existing Rust object is affected; `fd` is an open shm object at least
+    // `len` bytes long (checked or set by the callers).
+    let ptr = unsafe {
+        mman::mmap(
+            None,
+            length,
+            ProtFlags::PROT_READ | ProtFlags::PROT_WRITE,
+            MapFlags::MAP_SHARED | MapFlags::MAP_POPULATE,
+            fd,
+            0,
+        )
+    }
+    .map_err(|e| SegError::Sys("mmap", e))?;
+    // SAFETY: `ptr..ptr+len` is the mapping we just created; MADV_HUGEPAGE is
+    // advice only and does not change its contents. Failure (THP for shmem
+    // disabled, old kernel) is ignored.
+    let _ = unsafe { mman::madvise(ptr, len, MmapAdvise::MADV_HUGEPAGE) };
+    Ok(ptr.cast())
+}
+
+impl Segment {
+    /// Creates the shm object `name` (`O_EXCL`, mode 0600), sizes it, maps
+    /// it, pre-faults every page and writes the identity line. The returned
+    /// segment unlinks `name` when dropped (until [`Segment::unlink`]).
+    pub fn create(
+        name: &str,
+        layout: Layout,
+        nonce: u64,
+        receiver_pid: u32,
+    ) -> Result<Segment, SegError> {
+        let fd = mman::shm_open(
+            name,
+            OFlag::O_CREAT | OFlag::O_EXCL | OFlag::O_RDWR,
+            Mode::S_IRUSR | Mode::S_IWUSR,
+        )
+        .map_err(|e| SegError::Sys("shm_open(create)", e))?;
+        // From here on, failures must unlink: build the guard first.
+        let unlink_guard = UnlinkOnError(name);
+        nix::unistd::ftruncate(&fd, layout.total as i64)
+            .map_err(|e| SegError::Sys("ftruncate", e))?;
+        let base = map_shared(&fd, layout.total)?;
+        drop(fd); // the mapping keeps the object alive
+        std::mem::forget(unlink_guard);
+        let seg = Segment {
+            base,
+            layout,
+            name: name.to_owned(),
+            owns_name: true,
+        };
+        seg.prefault();
+        let h = seg.header();
+        h.version.store(LAYOUT_VERSION, Ordering::Relaxed);
+        h.slots.store(layout.slots as u32, Ordering::Relaxed);
+        h.slot_bytes
+            .store(layout.slot_bytes as u64, Ordering::Relaxed);
+        h.stride.store(layout.stride as u64, Ordering::Relaxed);
+        h.data_offset
+            .store(layout.data_offset as u64, Ordering::Relaxed);
+        h.nonce.store(nonce, Ordering::Relaxed);
+        h.receiver_pid.store(receiver_pid, Ordering::Relaxed);
+        h.receiver.0.pid.store(receiver_pid, Ordering::Relaxed);
+        h.receiver.0.attached.store(1, Ordering::Relaxed);
+        // Release: whoever reads the magic with Acquire also sees the fields
+        // above. (In practice the connect-info travels through the bootstrap,
+        // whose system calls already order this; the magic makes it explicit.)
+        h.magic.store(HEADER_MAGIC, Ordering::Release);
+        Ok(seg)
+    }
+
+    /// Opens and maps the existing shm object `name`, which must be at least
+    /// as large as `layout` says and carry the same identity line.
+    pub fn open(name: &str, layout: Layout, nonce: u64) -> Result<Segment, SegError> {
+        let fd = mman::shm_open(name, OFlag::O_RDWR, Mode::empty())
+            .map_err(|e| SegError::Sys("shm_open", e))?;
+        let st = nix::sys::stat::fstat(fd.as_raw_fd()).map_err(|e| SegError::Sys("fstat", e))?;
+        // A mapping longer than the object would SIGBUS on access: refuse.
+        if st.st_size < 0 || (st.st_size as u64) < layout.total as u64 {
+            return Err(SegError::Mismatch(format!(
+                "segment {name} is {} bytes, expected at least {}",
+                st.st_size, layout.total
+            )));
+        }
+        let base = map_shared(&fd, layout.total)?;
+        drop(fd);
+        let seg = Segment {
+            base,
+            layout,
+            name: name.to_owned(),
+            owns_name: false,
+        };
+        let h = seg.header();
+        let checks: [(&str, u64, u64); 7] = [
+            ("magic", h.magic.load(Ordering::Acquire), HEADER_MAGIC),
+            (
+                "layout version",
+                h.version.load(Ordering::Relaxed).into(),
+                LAYOUT_VERSION.into(),
+            ),
+            (
+                "slots",
+                h.slots.load(Ordering::Relaxed).into(),
+                layout.slots as u64,
+            ),
+            (
+                "slot_bytes",
+                h.slot_bytes.load(Ordering::Relaxed),
+                layout.slot_bytes as u64,
+            ),
+            (
+                "stride",
+                h.stride.load(Ordering::Relaxed),
+                layout.stride as u64,
+            ),
+            (
+                "data offset",
+                h.data_offset.load(Ordering::Relaxed),
+                layout.data_offset as u64,
+            ),
+            ("nonce", h.nonce.load(Ordering::Relaxed), nonce),
+        ];
+        for (what, got, want) in checks {
+            if got != want {
+                return Err(SegError::Mismatch(format!(
+                    "segment {name}: {what} is {got:#x}, connect-info says {want:#x}"
+                )));
+            }
+        }
+        Ok(seg)
+    }
+
+    /// Touches every page of the slot area so that first use does not fault.
+    fn prefault(&self) {
+        let mut off = self.layout.data_offset;
+        while off < self.layout.total {
+            // SAFETY: `off < total`, so the byte lies inside our mapping; the
+            // segment was just created and no one else knows it yet, and the
+            // object is zero-filled, so writing 0 changes nothing. Volatile
+            // keeps the store from being optimised away.
+            unsafe { self.base.as_ptr().add(off).write_volatile(0) };
+            off += PAGE;
+        }
+    }
+
+    /// The shared control block.
+    pub fn header(&self) -> &Header {
+        // SAFETY: the mapping starts with `size_of::<Header>()` bytes reserved
+        // for the header (Layout::new), is page-aligned (≥ align_of Header),
+        // lives as long as `self`, and every field is an atomic (valid for any
+        // bit pattern, shared mutation is allowed), so a shared reference is
+        // sound even while the peer process writes.
+        unsafe { &*self.base.as_ptr().cast::<Header>() }
+    }
+
+    /// The length word of slot `i` (`i < slots`).
+    pub fn len_word(&self, i: usize) -> &AtomicU64 {
+        assert!(i < self.layout.slots, "slot index out of range");
+        // SAFETY: `lens_offset + 8 * i` lies inside the lens area reserved by
+        // Layout::new (i < slots), is 8-aligned (lens_offset is a multiple of
+        // 128) and AtomicU64 is valid for any bit pattern; lives as `self`.
+        unsafe {
+            &*self
+                .base
+                .as_ptr()
+                .add(self.layout.lens_offset + i * size_of::<AtomicU64>())
+                .cast::<AtomicU64>()
+        }
+    }
+
+    /// Start of slot `i` (`i < slots`), page-aligned, `slot_bytes` long.
+    pub fn slot_ptr(&self, i: usize) -> *mut u8 {
+        assert!(i < self.layout.slots, "slot index out of range");
+        // SAFETY: `data_offset + i * stride + stride <= total` for i < slots
+        // (Layout::new), so the pointer stays inside the mapping. Creating
+        // the pointer does not access memory.
+        unsafe {
+            self.base
+                .as_ptr()
+                .add(self.layout.data_offset + i * self.layout.stride)
+        }
+    }
+
+    /// The shm name (with leading `/`).
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The layout.
+    pub fn layout(&self) -> Layout {
+        self.layout
+    }
+
+    /// Removes the name from `/dev/shm` (the mappings stay valid). After this
+    /// (successful or not: `ENOENT` means the peer did it) drop no longer
+    /// unlinks.
+    pub fn unlink(&mut self) -> Result<(), SegError> {
+        self.owns_name = false;
+        match mman::shm_unlink(self.name.as_str()) {
+            Ok(()) | Err(Errno::ENOENT) => Ok(()),
+            Err(e) => Err(SegError::Sys("shm_unlink", e)),
+        }
+    }
+}
+
+impl Drop for Segment {
+    fn drop(&mut self) {
+        // SAFETY: `base..base+total` is the mapping created in create/open and
+        // not unmapped elsewhere; references handed out by `header` and
+        // `len_word` borrow `self`, so none outlives this call. Slot pointers
+        // given to the engine must not be used after the channel is dropped
+        // (the seam's contract).
+        let _ = unsafe { mman::munmap(self.base.cast(), self.layout.total) };
+        if self.owns_name {
+            let _ = mman::shm_unlink(self.name.as_str());
+        }
+    }
+}
+
+/// Unlinks a freshly created name unless forgotten.
+struct UnlinkOnError<'a>(&'a str);
+
+impl Drop for UnlinkOnError<'_> {
+    fn drop(&mut self) {
+        let _ = mman::shm_unlink(self.0);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn header_layout_separates_writers() {
+        assert_eq!(std::mem::offset_of!(Header, head), 128);
+        assert_eq!(std::mem::offset_of!(Header, tail), 256);
+        assert_eq!(std::mem::offset_of!(Header, sender), 384);
+        assert_eq!(std::mem::offset_of!(Header, receiver), 512);
+        assert_eq!(size_of::<Header>(), 640);
+    }
+
+    #[test]
+    fn layout_bounds() {
+        assert!(Layout::new(4096, 2).is_some());
+        assert!(Layout::new(4096 + 64, 2).is_some());
+        assert!(Layout::new(4096 + 1, 2).is_none());
+        assert!(Layout::new(2048, 8).is_none());
+        assert!(Layout::new(4096, 1).is_none());
+        assert!(Layout::new(4096, MAX_SLOTS + 1).is_none());
+        assert!(Layout::new(MAX_SLOT_BYTES + 64, 2).is_none());
+        let l = Layout::new(512 * 1024, 8).unwrap();
+        assert_eq!(l.data_offset % PAGE, 0);
+        assert_eq!(l.stride, 512 * 1024);
+        assert_eq!(l.total, l.data_offset + 8 * 512 * 1024);
+        let l = Layout::new(4096 + 64, 3).unwrap();
+        assert_eq!(l.stride, 8192);
+    }
+}

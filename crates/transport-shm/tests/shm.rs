@@ -1,0 +1,290 @@
+//! shm-specific tests: segment lifetime in /dev/shm, environment parameters,
+//! and a real second process that is killed with SIGKILL.
+//!
+//! Tests that count this process's segments hold `LOCK`, because the test
+//! harness runs tests on parallel threads of one process.
+
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Child, Command, Stdio};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use braid_core::error::CoreError;
+use braid_core::transport::conformance::{connect_pair, desc, wait_for};
+use braid_core::transport::{SlotBuf, Transport};
+use braid_transport_shm::{leftover_segments, ShmTransport};
+
+static LOCK: Mutex<()> = Mutex::new(());
+
+fn lock() -> std::sync::MutexGuard<'static, ()> {
+    LOCK.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Segments in /dev/shm created by process `pid`.
+fn segments_of(pid: u32) -> Vec<String> {
+    let prefix = format!("braid-{pid}-");
+    leftover_segments()
+        .into_iter()
+        .filter(|n| n.starts_with(&prefix))
+        .collect()
+}
+
+fn mine() -> Vec<String> {
+    segments_of(std::process::id())
+}
+
+fn small() -> ShmTransport {
+    ShmTransport::with_params(16 * 1024, 4).unwrap()
+}
+
+fn write(buf: SlotBuf, data: &[u8]) {
+    assert!(data.len() <= buf.cap);
+    // SAFETY: shm slots are host memory; `buf` was just returned by
+    // poll_acquire, so `buf.cap` bytes are ours to write until commit.
+    unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), buf.ptr, data.len()) }
+}
+
+fn read(buf: SlotBuf, len: usize) -> Vec<u8> {
+    assert!(len <= buf.cap);
+    let mut v = vec![0; len];
+    // SAFETY: shm slots are host memory; `buf` was just returned by
+    // poll_peek with `len` valid bytes, stable until release.
+    unsafe { std::ptr::copy_nonoverlapping(buf.ptr, v.as_mut_ptr(), len) }
+    v
+}
+
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+fn unhex(s: &str) -> Vec<u8> {
+    (0..s.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(&s[i..i + 2], 16).expect("hex"))
+        .collect()
+}
+
+#[test]
+fn segment_unlinked_once_both_mapped_and_after_drop() {
+    let _g = lock();
+    assert!(mine().is_empty(), "stale segments: {:?}", mine());
+    let (t0, t1) = (small(), small());
+    let (prx, rinfo) = t1.listen(&desc(1), &desc(0)).unwrap();
+    let (ptx, sinfo) = t0.prepare_send(&desc(0), &desc(1)).unwrap();
+    let names = mine();
+    assert_eq!(names.len(), 1, "listen must create one segment: {names:?}");
+    assert!(
+        names[0].ends_with("-0-1"),
+        "name must end with -<from>-<to>: {}",
+        names[0]
+    );
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut tx = ptx.connect(&rinfo, deadline).unwrap();
+    let mut rx = prx.connect(&sinfo, deadline).unwrap();
+    assert!(
+        mine().is_empty(),
+        "segment still linked after connect: {:?}",
+        mine()
+    );
+
+    // The unlinked mapping still carries data.
+    let buf = tx.poll_acquire().unwrap().unwrap();
+    write(buf, b"after unlink");
+    tx.commit(12).unwrap();
+    let (buf, len) = rx.poll_peek().unwrap().unwrap();
+    assert_eq!(read(buf, len), b"after unlink");
+    rx.release().unwrap();
+    drop(tx);
+    drop(rx);
+    assert!(mine().is_empty(), "segment left after drop: {:?}", mine());
+}
+
+#[test]
+fn pending_receiver_unlinks_on_drop_and_on_failure() {
+    let _g = lock();
+    let t = small();
+    let (prx, _) = t.listen(&desc(1), &desc(0)).unwrap();
+    assert_eq!(mine().len(), 1);
+    drop(prx);
+    assert!(
+        mine().is_empty(),
+        "dropped pending receiver leaked {:?}",
+        mine()
+    );
+
+    // Failed connect: garbage sender info.
+    let (prx, _) = t.listen(&desc(1), &desc(0)).unwrap();
+    let err = prx
+        .connect(b"garbage", Instant::now() + Duration::from_secs(1))
+        .err()
+        .expect("garbage accepted");
+    assert!(
+        matches!(err, CoreError::Protocol { peer: 0, .. }),
+        "{err:?}"
+    );
+    assert!(mine().is_empty(), "failed connect leaked {:?}", mine());
+
+    // Failed connect: timeout; the message names the peer.
+    let (prx, _) = t.listen(&desc(1), &desc(0)).unwrap();
+    let (_ptx, sinfo) = t.prepare_send(&desc(0), &desc(1)).unwrap();
+    let err = prx
+        .connect(&sinfo, Instant::now() + Duration::from_millis(100))
+        .err()
+        .expect("connected without a sender");
+    assert!(matches!(err, CoreError::Timeout { peer: 0, .. }), "{err:?}");
+    assert!(err.to_string().contains("rank 0"), "{err}");
+    assert!(mine().is_empty(), "timed-out connect leaked {:?}", mine());
+}
+
+#[test]
+fn second_sender_cannot_attach() {
+    let _g = lock();
+    let t = small();
+    let (prx, rinfo) = t.listen(&desc(1), &desc(0)).unwrap();
+    let (ptx, sinfo) = t.prepare_send(&desc(0), &desc(1)).unwrap();
+    let (ptx2, _) = t.prepare_send(&desc(0), &desc(1)).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let _tx = ptx.connect(&rinfo, deadline).unwrap();
+    assert!(ptx2.connect(&rinfo, deadline).is_err());
+    let _rx = prx.connect(&sinfo, deadline).unwrap();
+    assert!(mine().is_empty());
+}
+
+#[test]
+fn blob_for_another_pair_is_rejected() {
+    let _g = lock();
+    let t = small();
+    // Receiver 1 listening for rank 0; a sender of rank 2 must not use it.
+    let (_prx, rinfo) = t.listen(&desc(1), &desc(0)).unwrap();
+    let (ptx, _) = t.prepare_send(&desc(2), &desc(1)).unwrap();
+    let err = ptx
+        .connect(&rinfo, Instant::now() + Duration::from_secs(1))
+        .err()
+        .expect("wrong pair accepted");
+    assert!(matches!(err, CoreError::Protocol { .. }), "{err:?}");
+}
+
+#[test]
+fn env_parameters() {
+    let _g = lock();
+    std::env::set_var("BRAID_SHM_SLOT_BYTES", "8192");
+    std::env::set_var("BRAID_SHM_SLOTS", "3");
+    let t = ShmTransport::from_env().unwrap();
+    assert_eq!((t.slot_bytes(), t.slots()), (8192, 3));
+    let (tx, _rx) = connect_pair(&t, &t, 0, 1);
+    assert_eq!((tx.slot_bytes(), tx.slots()), (8192, 3));
+    std::env::set_var("BRAID_SHM_SLOT_BYTES", "4100");
+    assert!(ShmTransport::from_env().is_err());
+    assert_eq!(ShmTransport::new(), ShmTransport::default());
+    std::env::set_var("BRAID_SHM_SLOT_BYTES", "lots");
+    assert!(ShmTransport::from_env().is_err());
+    std::env::remove_var("BRAID_SHM_SLOT_BYTES");
+    std::env::set_var("BRAID_SHM_SLOTS", "1");
+    assert!(ShmTransport::from_env().is_err());
+    std::env::remove_var("BRAID_SHM_SLOTS");
+    assert_eq!(ShmTransport::new(), ShmTransport::default());
+}
+
+const CHILD_ENV: &str = "BRAID_SHM_TEST_RECEIVER_INFO";
+
+/// Not a test of its own: the sending process of
+/// `killed_sender_is_reported_gone`, run by re-executing this binary.
+#[test]
+fn child_sender() {
+    let Ok(info) = std::env::var(CHILD_ENV) else {
+        return; // ordinary test run: nothing to do
+    };
+    let rinfo = unhex(info.trim());
+    let t = ShmTransport::new();
+    let (ptx, sinfo) = t.prepare_send(&desc(0), &desc(1)).unwrap();
+    let mut out = std::io::stdout().lock();
+    writeln!(out, "\nSENDER_INFO {}", hex(&sinfo)).unwrap();
+    out.flush().unwrap();
+    let mut tx = ptx
+        .connect(&rinfo, Instant::now() + Duration::from_secs(10))
+        .unwrap();
+    let msg = format!("hello from {}", std::process::id());
+    let buf = tx.poll_acquire().unwrap().unwrap();
+    write(buf, msg.as_bytes());
+    tx.commit(msg.len()).unwrap();
+    writeln!(out, "SENT").unwrap();
+    out.flush().unwrap();
+    // Wait to be killed (bounded, in case the parent died).
+    std::thread::sleep(Duration::from_secs(60));
+}
+
+/// Kills the child if the test fails half-way.
+struct KillOnDrop(Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+#[test]
+fn killed_sender_is_reported_gone() {
+    let _g = lock();
+    let t = small();
+    let (prx, rinfo) = t.listen(&desc(1), &desc(0)).unwrap();
+    let child = Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "child_sender", "--nocapture", "--test-threads=1"])
+        .env(CHILD_ENV, hex(&rinfo))
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap();
+    let mut child = KillOnDrop(child);
+    let child_pid = child.0.id();
+    let mut lines = BufReader::new(child.0.stdout.take().unwrap()).lines();
+    let sinfo = loop {
+        let line = lines
+            .next()
+            .expect("child exited before printing its connect-info")
+            .unwrap();
+        // libtest may print "test child_sender ... " before it on the line.
+        if let Some(i) = line.find("SENDER_INFO ") {
+            let h = line[i + "SENDER_INFO ".len()..].split_whitespace().next();
+            break unhex(h.expect("hex after SENDER_INFO"));
+        }
+    };
+    let mut rx = prx
+        .connect(&sinfo, Instant::now() + Duration::from_secs(10))
+        .expect("receiver connect with the child sender");
+    assert!(mine().is_empty(), "segment still linked: {:?}", mine());
+    let (buf, len) = wait_for("the child's message", Duration::from_secs(10), || {
+        rx.poll_peek().unwrap()
+    });
+    assert_eq!(read(buf, len), format!("hello from {child_pid}").as_bytes());
+    rx.release().unwrap();
+    rx.check_peer().expect("child is alive");
+
+    // SIGKILL: the child cannot set any flag. Not reaped yet: a zombie.
+    child.0.kill().unwrap();
+    let start = Instant::now();
+    let err = wait_for(
+        "check_peer to report the killed child",
+        Duration::from_secs(5),
+        || rx.check_peer().err(),
+    );
+    let waited = start.elapsed();
+    match &err {
+        CoreError::Peer { peer: 0, what, .. } => {
+            assert!(
+                what.contains(&format!("process {child_pid} is gone")),
+                "{err}"
+            )
+        }
+        other => panic!("expected Peer(process gone), got {other:?}"),
+    }
+    assert!(waited < Duration::from_secs(5));
+    // Reaped: kill(pid, 0) says ESRCH now.
+    child.0.wait().unwrap();
+    let err = rx.check_peer().expect_err("dead peer reported alive");
+    assert!(err.to_string().contains("is gone"), "{err}");
+    assert!(mine().is_empty(), "segment left: {:?}", mine());
+    assert!(segments_of(child_pid).is_empty());
+    drop(rx);
+    assert!(mine().is_empty());
+}

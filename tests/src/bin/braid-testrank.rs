@@ -1,0 +1,390 @@
+//! One rank of the multi-process test suite. The test process hosts the
+//! bootstrap root and starts N of these with
+//! `braid-testrank SUITE ID RANK NRANKS [ARGS...]`.
+//!
+//! Suites:
+//! - `matrix SIZES`: every collective × datatype × op × size, in place and
+//!   out of place, checked against `braid_core::reference`; prints one line
+//!   per failure and exits 1 if any.
+//! - `loop ITERS COUNT`: AllReduce over and over (the kill test kills one rank
+//!   in the middle); prints `ready` after the first, and on error prints
+//!   `error: ...` and exits 3.
+//! - `p2p`: Send/Recv and groups (ring exchange, alltoallv-like group).
+//! - `badinput`: bad arguments give InvalidArgument and leave the
+//!   communicator usable.
+
+use std::process::ExitCode;
+use std::time::Instant;
+
+use braid::{Collective, Communicator, Config, DataType, Error, RedOp, UniqueId};
+use braid_core::reference::{first_wrong, gen, gen_at, reduced, GARBAGE};
+
+/// A byte buffer aligned for every datatype (backed by u64s).
+struct AlignedBuf {
+    words: Vec<u64>,
+    len: usize,
+}
+
+impl AlignedBuf {
+    fn new(len: usize, fill: u8) -> Self {
+        let word = u64::from_ne_bytes([fill; 8]);
+        AlignedBuf {
+            words: vec![word; len.div_ceil(8)],
+            len,
+        }
+    }
+    fn from(bytes: &[u8]) -> Self {
+        let mut b = AlignedBuf::new(bytes.len(), 0);
+        b.bytes_mut().copy_from_slice(bytes);
+        b
+    }
+    fn bytes(&self) -> &[u8] {
+        let all: &[u8] = bytemuck_bytes(&self.words);
+        &all[..self.len]
+    }
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        let len = self.len;
+        let all: &mut [u8] = bytemuck_bytes_mut(&mut self.words);
+        &mut all[..len]
+    }
+}
+
+fn bytemuck_bytes(w: &[u64]) -> &[u8] {
+    let mut out: &[u8] = &[];
+    if !w.is_empty() {
+        // SAFETY: u64 has no padding; the byte view covers the same memory
+        // for the same lifetime.
+        out = unsafe { std::slice::from_raw_parts(w.as_ptr() as *const u8, w.len() * 8) };
+    }
+    out
+}
+
+fn bytemuck_bytes_mut(w: &mut [u64]) -> &mut [u8] {
+    if w.is_empty() {
+        return &mut [];
+    }
+    // SAFETY: as above; every byte pattern is a valid u64.
+    unsafe { std::slice::from_raw_parts_mut(w.as_mut_ptr() as *mut u8, w.len() * 8) }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Kind {
+    AllReduce,
+    ReduceScatter,
+    AllGather,
+    Broadcast,
+    Reduce,
+    AllToAll,
+}
+
+const KINDS: [Kind; 6] = [
+    Kind::AllReduce,
+    Kind::ReduceScatter,
+    Kind::AllGather,
+    Kind::Broadcast,
+    Kind::Reduce,
+    Kind::AllToAll,
+];
+
+fn coll(kind: Kind, n: usize, op: RedOp, root: u32) -> Collective {
+    match kind {
+        Kind::AllReduce => Collective::AllReduce { count: n, op },
+        Kind::ReduceScatter => Collective::ReduceScatter { recv_count: n, op },
+        Kind::AllGather => Collective::AllGather { send_count: n },
+        Kind::Broadcast => Collective::Broadcast { count: n, root },
+        Kind::Reduce => Collective::Reduce { count: n, op, root },
+        Kind::AllToAll => Collective::AllToAll { count: n },
+    }
+}
+
+/// Run one case; `Err` describes a wrong result or an operation error.
+fn case(
+    comm: &Communicator,
+    kind: Kind,
+    dt: DataType,
+    op: RedOp,
+    n: usize,
+    in_place: bool,
+) -> Result<(), String> {
+    let (r, p) = (comm.rank() as usize, comm.nranks() as usize);
+    let es = dt.size();
+    let root = (n % p) as u32;
+    let c = coll(kind, n, op, root);
+    let counts = c.buffer_counts(p as u32).map_err(|e| e.to_string())?;
+    let input = gen(dt, op, r, counts[0]);
+    // The expected receive buffer (None: not checked).
+    let expect: Option<Vec<u8>> = match kind {
+        Kind::AllReduce => Some(reduced(dt, op, p, 0, n)),
+        Kind::ReduceScatter => Some(reduced(dt, op, p, r * n, n)),
+        Kind::AllGather => Some((0..p).flat_map(|q| gen(dt, op, q, n)).collect()),
+        Kind::Broadcast => Some(gen(dt, op, root as usize, n)),
+        Kind::Reduce if r == root as usize => Some(reduced(dt, op, p, 0, n)),
+        Kind::Reduce => None,
+        Kind::AllToAll => Some((0..p).flat_map(|q| gen_at(dt, op, q, r * n, n)).collect()),
+    };
+    let (got, untouched): (Vec<u8>, Option<Vec<u8>>) = if in_place {
+        let mut buf = match kind {
+            Kind::AllGather => {
+                let mut b = AlignedBuf::new(counts[1] * es, GARBAGE);
+                b.bytes_mut()[r * n * es..(r + 1) * n * es].copy_from_slice(&input);
+                b
+            }
+            _ => AlignedBuf::from(&input),
+        };
+        comm.run_bytes_in_place(&c, dt, buf.bytes_mut())
+            .map_err(|e| format!("error: {e}"))?;
+        let out = buf.bytes().to_vec();
+        match kind {
+            Kind::ReduceScatter => (out[r * n * es..(r + 1) * n * es].to_vec(), None),
+            Kind::Reduce if r != root as usize => (out, Some(input.clone())),
+            _ => (out, None),
+        }
+    } else {
+        let send = AlignedBuf::from(&input);
+        let mut recv = AlignedBuf::new(counts[1] * es, GARBAGE);
+        comm.run_bytes(&c, dt, send.bytes(), recv.bytes_mut())
+            .map_err(|e| format!("error: {e}"))?;
+        let out = recv.bytes().to_vec();
+        let untouched =
+            (kind == Kind::Reduce && r != root as usize).then(|| vec![GARBAGE; counts[1] * es]);
+        (out, untouched)
+    };
+    if let Some(want) = expect {
+        if let Some(w) = first_wrong(dt, op, &got, &want) {
+            return Err(format!("wrong result: {w}"));
+        }
+    }
+    if let Some(orig) = untouched {
+        if got != orig {
+            return Err("a non-root buffer was modified".into());
+        }
+    }
+    Ok(())
+}
+
+fn matrix(comm: &Communicator, sizes: &[usize]) -> u32 {
+    let mut failures = 0;
+    let mut cases = 0;
+    let t0 = Instant::now();
+    for &n in sizes {
+        for kind in KINDS {
+            let ops: &[RedOp] = match kind {
+                Kind::AllReduce | Kind::ReduceScatter | Kind::Reduce => &RedOp::ALL,
+                _ => &[RedOp::Sum],
+            };
+            for dt in DataType::ALL {
+                for &op in ops {
+                    for in_place in [false, true] {
+                        if in_place && kind == Kind::AllToAll {
+                            continue;
+                        }
+                        cases += 1;
+                        if let Err(e) = case(comm, kind, dt, op, n, in_place) {
+                            failures += 1;
+                            println!(
+                                "FAIL rank {} {:?} {dt} {op} n={n} in_place={in_place}: {e}",
+                                comm.rank(),
+                                kind
+                            );
+                            if e.starts_with("error") {
+                                // The communicator is broken after an error.
+                                return failures;
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+    println!(
+        "rank {}: {cases} cases, {failures} failed, {:.1}s",
+        comm.rank(),
+        t0.elapsed().as_secs_f64()
+    );
+    failures
+}
+
+fn p2p(comm: &Communicator) -> Result<(), String> {
+    let (r, p) = (comm.rank(), comm.nranks());
+    let next = (r + 1) % p;
+    let prev = (r + p - 1) % p;
+    // Ring exchange in a group, sizes that cross several slots.
+    for n in [0usize, 1, 1000, 300_000] {
+        let send: Vec<u32> = (0..n as u32).map(|i| i ^ (r << 20)).collect();
+        let mut recv = vec![0u32; n];
+        let mut g = comm.group();
+        g.send(&send, next);
+        g.recv(&mut recv, prev);
+        g.run().map_err(|e| e.to_string())?;
+        let want: Vec<u32> = (0..n as u32).map(|i| i ^ (prev << 20)).collect();
+        if recv != want {
+            return Err(format!("ring exchange of {n} wrong"));
+        }
+    }
+    // AllToAllv as a group: rank r sends r+q+1 elements to rank q.
+    let mut g = comm.group();
+    let sends: Vec<Vec<i64>> = (0..p)
+        .map(|q| {
+            (0..(r + q + 1) as i64)
+                .map(|i| i * 1000 + r as i64 * 10 + q as i64)
+                .collect()
+        })
+        .collect();
+    let mut recvs: Vec<Vec<i64>> = (0..p).map(|q| vec![-1; (q + r + 1) as usize]).collect();
+    for (q, s) in sends.iter().enumerate() {
+        g.send(s, q as u32);
+    }
+    for (q, b) in recvs.iter_mut().enumerate() {
+        g.recv(b, q as u32);
+    }
+    g.run().map_err(|e| e.to_string())?;
+    for (q, b) in recvs.iter().enumerate() {
+        let want: Vec<i64> = (0..(q as u32 + r + 1) as i64)
+            .map(|i| i * 1000 + q as i64 * 10 + r as i64)
+            .collect();
+        if *b != want {
+            return Err(format!("alltoallv block from {q} wrong"));
+        }
+    }
+    // Plain send then recv: even ranks send first, odd ranks receive first.
+    if p > 1 {
+        let data = vec![r as f32; 5000];
+        let mut got = vec![0f32; 5000];
+        let partner = r ^ 1;
+        if partner < p {
+            if r % 2 == 0 {
+                comm.send(&data, partner).map_err(|e| e.to_string())?;
+                comm.recv(&mut got, partner).map_err(|e| e.to_string())?;
+            } else {
+                comm.recv(&mut got, partner).map_err(|e| e.to_string())?;
+                comm.send(&data, partner).map_err(|e| e.to_string())?;
+            }
+            if got.iter().any(|&x| x != partner as f32) {
+                return Err("send/recv pair wrong".into());
+            }
+        }
+    }
+    Ok(())
+}
+
+fn badinput(comm: &Communicator) -> Result<(), String> {
+    let p = comm.nranks();
+    let expect_invalid = |what: &str, r: braid::Result<()>| -> Result<(), String> {
+        match r {
+            Err(Error::InvalidArgument(m)) => {
+                println!("rank {}: {what}: rejected: {m}", comm.rank());
+                Ok(())
+            }
+            other => Err(format!("{what}: expected InvalidArgument, got {other:?}")),
+        }
+    };
+    let a = vec![1.0f32; 10];
+    let mut b = vec![0.0f32; 9];
+    expect_invalid("length mismatch", comm.all_reduce(&a, &mut b, RedOp::Sum))?;
+    let mut c = vec![0.0f32; 10];
+    expect_invalid("root out of range", comm.broadcast(&mut c, p))?;
+    expect_invalid(
+        "reduce root out of range",
+        comm.reduce(&a, &mut c, RedOp::Sum, p + 7),
+    )?;
+    let mut g = vec![0.0f32; 10 * p as usize + 1];
+    expect_invalid("allgather recv length", comm.all_gather(&a, &mut g))?;
+    let huge = Collective::AllGather {
+        send_count: usize::MAX / 3,
+    };
+    expect_invalid(
+        "count overflow",
+        comm.run_bytes(&huge, DataType::F32, &[], &mut []),
+    )?;
+    // 8-aligned storage, one byte in: certainly misaligned for f32.
+    let mut storage = AlignedBuf::new(17, 0);
+    let odd = &mut storage.bytes_mut()[1..9];
+    let c2 = Collective::AllReduce {
+        count: 2,
+        op: RedOp::Sum,
+    };
+    expect_invalid(
+        "misaligned buffer",
+        comm.run_bytes_in_place(&c2, DataType::F32, odd),
+    )?;
+    expect_invalid("send to a rank out of range", comm.send(&a, p + 1))?;
+    // Still usable: a real AllReduce works afterwards.
+    let mut v = vec![1u64; 100];
+    comm.all_reduce_in_place(&mut v, RedOp::Sum)
+        .map_err(|e| format!("communicator unusable after bad input: {e}"))?;
+    if v.iter().any(|&x| x != p as u64) {
+        return Err("AllReduce after bad input gave a wrong result".into());
+    }
+    Ok(())
+}
+
+fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().collect();
+    if args.len() < 5 {
+        eprintln!("usage: braid-testrank SUITE ID RANK NRANKS [ARGS...]");
+        return ExitCode::from(2);
+    }
+    let parse = |s: &str| s.parse::<u32>().ok();
+    let (Ok(id), Some(rank), Some(nranks)) = (
+        args[2].parse::<UniqueId>(),
+        parse(&args[3]),
+        parse(&args[4]),
+    ) else {
+        eprintln!("bad arguments: {:?}", &args[1..]);
+        return ExitCode::from(2);
+    };
+    let config = match Config::from_env() {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let comm = match Communicator::init(&id, rank, nranks, &config) {
+        Ok(c) => c,
+        Err(e) => {
+            println!("error: init: {e}");
+            return ExitCode::from(4);
+        }
+    };
+    let extra: Vec<usize> = args[5..].iter().filter_map(|s| s.parse().ok()).collect();
+    match args[1].as_str() {
+        "matrix" => {
+            if matrix(&comm, &extra) > 0 {
+                return ExitCode::from(1);
+            }
+        }
+        "loop" => {
+            let iters = extra.first().copied().unwrap_or(1000);
+            let n = extra.get(1).copied().unwrap_or(1 << 16);
+            let mut buf = vec![1.0f32; n];
+            for i in 0..iters {
+                if let Err(e) = comm.all_reduce_in_place(&mut buf, RedOp::Max) {
+                    println!("error: {e}");
+                    return ExitCode::from(3);
+                }
+                if i == 0 {
+                    println!("ready");
+                }
+            }
+        }
+        "p2p" => {
+            if let Err(e) = p2p(&comm) {
+                println!("FAIL rank {rank}: {e}");
+                return ExitCode::from(1);
+            }
+        }
+        "badinput" => {
+            if let Err(e) = badinput(&comm) {
+                println!("FAIL rank {rank}: {e}");
+                return ExitCode::from(1);
+            }
+        }
+        other => {
+            eprintln!("unknown suite {other}");
+            return ExitCode::from(2);
+        }
+    }
+    println!("rank {rank}: ok");
+    ExitCode::SUCCESS
+}
