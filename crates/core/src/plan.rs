@@ -310,6 +310,10 @@ pub struct PlanParams {
     pub ring: Vec<u32>,
     /// Largest transfer per op: the transport's slot size.
     pub piece_bytes: usize,
+    /// AllReduce of at most this many bytes (and at most one piece) uses
+    /// recursive doubling, which takes log2(p) exchange steps instead of the
+    /// ring's 2(p−1) hops: latency-bound sizes. 0 means always the ring.
+    pub small_allreduce_bytes: usize,
 }
 
 impl PlanParams {
@@ -319,6 +323,7 @@ impl PlanParams {
             rank,
             ring: (0..nranks).collect(),
             piece_bytes,
+            small_allreduce_bytes: 0,
         }
     }
 
@@ -453,6 +458,11 @@ pub fn plan(coll: &Collective, dtype: DataType, params: &PlanParams) -> Result<P
         piece,
     };
     match *coll {
+        Collective::AllReduce { count, .. }
+            if count * es <= params.small_allreduce_bytes.min(params.piece_bytes) =>
+        {
+            ctx.all_reduce_rd(&mut prog, count)
+        }
         Collective::AllReduce { count, .. } => ctx.all_reduce(&mut prog, count),
         Collective::ReduceScatter { recv_count, .. } => ctx.reduce_scatter(&mut prog, recv_count),
         Collective::AllGather { send_count } => ctx.all_gather(&mut prog, send_count),
@@ -562,6 +572,65 @@ impl Ctx<'_> {
                 dst: region(RECV, self.at(1)),
             });
             base += loop_size.min(rem);
+        }
+    }
+
+    /// Recursive doubling for small AllReduce (the whole buffer is one
+    /// piece). With p not a power of two, the `p − p'` ranks above the largest
+    /// power of two `p'` first hand their data to a partner below it and get
+    /// the result back at the end. Every rank combines the same operands in
+    /// the same bracketing, so floating-point results agree bit for bit.
+    fn all_reduce_rd(&self, prog: &mut Program, count: usize) {
+        let p = self.p;
+        if p == 1 {
+            return self.whole_copy(prog, count);
+        }
+        let pp = 1usize << (usize::BITS - 1 - p.leading_zeros());
+        let pos = self.pos;
+        let (send, recv) = (self.reg(SEND, 0, count), self.reg(RECV, 0, count));
+        if pos >= pp {
+            let partner = self.ring[pos - pp];
+            prog.push(Op::Send {
+                to: partner,
+                src: send,
+            });
+            prog.push(Op::Recv {
+                from: partner,
+                dst: recv,
+            });
+            return;
+        }
+        let extra = (pos + pp < p).then(|| self.ring[pos + pp]);
+        let mut cur = send;
+        if let Some(e) = extra {
+            prog.push(Op::RecvReduceCopy {
+                from: e,
+                src: cur,
+                dst: recv,
+                finalize: false,
+            });
+            cur = recv;
+        }
+        let mut mask = 1;
+        while mask < pp {
+            let partner = self.ring[pos ^ mask];
+            // Separate stages: the send reads `cur` before the reduction
+            // overwrites it.
+            prog.push(Op::Send {
+                to: partner,
+                src: cur,
+            });
+            prog.push(Op::RecvReduceCopy {
+                from: partner,
+                src: cur,
+                dst: recv,
+                finalize: mask * 2 == pp,
+            });
+            cur = recv;
+            mask *= 2;
+        }
+        if let Some(e) = extra {
+            prog.push(Op::Send { to: e, src: recv });
         }
     }
 

@@ -28,6 +28,8 @@ struct Case {
     in_place: bool,
     piece: usize,
     depth: usize,
+    /// Recursive-doubling threshold (0: ring).
+    small: usize,
 }
 
 impl Case {
@@ -70,8 +72,10 @@ impl Case {
         let garbage = |len: usize| vec![GARBAGE; len * es];
         let setups: Vec<RankSetup> = (0..p)
             .map(|r| {
-                let program = plan(&coll, dt, &PlanParams::new(r as u32, p as u32, self.piece))
-                    .unwrap_or_else(|e| panic!("{name}: plan: {e}"));
+                let mut params = PlanParams::new(r as u32, p as u32, self.piece);
+                params.small_allreduce_bytes = self.small;
+                let program =
+                    plan(&coll, dt, &params).unwrap_or_else(|e| panic!("{name}: plan: {e}"));
                 let (storages, buffers) = if !self.in_place {
                     (
                         vec![inputs[r].clone(), garbage(counts[1])],
@@ -144,6 +148,14 @@ impl Case {
         let total: u64 = sent.iter().sum();
         let bytes = (n * es) as u64;
         match self.kind {
+            Kind::AllReduce if n * es <= self.small.min(self.piece) && p > 1 => {
+                // Recursive doubling: every rank of the power-of-two core
+                // sends S per step; the others send S once and get S back.
+                let core = 1u64 << (63 - pp.leading_zeros());
+                let steps = core.trailing_zeros() as u64;
+                let want = core * steps * bytes + 2 * (pp - core) * bytes;
+                assert_eq!(total, want, "{name}: recursive-doubling volume");
+            }
             Kind::AllReduce => {
                 assert_eq!(
                     total,
@@ -204,6 +216,7 @@ fn all_collectives_1_to_16_ranks_f32_sum() {
                             in_place,
                             piece: 64,
                             depth,
+                            small: 0,
                         }
                         .run();
                     }
@@ -230,6 +243,7 @@ fn reductions_every_datatype_and_op() {
                             in_place: count == 13,
                             piece: 128,
                             depth: 2,
+                            small: 0,
                         }
                         .run();
                     }
@@ -254,6 +268,7 @@ fn many_loops_with_large_pieces_and_every_root() {
                     in_place: root % 2 == 1 && kind != Kind::AllToAll,
                     piece: 1024,
                     depth: 3,
+                    small: 0,
                 }
                 .run();
             }
@@ -274,6 +289,7 @@ fn allreduce_divisible_counts_have_exact_per_rank_volume() {
             in_place: false,
             piece: 16 * 4,
             depth: 2,
+            small: 0,
         }
         .run();
     }
@@ -300,6 +316,7 @@ fn non_identity_ring_orders_give_the_same_results() {
                     rank: r,
                     ring: ring.clone(),
                     piece_bytes: 64,
+                    small_allreduce_bytes: 0,
                 },
             )
             .unwrap(),
@@ -323,6 +340,7 @@ fn non_identity_ring_orders_give_the_same_results() {
                     rank: r,
                     ring: ring.clone(),
                     piece_bytes: 64,
+                    small_allreduce_bytes: 0,
                 },
             )
             .unwrap(),
@@ -436,6 +454,32 @@ fn invalid_descriptions_are_rejected_before_planning() {
         rank: 0,
         ring: vec![0, 1, 1],
         piece_bytes: 1024,
+        small_allreduce_bytes: 0,
     };
     assert!(plan(&Collective::AllGather { send_count: 1 }, DataType::U8, &dup).is_err());
+}
+
+#[test]
+fn small_allreduce_by_recursive_doubling() {
+    for p in 1..=16 {
+        for dt in DataType::ALL {
+            for op in RedOp::ALL {
+                for count in [0, 1, 2, 5] {
+                    Case {
+                        kind: Kind::AllReduce,
+                        p,
+                        count,
+                        dt,
+                        op,
+                        root: 0,
+                        in_place: (count + p) % 2 == 0,
+                        piece: 64,
+                        depth: 2,
+                        small: 64,
+                    }
+                    .run();
+                }
+            }
+        }
+    }
 }

@@ -97,23 +97,27 @@ fn coll(kind: Kind, n: usize, op: RedOp, root: u32) -> Collective {
     }
 }
 
-/// Run one case; `Err` describes a wrong result or an operation error.
-fn case(
+/// A case's input and expected receive buffer (None: not checked), computed
+/// once by the reference for both the in-place and out-of-place runs.
+struct Prepared {
+    input: Vec<u8>,
+    expect: Option<Vec<u8>>,
+}
+
+fn prepare(
     comm: &Communicator,
     kind: Kind,
     dt: DataType,
     op: RedOp,
     n: usize,
-    in_place: bool,
-) -> Result<(), String> {
+) -> Result<Prepared, String> {
     let (r, p) = (comm.rank() as usize, comm.nranks() as usize);
-    let es = dt.size();
     let root = (n % p) as u32;
-    let c = coll(kind, n, op, root);
-    let counts = c.buffer_counts(p as u32).map_err(|e| e.to_string())?;
+    let counts = coll(kind, n, op, root)
+        .buffer_counts(p as u32)
+        .map_err(|e| e.to_string())?;
     let input = gen(dt, op, r, counts[0]);
-    // The expected receive buffer (None: not checked).
-    let expect: Option<Vec<u8>> = match kind {
+    let expect = match kind {
         Kind::AllReduce => Some(reduced(dt, op, p, 0, n)),
         Kind::ReduceScatter => Some(reduced(dt, op, p, r * n, n)),
         Kind::AllGather => Some((0..p).flat_map(|q| gen(dt, op, q, n)).collect()),
@@ -122,6 +126,25 @@ fn case(
         Kind::Reduce => None,
         Kind::AllToAll => Some((0..p).flat_map(|q| gen_at(dt, op, q, r * n, n)).collect()),
     };
+    Ok(Prepared { input, expect })
+}
+
+/// Run one case; `Err` describes a wrong result or an operation error.
+fn case(
+    comm: &Communicator,
+    kind: Kind,
+    dt: DataType,
+    op: RedOp,
+    n: usize,
+    in_place: bool,
+    prep: &Prepared,
+) -> Result<(), String> {
+    let (r, p) = (comm.rank() as usize, comm.nranks() as usize);
+    let es = dt.size();
+    let root = (n % p) as u32;
+    let c = coll(kind, n, op, root);
+    let counts = c.buffer_counts(p as u32).map_err(|e| e.to_string())?;
+    let input = &prep.input;
     let (got, untouched): (Vec<u8>, Option<Vec<u8>>) = if in_place {
         let mut buf = match kind {
             Kind::AllGather => {
@@ -129,7 +152,7 @@ fn case(
                 b.bytes_mut()[r * n * es..(r + 1) * n * es].copy_from_slice(&input);
                 b
             }
-            _ => AlignedBuf::from(&input),
+            _ => AlignedBuf::from(input),
         };
         comm.run_bytes_in_place(&c, dt, buf.bytes_mut())
             .map_err(|e| format!("error: {e}"))?;
@@ -140,7 +163,7 @@ fn case(
             _ => (out, None),
         }
     } else {
-        let send = AlignedBuf::from(&input);
+        let send = AlignedBuf::from(input);
         let mut recv = AlignedBuf::new(counts[1] * es, GARBAGE);
         comm.run_bytes(&c, dt, send.bytes(), recv.bytes_mut())
             .map_err(|e| format!("error: {e}"))?;
@@ -149,8 +172,8 @@ fn case(
             (kind == Kind::Reduce && r != root as usize).then(|| vec![GARBAGE; counts[1] * es]);
         (out, untouched)
     };
-    if let Some(want) = expect {
-        if let Some(w) = first_wrong(dt, op, &got, &want) {
+    if let Some(want) = &prep.expect {
+        if let Some(w) = first_wrong(dt, op, &got, want) {
             return Err(format!("wrong result: {w}"));
         }
     }
@@ -174,12 +197,19 @@ fn matrix(comm: &Communicator, sizes: &[usize]) -> u32 {
             };
             for dt in DataType::ALL {
                 for &op in ops {
+                    let prep = match prepare(comm, kind, dt, op, n) {
+                        Ok(p) => p,
+                        Err(e) => {
+                            println!("FAIL rank {}: {e}", comm.rank());
+                            return failures + 1;
+                        }
+                    };
                     for in_place in [false, true] {
                         if in_place && kind == Kind::AllToAll {
                             continue;
                         }
                         cases += 1;
-                        if let Err(e) = case(comm, kind, dt, op, n, in_place) {
+                        if let Err(e) = case(comm, kind, dt, op, n, in_place, &prep) {
                             failures += 1;
                             println!(
                                 "FAIL rank {} {:?} {dt} {op} n={n} in_place={in_place}: {e}",
