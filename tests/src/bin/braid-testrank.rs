@@ -149,7 +149,7 @@ fn case(
         let mut buf = match kind {
             Kind::AllGather => {
                 let mut b = AlignedBuf::new(counts[1] * es, GARBAGE);
-                b.bytes_mut()[r * n * es..(r + 1) * n * es].copy_from_slice(&input);
+                b.bytes_mut()[r * n * es..(r + 1) * n * es].copy_from_slice(input);
                 b
             }
             _ => AlignedBuf::from(input),
