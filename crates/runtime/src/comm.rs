@@ -53,6 +53,7 @@ struct Shared {
     ring: Vec<u32>,
     piece: usize,
     small_allreduce: usize,
+    direct_min: usize,
     policy: WaitPolicy,
     abort: AtomicBool,
     state: Mutex<State>,
@@ -92,17 +93,22 @@ fn spin_budget(me: &PeerDesc, peers: &[PeerDesc]) -> u32 {
     }
 }
 
+/// A byte count from the environment, or `default` when unset.
+fn env_bytes(name: &str, default: usize) -> Result<usize> {
+    match std::env::var(name) {
+        Ok(v) if !v.trim().is_empty() => v.trim().parse().map_err(|_| {
+            Error::Env(format!(
+                "{name}={v} is not a byte count; use a plain number such as 65536"
+            ))
+        }),
+        _ => Ok(default),
+    }
+}
+
 /// AllReduce up to this size uses recursive doubling (latency-bound sizes);
 /// `BRAID_ALLREDUCE_RD_BYTES` overrides, 0 forces the ring.
 fn small_allreduce_bytes() -> Result<usize> {
-    match std::env::var("BRAID_ALLREDUCE_RD_BYTES") {
-        Ok(v) if !v.trim().is_empty() => v.trim().parse().map_err(|_| {
-            Error::Env(format!(
-                "BRAID_ALLREDUCE_RD_BYTES={v} is not a byte count; use e.g. 16384, or 0 to always use the ring"
-            ))
-        }),
-        _ => Ok(16 * 1024),
-    }
+    env_bytes("BRAID_ALLREDUCE_RD_BYTES", 16 * 1024)
 }
 
 /// Default slot size when a communicator has no links (one rank).
@@ -256,6 +262,7 @@ impl Communicator {
         let mut chans = Channels {
             send: (0..p).map(|_| None).collect(),
             recv: (0..p).map(|_| None).collect(),
+            scratch: Vec::new(),
         };
         for q in 0..p {
             if let Some(ps) = pend_send[q].take() {
@@ -282,6 +289,7 @@ impl Communicator {
                 ring,
                 piece,
                 small_allreduce: small_allreduce_bytes()?,
+                direct_min: env_bytes("BRAID_DIRECT_MIN_BYTES", 64 * 1024)?,
                 policy: WaitPolicy {
                     timeout,
                     spin: spin_budget(&me, &peers),
@@ -377,6 +385,7 @@ impl Communicator {
             bufs,
             policy: &sh.policy,
             abort: &sh.abort,
+            direct_min: sh.direct_min,
         };
         // SAFETY: the typed entry points built `bufs` from live slices of the
         // right lengths (checked), borrowed for this whole call, aligned for

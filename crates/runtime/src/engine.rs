@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use braid_core::plan::{Op, Program, Region};
 use braid_core::reduce;
-use braid_core::transport::{RecvChannel, SendChannel, SlotBuf};
+use braid_core::transport::{Incoming, RecvChannel, SendChannel, SlotBuf};
 use braid_core::types::MemKind;
 use braid_core::{CoreError, DataType, RedOp};
 
@@ -35,6 +35,8 @@ pub struct Channels {
     pub send: Vec<Option<Box<dyn SendChannel>>>,
     /// Receiving ends, `recv[peer]`.
     pub recv: Vec<Option<Box<dyn RecvChannel>>>,
+    /// Where direct (single-copy) input is copied before it is reduced.
+    pub scratch: Vec<u64>,
 }
 
 impl std::fmt::Debug for Channels {
@@ -171,7 +173,7 @@ impl<'a> Waiter<'a> {
             .is_none_or(|t| now.duration_since(t) >= Duration::from_millis(2))
         {
             self.last_check = Some(now);
-            if what == "a free slot" {
+            if what != WAIT_DATA {
                 chans.sender(peer)?.check_peer()?;
             } else {
                 chans.receiver(peer)?.check_peer()?;
@@ -179,7 +181,7 @@ impl<'a> Waiter<'a> {
         }
         let waited = now.duration_since(since);
         if waited >= self.policy.timeout {
-            let transport = if what == "a free slot" {
+            let transport = if what != WAIT_DATA {
                 chans.sender(peer)?.transport()
             } else {
                 chans.receiver(peer)?.transport()
@@ -210,6 +212,9 @@ pub struct Exec<'a> {
     pub policy: &'a WaitPolicy,
     /// Set from any thread to make waits fail promptly.
     pub abort: &'a AtomicBool,
+    /// Pieces of at least this many bytes of pure data movement go by
+    /// reference where the link allows it (single copy); `usize::MAX` never.
+    pub direct_min: usize,
 }
 
 /// Run `prog` to completion.
@@ -227,13 +232,14 @@ pub unsafe fn execute(
     ex: &Exec<'_>,
 ) -> Result<(), CoreError> {
     let mut waiter = Waiter::new(ex.policy, ex.abort);
+    let mut direct: Vec<u32> = Vec::new();
     let mut pending: Vec<bool> = Vec::new();
     let mut claimed: Vec<(Option<u32>, Option<u32>)> = Vec::new();
     for stage in prog.stages() {
         if let [op] = stage {
             // The common case: one op, retried until it runs.
             // SAFETY: forwarded from this function's contract.
-            while let Some(blocked) = unsafe { try_op(prog, op, chans, ex)? } {
+            while let Some(blocked) = unsafe { try_op(prog, op, chans, ex, &mut direct)? } {
                 waiter.idle(chans, blocked)?;
             }
             waiter.progressed();
@@ -253,7 +259,7 @@ pub unsafe fn execute(
                     continue;
                 }
                 // SAFETY: forwarded from this function's contract.
-                match unsafe { try_op(prog, op, chans, ex)? } {
+                match unsafe { try_op(prog, op, chans, ex, &mut direct)? } {
                     None => {
                         pending[i] = false;
                         left -= 1;
@@ -270,6 +276,14 @@ pub unsafe fn execute(
                 (false, Some(b)) => waiter.idle(chans, b)?,
             }
         }
+    }
+    // Peers sent references into the caller's buffers must finish reading
+    // them before the caller gets its buffers back.
+    for &peer in &direct {
+        while !chans.sender(peer)?.poll_drained()? {
+            waiter.idle(chans, (peer, WAIT_DRAIN))?;
+        }
+        waiter.progressed();
     }
     Ok(())
 }
@@ -317,8 +331,15 @@ fn dtype_op(prog: &Program) -> Result<(DataType, RedOp), CoreError> {
     }
 }
 
+/// What a blocked op waits for (the waiter checks the matching channel).
+const WAIT_DATA: &str = "data";
+const WAIT_SLOT: &str = "a free slot";
+const WAIT_DRAIN: &str = "its single-copy read of our buffer";
+
 /// Try to run one op. `Ok(None)` when done, `Ok(Some((peer, what)))` when it
-/// must wait for `peer`.
+/// must wait for `peer`. Peers that were sent a direct (single-copy)
+/// reference are added to `direct`; the caller waits for them to finish
+/// reading before the operation returns.
 ///
 /// # Safety
 ///
@@ -328,14 +349,18 @@ unsafe fn try_op(
     op: &Op,
     chans: &mut Channels,
     ex: &Exec<'_>,
+    direct: &mut Vec<u32>,
 ) -> Result<Option<(u32, &'static str)>, CoreError> {
     let len = op.wire_len();
-    let input: Option<(u32, SlotBuf)> = match op.recv_peer() {
+    let input: Option<(u32, Incoming)> = match op.recv_peer() {
         Some(from) => {
             let ch = chans.receiver(from)?;
-            match ch.poll_peek()? {
-                None => return Ok(Some((from, "data"))),
-                Some((slot, got)) => {
+            match ch.poll_peek_any()? {
+                None => return Ok(Some((from, WAIT_DATA))),
+                Some(inc) => {
+                    let got = match inc {
+                        Incoming::Inline(_, l) | Incoming::Remote(l) => l,
+                    };
                     if got != len {
                         return Err(CoreError::Protocol {
                             peer: from,
@@ -345,38 +370,104 @@ unsafe fn try_op(
                         });
                     }
                     host_slot(ch.mem_kind(), from)?;
-                    Some((from, slot))
+                    Some((from, inc))
                 }
             }
         }
         None => None,
     };
-    let output: Option<(u32, SlotBuf)> = match op.send_peer() {
+    // The output: a slot to fill, or a direct reference to user memory.
+    let output: Option<(u32, Option<SlotBuf>)> = match op.send_peer() {
         Some(to) => {
             let ch = chans.sender(to)?;
             match ch.poll_acquire()? {
-                None => return Ok(Some((to, "a free slot"))),
+                None => return Ok(Some((to, WAIT_SLOT))),
                 Some(slot) => {
                     host_slot(ch.mem_kind(), to)?;
-                    if slot.cap < len {
+                    // Single copy for pure data movement: the receiver copies
+                    // out of our buffer. Not for data a receiver reduces
+                    // (Send in a reducing collective): it would only move the
+                    // copy from us to it.
+                    let by_reference = len >= ex.direct_min
+                        && !matches!(op, Op::RecvReduceSend { .. })
+                        && (prog.red_op.is_none() || !matches!(op, Op::Send { .. }))
+                        && ch.can_send_direct();
+                    if by_reference {
+                        Some((to, None))
+                    } else if slot.cap < len {
                         return Err(CoreError::InvalidArgument(format!(
                             "piece of {len} bytes does not fit the {}-byte slots of the link to rank {to}",
                             slot.cap
                         )));
+                    } else {
+                        Some((to, Some(slot)))
                     }
-                    Some((to, slot))
                 }
             }
         }
         None => None,
     };
-    let inp = input.map(|(_, s)| s.ptr as *const u8);
-    let out = output.map(|(_, s)| s.ptr);
-    // SAFETY: slot pointers are valid for `len` bytes (checked above: the
-    // receiver got exactly `len` bytes, the sender's slot holds at least
-    // `len`), host memory (checked), and owned by us until commit/release;
-    // region pointers are inside the caller's buffers (region_ptr checks) and
-    // valid by this function's contract. Slots never overlap user buffers.
+
+    // Where the incoming bytes are readable: the slot itself, or (for a
+    // direct slot) a scratch buffer we copy them into first.
+    let fetch_ptr = |chans: &mut Channels| -> Result<*const u8, CoreError> {
+        match input {
+            Some((_, Incoming::Inline(slot, _))) => Ok(slot.ptr as *const u8),
+            Some((from, Incoming::Remote(_))) => {
+                let words = len.div_ceil(8);
+                if chans.scratch.len() < words {
+                    chans.scratch.resize(words, 0);
+                }
+                let p = chans.scratch.as_mut_ptr() as *mut u8;
+                // SAFETY: the scratch buffer holds at least `len` bytes.
+                unsafe { chans.receiver(from)?.read_remote(p, len)? };
+                Ok(p as *const u8)
+            }
+            None => Err(CoreError::InvalidArgument("op without input".into())),
+        }
+    };
+    // Copy the incoming bytes to `d`.
+    let fetch_into = |chans: &mut Channels, d: *mut u8| -> Result<(), CoreError> {
+        match input {
+            // SAFETY: the slot holds `len` bytes; `d` is a region pointer
+            // valid for `len` bytes (caller's contract); they never overlap.
+            Some((_, Incoming::Inline(slot, _))) => unsafe {
+                std::ptr::copy_nonoverlapping(slot.ptr as *const u8, d, len);
+                Ok(())
+            },
+            // SAFETY: as above.
+            Some((from, Incoming::Remote(_))) => unsafe {
+                chans.receiver(from)?.read_remote(d, len)
+            },
+            None => Err(CoreError::InvalidArgument("op without input".into())),
+        }
+    };
+    // Send the `len` bytes at `p` (user memory that stays unchanged until the
+    // operation ends).
+    let emit =
+        |chans: &mut Channels, direct: &mut Vec<u32>, p: *const u8| -> Result<(), CoreError> {
+            match output {
+                Some((to, None)) => {
+                    // SAFETY: `p` points into the caller's buffers, which stay
+                    // valid and unmodified (plans never rewrite a region they
+                    // sent) until `execute` has waited for the peer to drain.
+                    unsafe { chans.sender(to)?.commit_direct(p, len)? };
+                    if !direct.contains(&to) {
+                        direct.push(to);
+                    }
+                    Ok(())
+                }
+                Some((to, Some(slot))) => {
+                    // SAFETY: the slot holds at least `len` bytes (checked).
+                    unsafe { std::ptr::copy_nonoverlapping(p, slot.ptr, len) };
+                    chans.sender(to)?.commit(len)
+                }
+                None => Err(CoreError::InvalidArgument("op without output".into())),
+            }
+        };
+    // SAFETY: region pointers are inside the caller's buffers (region_ptr
+    // checks) and valid by this function's contract; slot and scratch
+    // pointers hold `len` bytes; slots never overlap user buffers.
     unsafe {
         match *op {
             Op::Copy { src, dst, finalize } => {
@@ -388,83 +479,51 @@ unsafe fn try_op(
                     finalize_region(prog, d, src.len)?;
                 }
             }
-            Op::Send { src, .. } => {
-                std::ptr::copy_nonoverlapping(
-                    region_ptr(ex, src)?,
-                    out.unwrap_or(std::ptr::null_mut()),
-                    len,
-                );
-            }
-            Op::Recv { dst, .. } => {
-                std::ptr::copy_nonoverlapping(
-                    inp.unwrap_or(std::ptr::null()),
-                    region_ptr(ex, dst)?,
-                    len,
-                );
-            }
+            Op::Send { src, .. } => emit(chans, direct, region_ptr(ex, src)?)?,
+            Op::Recv { dst, .. } => fetch_into(chans, region_ptr(ex, dst)?)?,
             Op::RecvReduceSend { src, .. } => {
                 let (dt, rop) = dtype_op(prog)?;
-                let o = out.unwrap_or(std::ptr::null_mut());
-                reduce::reduce_raw(
-                    o,
-                    inp.unwrap_or(std::ptr::null()),
-                    region_ptr(ex, src)?,
-                    len / dt.size(),
-                    dt,
-                    rop,
-                );
+                let i = fetch_ptr(chans)?;
+                let Some((to, Some(slot))) = output else {
+                    return Err(CoreError::InvalidArgument(
+                        "reduce-send without a slot".into(),
+                    ));
+                };
+                reduce::reduce_raw(slot.ptr, i, region_ptr(ex, src)?, len / dt.size(), dt, rop);
+                chans.sender(to)?.commit(len)?;
             }
             Op::RecvReduceCopy {
                 src, dst, finalize, ..
             } => {
                 let (dt, rop) = dtype_op(prog)?;
+                let i = fetch_ptr(chans)?;
                 let d = region_ptr(ex, dst)?;
-                reduce::reduce_raw(
-                    d,
-                    inp.unwrap_or(std::ptr::null()),
-                    region_ptr(ex, src)?,
-                    len / dt.size(),
-                    dt,
-                    rop,
-                );
+                reduce::reduce_raw(d, i, region_ptr(ex, src)?, len / dt.size(), dt, rop);
                 if finalize {
                     finalize_region(prog, d, len)?;
                 }
             }
             Op::RecvCopySend { dst, .. } => {
-                let i = inp.unwrap_or(std::ptr::null());
-                std::ptr::copy_nonoverlapping(i, region_ptr(ex, dst)?, len);
-                std::ptr::copy_nonoverlapping(i, out.unwrap_or(std::ptr::null_mut()), len);
+                let d = region_ptr(ex, dst)?;
+                fetch_into(chans, d)?;
+                emit(chans, direct, d)?;
             }
             Op::RecvReduceCopySend {
                 src, dst, finalize, ..
             } => {
                 let (dt, rop) = dtype_op(prog)?;
+                let i = fetch_ptr(chans)?;
                 let d = region_ptr(ex, dst)?;
-                reduce::reduce_raw(
-                    d,
-                    inp.unwrap_or(std::ptr::null()),
-                    region_ptr(ex, src)?,
-                    len / dt.size(),
-                    dt,
-                    rop,
-                );
+                reduce::reduce_raw(d, i, region_ptr(ex, src)?, len / dt.size(), dt, rop);
                 if finalize {
                     finalize_region(prog, d, len)?;
                 }
-                std::ptr::copy_nonoverlapping(
-                    d as *const u8,
-                    out.unwrap_or(std::ptr::null_mut()),
-                    len,
-                );
+                emit(chans, direct, d)?;
             }
         }
     }
     if let Some((from, _)) = input {
         chans.receiver(from)?.release()?;
-    }
-    if let Some((to, _)) = output {
-        chans.sender(to)?.commit(len)?;
     }
     Ok(None)
 }

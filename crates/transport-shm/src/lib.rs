@@ -61,7 +61,7 @@ use std::time::{Duration, Instant};
 
 use braid_core::error::{CoreError, Result};
 use braid_core::transport::{
-    PeerDesc, PendingRecv, PendingSend, RecvChannel, SendChannel, SlotBuf, Transport,
+    Incoming, PeerDesc, PendingRecv, PendingSend, RecvChannel, SendChannel, SlotBuf, Transport,
 };
 use braid_core::types::MemKind;
 
@@ -77,6 +77,18 @@ const NAME: &str = "shm";
 pub const ENV_SLOT_BYTES: &str = "BRAID_SHM_SLOT_BYTES";
 /// Environment variable: slots per connection.
 pub const ENV_SLOTS: &str = "BRAID_SHM_SLOTS";
+/// Environment variable: `0` disables direct (single-copy) transfers.
+pub const ENV_DIRECT: &str = "BRAID_SHM_DIRECT";
+
+/// Marks a slot length word whose slot holds the sender-side address of the
+/// payload (a direct transfer) instead of the payload.
+const DIRECT_FLAG: u64 = 1 << 63;
+
+fn direct_enabled() -> bool {
+    std::env::var(ENV_DIRECT)
+        .map(|v| v.trim() != "0")
+        .unwrap_or(true)
+}
 
 /// The shared-memory transport. Cheap to clone; holds only its parameters.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -432,6 +444,22 @@ impl PendingRecv for ShmPendingRecv {
                 ),
             ));
         }
+        // Single-copy transfers need this process to read the sender's
+        // memory (same user, ptrace not forbidden by Yama or seccomp):
+        // prove it on the word the sender advertised before enabling them.
+        let probe = sender.probe_addr.load(Ordering::Relaxed);
+        let mut word = 0u64;
+        // SAFETY: `word` is a local u64, valid for 8 bytes of writes.
+        let readable = direct_enabled()
+            && probe != 0
+            && unsafe { segment::read_process(info.pid, probe, (&mut word as *mut u64).cast(), 8) }
+                .is_ok()
+            && word == segment::HEADER_MAGIC;
+        if readable {
+            // Release: pairs with the sender's Acquire in can_send_direct.
+            hdr.receiver.0.direct_ok.store(1, Ordering::Release);
+        }
+        tracing::debug!(peer, direct = readable, "shm single-copy probe");
         let mut seg = self.seg.take().expect("checked above");
         let layout = seg.layout();
         // Both processes have it mapped: the name is no longer needed.
@@ -447,6 +475,7 @@ impl PendingRecv for ShmPendingRecv {
             tail: 0,
             head_cache: 0,
             peeked: false,
+            remote: None,
             aborted: None,
         }))
     }
@@ -490,6 +519,9 @@ impl PendingSend for ShmPendingSend {
         }
         let me = &hdr.sender.0;
         me.pid.store(std::process::id(), Ordering::Relaxed);
+        // Our address of the header's magic word: the receiver's probe.
+        me.probe_addr
+            .store(&hdr.magic as *const _ as u64, Ordering::Relaxed);
         // Release: the receiver that sees `attached` (Acquire) sees our pid.
         if me
             .attached
@@ -514,6 +546,7 @@ impl PendingSend for ShmPendingSend {
             head: 0,
             tail_cache: 0,
             acquired: false,
+            direct: false,
             aborted: None,
         }))
     }
@@ -533,11 +566,33 @@ struct ShmSend {
     tail_cache: u64,
     /// A slot was handed out by `poll_acquire` and not committed yet.
     acquired: bool,
+    /// The receiver proved it can read our memory (cached once seen).
+    direct: bool,
     /// Set by our own `abort`.
     aborted: Option<String>,
 }
 
 impl ShmSend {
+    /// Publish the acquired slot with length word `word`.
+    fn publish(&mut self, word: u64) -> Result<()> {
+        self.not_aborted()?;
+        if !self.acquired {
+            return Err(CoreError::InvalidArgument(
+                "shm commit without a slot from poll_acquire".into(),
+            ));
+        }
+        // Relaxed: ordered before the receiver's read by the Release below.
+        self.seg
+            .len_word((self.head % self.slots) as usize)
+            .store(word, Ordering::Relaxed);
+        self.head += 1;
+        // Release: the payload (or address) and length written before become
+        // visible to the receiver's Acquire load of `head` that sees this.
+        self.seg.header().head.0.store(self.head, Ordering::Release);
+        self.acquired = false;
+        Ok(())
+    }
+
     fn not_aborted(&self) -> Result<()> {
         match &self.aborted {
             Some(r) => Err(CoreError::Aborted(r.clone())),
@@ -598,29 +653,47 @@ impl SendChannel for ShmSend {
     }
 
     fn commit(&mut self, len: usize) -> Result<()> {
-        self.not_aborted()?;
-        if !self.acquired {
-            return Err(CoreError::InvalidArgument(
-                "shm commit without a slot from poll_acquire".into(),
-            ));
-        }
         if len > self.slot_bytes {
             return Err(CoreError::InvalidArgument(format!(
                 "shm commit of {len} bytes into a {}-byte slot",
                 self.slot_bytes
             )));
         }
-        let hdr = self.seg.header();
-        // Relaxed: ordered before the receiver's read by the Release below.
-        self.seg
-            .len_word((self.head % self.slots) as usize)
-            .store(len as u64, Ordering::Relaxed);
-        self.head += 1;
-        // Release: the payload and length written above become visible to
-        // the receiver's Acquire load of `head` that sees this value.
-        hdr.head.0.store(self.head, Ordering::Release);
-        self.acquired = false;
-        Ok(())
+        self.publish(len as u64)
+    }
+
+    fn can_send_direct(&mut self) -> bool {
+        if !self.direct {
+            // Acquire: pairs with the receiver's Release after its probe.
+            self.direct = self
+                .seg
+                .header()
+                .receiver
+                .0
+                .direct_ok
+                .load(Ordering::Acquire)
+                != 0;
+        }
+        self.direct
+    }
+
+    unsafe fn commit_direct(&mut self, ptr: *const u8, len: usize) -> Result<()> {
+        if !self.can_send_direct() {
+            return Err(CoreError::Unavailable {
+                transport: NAME,
+                reason: format!("rank {} cannot read this process's memory", self.peer),
+            });
+        }
+        if !self.acquired || len as u64 >= DIRECT_FLAG {
+            return Err(CoreError::InvalidArgument(
+                "shm direct commit without a slot, or of an impossible length".into(),
+            ));
+        }
+        let slot = self.seg.slot_ptr((self.head % self.slots) as usize);
+        // SAFETY: the acquired slot is ours to write until published; slots
+        // are page-aligned and at least 4096 bytes, so an aligned u64 fits.
+        unsafe { slot.cast::<u64>().write(ptr as u64) };
+        self.publish(len as u64 | DIRECT_FLAG)
     }
 
     fn poll_drained(&mut self) -> Result<bool> {
@@ -677,6 +750,8 @@ struct ShmRecv {
     head_cache: u64,
     /// A slot was handed out by `poll_peek` and not released yet.
     peeked: bool,
+    /// The peeked slot is a direct transfer: (sender address, length).
+    remote: Option<(u64, usize)>,
     /// Set by our own `abort`.
     aborted: Option<String>,
 }
@@ -718,6 +793,17 @@ impl RecvChannel for ShmRecv {
     }
 
     fn poll_peek(&mut self) -> Result<Option<(SlotBuf, usize)>> {
+        match self.poll_peek_any()? {
+            None => Ok(None),
+            Some(Incoming::Inline(slot, len)) => Ok(Some((slot, len))),
+            Some(Incoming::Remote(_)) => Err(protocol(
+                self.peer,
+                "a direct (single-copy) slot reached a receiver that reads slots only".into(),
+            )),
+        }
+    }
+
+    fn poll_peek_any(&mut self) -> Result<Option<Incoming>> {
         if let Some(r) = &self.aborted {
             return Err(CoreError::Aborted(r.clone()));
         }
@@ -727,24 +813,65 @@ impl RecvChannel for ShmRecv {
         let idx = (self.tail % self.slots) as usize;
         // Relaxed: the Acquire load of `head` that covered this slot already
         // ordered the sender's store of the length before us.
-        let len = self.seg.len_word(idx).load(Ordering::Relaxed);
-        if len > self.slot_bytes as u64 {
+        let word = self.seg.len_word(idx).load(Ordering::Relaxed);
+        let slot = SlotBuf {
+            ptr: self.seg.slot_ptr(idx),
+            cap: self.slot_bytes,
+        };
+        self.peeked = true;
+        if word & DIRECT_FLAG != 0 {
+            let len = (word & !DIRECT_FLAG) as usize;
+            // SAFETY: the slot is published (covered by `head`), page-aligned
+            // and at least 4096 bytes; the sender wrote the address before
+            // its Release store of `head`.
+            let addr = unsafe { slot.ptr.cast::<u64>().read() };
+            self.remote = Some((addr, len));
+            return Ok(Some(Incoming::Remote(len)));
+        }
+        if word > self.slot_bytes as u64 {
+            self.peeked = false;
             return Err(protocol(
                 self.peer,
                 format!(
-                    "shm slot holds {len} bytes, more than its {} (corrupt segment)",
+                    "shm slot holds {word} bytes, more than its {} (corrupt segment)",
                     self.slot_bytes
                 ),
             ));
         }
-        self.peeked = true;
-        Ok(Some((
-            SlotBuf {
-                ptr: self.seg.slot_ptr(idx),
-                cap: self.slot_bytes,
-            },
-            len as usize,
-        )))
+        self.remote = None;
+        Ok(Some(Incoming::Inline(slot, word as usize)))
+    }
+
+    unsafe fn read_remote(&mut self, dst: *mut u8, len: usize) -> Result<()> {
+        let Some((addr, rlen)) = self.remote.filter(|_| self.peeked) else {
+            return Err(CoreError::InvalidArgument(
+                "shm read_remote without a direct slot from poll_peek_any".into(),
+            ));
+        };
+        if len != rlen {
+            return Err(protocol(
+                self.peer,
+                format!("direct slot of {rlen} bytes read as {len}"),
+            ));
+        }
+        // SAFETY: `dst` is valid for `len` bytes (this method's contract).
+        unsafe { segment::read_process(self.peer_pid, addr, dst, len) }.map_err(|e| {
+            if e == nix::errno::Errno::ESRCH {
+                CoreError::Peer {
+                    transport: NAME,
+                    peer: self.peer,
+                    what: format!("process {} is gone", self.peer_pid),
+                    source: None,
+                }
+            } else {
+                CoreError::Peer {
+                    transport: NAME,
+                    peer: self.peer,
+                    what: format!("reading its memory (process_vm_readv) failed: {e}"),
+                    source: Some(Box::new(e)),
+                }
+            }
+        })
     }
 
     fn release(&mut self) -> Result<()> {
@@ -758,6 +885,7 @@ impl RecvChannel for ShmRecv {
         }
         self.tail += 1;
         self.peeked = false;
+        self.remote = None;
         // Release: our reads of the slot happen before the sender's Acquire
         // load of `tail` that lets it overwrite the slot.
         self.seg.header().tail.0.store(self.tail, Ordering::Release);

@@ -14,8 +14,8 @@
 //! | 0 | identity line: magic, version, slots, slot_bytes, stride, data offset, nonce, receiver pid | creator, once |
 //! | 128 | `head`: slots committed by the sender | sender |
 //! | 256 | `tail`: slots released by the receiver | receiver |
-//! | 384 | sender side: pid, attached, closed, abort, abort reason | sender |
-//! | 512 | receiver side: pid, attached, closed, abort, abort reason | receiver |
+//! | 384 | sender side: pid, attached, closed, abort, abort reason, probe address | sender |
+//! | 512 | receiver side: pid, attached, closed, abort, abort reason, direct_ok | receiver |
 //! | 640 | `lens[slots]`: byte length of each slot's message | sender |
 //! | `data_offset` (multiple of 4096) | `slots` slots, each `stride` bytes apart (`stride` = `slot_bytes` rounded up to 4096) | sender writes, receiver reads |
 //!
@@ -36,7 +36,7 @@ use nix::sys::stat::Mode;
 /// `"BRAIDSHM"` in ASCII: the first word of every segment.
 pub(crate) const HEADER_MAGIC: u64 = u64::from_be_bytes(*b"BRAIDSHM");
 /// Version of the in-memory layout (bumped on any change to [`Header`]).
-pub(crate) const LAYOUT_VERSION: u32 = 1;
+pub(crate) const LAYOUT_VERSION: u32 = 2;
 /// Page size the layout aligns to.
 pub(crate) const PAGE: usize = 4096;
 /// Bytes of abort reason kept in the segment (longer reasons are cut).
@@ -70,8 +70,15 @@ pub(crate) struct Side {
     pub abort: AtomicU32,
     /// Valid bytes in `reason` once `abort == ABORT_SET`.
     pub reason_len: AtomicU32,
+    /// Receiver side only: non-zero once the receiver proved it can read the
+    /// sender's memory (`process_vm_readv`), enabling direct transfers.
+    pub direct_ok: AtomicU32,
     /// UTF-8 abort reason (possibly cut).
     pub reason: [AtomicU8; REASON_BYTES],
+    /// Sender side only: address, in the sender's address space, of a word
+    /// holding [`HEADER_MAGIC`] (its mapping of this header): the receiver's
+    /// direct-read probe.
+    pub probe_addr: AtomicU64,
 }
 
 /// The control block at the start of every segment. All fields are atomics:
@@ -421,6 +428,44 @@ impl Drop for UnlinkOnError<'_> {
     fn drop(&mut self) {
         let _ = mman::shm_unlink(self.0);
     }
+}
+
+/// Copy `len` bytes at `remote` in process `pid` to `dst` with
+/// `process_vm_readv` (one copy, done by the kernel), looping over short reads.
+///
+/// # Safety
+///
+/// `dst` must be valid for writes of `len` bytes.
+pub(crate) unsafe fn read_process(
+    pid: u32,
+    remote: u64,
+    dst: *mut u8,
+    len: usize,
+) -> Result<(), Errno> {
+    let mut done = 0usize;
+    while done < len {
+        let local = libc::iovec {
+            // SAFETY: done < len, inside the caller's buffer.
+            iov_base: unsafe { dst.add(done) } as *mut libc::c_void,
+            iov_len: len - done,
+        };
+        let rem = libc::iovec {
+            iov_base: (remote as usize + done) as *mut libc::c_void,
+            iov_len: len - done,
+        };
+        // SAFETY: one local iovec describing writable memory (the caller's
+        // contract) and one remote iovec; the kernel checks the remote side
+        // and fails with EFAULT/ESRCH/EPERM instead of touching our memory.
+        let n = unsafe { libc::process_vm_readv(pid as libc::pid_t, &local, 1, &rem, 1, 0) };
+        if n < 0 {
+            return Err(Errno::last());
+        }
+        if n == 0 {
+            return Err(Errno::EFAULT);
+        }
+        done += n as usize;
+    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -288,3 +288,22 @@ fn killed_sender_is_reported_gone() {
     drop(rx);
     assert!(mine().is_empty());
 }
+
+/// Single-copy transfers are on by default where this process may read its
+/// peer's memory (same user; here the peer is this very process), and off
+/// with `BRAID_SHM_DIRECT=0`: the conformance case then covers the refusal.
+#[test]
+fn direct_transfers_probe_succeeds_between_processes_of_one_user() {
+    let _g = lock();
+    let (t0, t1) = (small(), small());
+    let (prx, rinfo) = t1.listen(&desc(1), &desc(0)).unwrap();
+    let (ptx, sinfo) = t0.prepare_send(&desc(0), &desc(1)).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut tx = ptx.connect(&rinfo, deadline).unwrap();
+    let _rx = prx.connect(&sinfo, deadline).unwrap();
+    if std::env::var("BRAID_SHM_DIRECT").as_deref() == Ok("0") {
+        assert!(!tx.can_send_direct());
+    } else {
+        assert!(tx.can_send_direct(), "process_vm_readv probe failed on this machine");
+    }
+}

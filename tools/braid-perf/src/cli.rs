@@ -69,7 +69,10 @@ impl Bench {
 
     /// True for the collectives that take a reduction operator.
     pub const fn reduces(self) -> bool {
-        matches!(self, Bench::AllReduce | Bench::ReduceScatter | Bench::Reduce)
+        matches!(
+            self,
+            Bench::AllReduce | Bench::ReduceScatter | Bench::Reduce
+        )
     }
 
     /// True for the collectives that take a root.
@@ -310,17 +313,15 @@ pub fn size_sequence(min: u64, max: u64, step: Step) -> Result<Vec<u64>, UsageEr
         }
         let next = match step {
             Step::Factor(f) => {
-                if s == 0 {
-                    return usage(
-                        "-b 0 with a step factor never grows: use -b 1 or more, or -i",
-                    );
+                if s == 0 && max > 0 {
+                    return usage("-b 0 with a step factor never grows: use -b 1 or more, or -i");
                 }
                 s.checked_mul(f)
             }
             Step::Bytes(b) => s.checked_add(b),
         };
         match next {
-            Some(n) if n <= max => s = n,
+            Some(n) if n <= max && n > s => s = n,
             _ => break,
         }
     }
@@ -349,32 +350,136 @@ struct Flag {
 }
 
 const FLAGS: &[Flag] = &[
-    Flag { short: Some('b'), long: "minbytes", takes_value: true },
-    Flag { short: Some('e'), long: "maxbytes", takes_value: true },
-    Flag { short: Some('f'), long: "stepfactor", takes_value: true },
-    Flag { short: Some('i'), long: "stepbytes", takes_value: true },
-    Flag { short: Some('n'), long: "iters", takes_value: true },
-    Flag { short: Some('w'), long: "warmup_iters", takes_value: true },
-    Flag { short: Some('m'), long: "agg_iters", takes_value: true },
-    Flag { short: Some('N'), long: "run_cycles", takes_value: true },
-    Flag { short: Some('c'), long: "check", takes_value: true },
-    Flag { short: Some('d'), long: "datatype", takes_value: true },
-    Flag { short: Some('o'), long: "op", takes_value: true },
-    Flag { short: Some('r'), long: "root", takes_value: true },
-    Flag { short: Some('z'), long: "blocking", takes_value: true },
-    Flag { short: Some('a'), long: "average", takes_value: true },
-    Flag { short: Some('T'), long: "timeout", takes_value: true },
-    Flag { short: Some('J'), long: "output_file", takes_value: true },
-    Flag { short: Some('H'), long: "hugepages", takes_value: true },
-    Flag { short: Some('t'), long: "nthreads", takes_value: true },
-    Flag { short: Some('g'), long: "ngpus", takes_value: true },
-    Flag { short: None, long: "plot", takes_value: true },
-    Flag { short: None, long: "label", takes_value: true },
-    Flag { short: None, long: "np", takes_value: true },
-    Flag { short: None, long: "child-rank", takes_value: true },
-    Flag { short: None, long: "child-nranks", takes_value: true },
-    Flag { short: None, long: "child-id", takes_value: true },
-    Flag { short: Some('h'), long: "help", takes_value: false },
+    Flag {
+        short: Some('b'),
+        long: "minbytes",
+        takes_value: true,
+    },
+    Flag {
+        short: Some('e'),
+        long: "maxbytes",
+        takes_value: true,
+    },
+    Flag {
+        short: Some('f'),
+        long: "stepfactor",
+        takes_value: true,
+    },
+    Flag {
+        short: Some('i'),
+        long: "stepbytes",
+        takes_value: true,
+    },
+    Flag {
+        short: Some('n'),
+        long: "iters",
+        takes_value: true,
+    },
+    Flag {
+        short: Some('w'),
+        long: "warmup_iters",
+        takes_value: true,
+    },
+    Flag {
+        short: Some('m'),
+        long: "agg_iters",
+        takes_value: true,
+    },
+    Flag {
+        short: Some('N'),
+        long: "run_cycles",
+        takes_value: true,
+    },
+    Flag {
+        short: Some('c'),
+        long: "check",
+        takes_value: true,
+    },
+    Flag {
+        short: Some('d'),
+        long: "datatype",
+        takes_value: true,
+    },
+    Flag {
+        short: Some('o'),
+        long: "op",
+        takes_value: true,
+    },
+    Flag {
+        short: Some('r'),
+        long: "root",
+        takes_value: true,
+    },
+    Flag {
+        short: Some('z'),
+        long: "blocking",
+        takes_value: true,
+    },
+    Flag {
+        short: Some('a'),
+        long: "average",
+        takes_value: true,
+    },
+    Flag {
+        short: Some('T'),
+        long: "timeout",
+        takes_value: true,
+    },
+    Flag {
+        short: Some('J'),
+        long: "output_file",
+        takes_value: true,
+    },
+    Flag {
+        short: Some('H'),
+        long: "hugepages",
+        takes_value: true,
+    },
+    Flag {
+        short: Some('t'),
+        long: "nthreads",
+        takes_value: true,
+    },
+    Flag {
+        short: Some('g'),
+        long: "ngpus",
+        takes_value: true,
+    },
+    Flag {
+        short: None,
+        long: "plot",
+        takes_value: true,
+    },
+    Flag {
+        short: None,
+        long: "label",
+        takes_value: true,
+    },
+    Flag {
+        short: None,
+        long: "np",
+        takes_value: true,
+    },
+    Flag {
+        short: None,
+        long: "child-rank",
+        takes_value: true,
+    },
+    Flag {
+        short: None,
+        long: "child-nranks",
+        takes_value: true,
+    },
+    Flag {
+        short: None,
+        long: "child-id",
+        takes_value: true,
+    },
+    Flag {
+        short: Some('h'),
+        long: "help",
+        takes_value: false,
+    },
 ];
 
 /// Split argv into (flag long name, value) pairs, getopt-style.
@@ -385,7 +490,10 @@ fn tokenize(args: &[String]) -> Result<Vec<(&'static str, Option<String>)>, Usag
         let a = &args[i];
         i += 1;
         let (flag, inline): (&Flag, Option<String>) = if a == "-np" {
-            (FLAGS.iter().find(|f| f.long == "np").expect("np flag"), None)
+            (
+                FLAGS.iter().find(|f| f.long == "np").expect("np flag"),
+                None,
+            )
         } else if let Some(long) = a.strip_prefix("--") {
             let (name, val) = match long.split_once('=') {
                 Some((n, v)) => (n, Some(v.to_string())),
@@ -441,7 +549,11 @@ pub fn parse(argv0: &str, args: &[String]) -> Result<Command, UsageError> {
         .and_then(|s| s.to_str())
         .unwrap_or("");
     let (bench, rest) = if let Some(b) = Bench::from_name(exe) {
-        (b, args)
+        // `all_reduce_perf all_reduce -b 8` (as -np re-runs itself) too.
+        match args.first() {
+            Some(a) if Bench::from_name(a) == Some(b) => (b, &args[1..]),
+            _ => (b, args),
+        }
     } else {
         let Some(first) = args.first() else {
             return Ok(Command::Help(help_text()));
@@ -514,13 +626,19 @@ fn parse_bench(bench: Bench, args: &[String]) -> Result<Command, UsageError> {
                     "1" => Average::Avg,
                     "2" => Average::Min,
                     "3" => Average::Max,
-                    _ => return usage(format!("{flag} '{v}': expected 0 (rank 0), 1 (avg), 2 (min) or 3 (max)")),
+                    _ => {
+                        return usage(format!(
+                            "{flag} '{v}': expected 0 (rank 0), 1 (avg), 2 (min) or 3 (max)"
+                        ))
+                    }
                 }
             }
             "timeout" => {
                 let t: f64 = parse_num(&flag, &v, "seconds")?;
                 if !(t.is_finite() && t > 0.0) {
-                    return usage(format!("{flag} '{v}': expected a positive number of seconds"));
+                    return usage(format!(
+                        "{flag} '{v}': expected a positive number of seconds"
+                    ));
                 }
                 o.timeout = Some(t);
             }
@@ -572,7 +690,9 @@ fn parse_bench(bench: Bench, args: &[String]) -> Result<Command, UsageError> {
         (None, None, None) => {}
         (Some(rank), Some(nranks), Some(id)) => {
             if rank >= nranks {
-                return usage(format!("--child-rank {rank} out of range for {nranks} ranks"));
+                return usage(format!(
+                    "--child-rank {rank} out of range for {nranks} ranks"
+                ));
             }
             o.child = Some(Child { rank, nranks, id });
         }
@@ -583,7 +703,10 @@ fn parse_bench(bench: Bench, args: &[String]) -> Result<Command, UsageError> {
     }
     if let (RootSel::One(r), Some(n)) = (o.root, o.np) {
         if bench.rooted() && r >= n {
-            return usage(format!("-r {r}: root out of range for -np {n} (ranks 0..{})", n - 1));
+            return usage(format!(
+                "-r {r}: root out of range for -np {n} (ranks 0..{})",
+                n - 1
+            ));
         }
     }
     Ok(Command::Bench(Box::new(o)))
@@ -763,7 +886,10 @@ mod tests {
             size_sequence(1 << 20, 4 << 20, Step::Bytes(1 << 20)).unwrap(),
             vec![1 << 20, 2 << 20, 3 << 20, 4 << 20]
         );
-        assert_eq!(size_sequence(10, 25, Step::Bytes(10)).unwrap(), vec![10, 20]);
+        assert_eq!(
+            size_sequence(10, 25, Step::Bytes(10)).unwrap(),
+            vec![10, 20]
+        );
         assert!(size_sequence(9, 8, Step::Factor(2)).is_err());
         assert!(size_sequence(0, 8, Step::Factor(2)).is_err());
         assert_eq!(size_sequence(0, 0, Step::Factor(2)).unwrap(), vec![0]);
@@ -774,7 +900,10 @@ mod tests {
     fn defaults_are_nccl_tests_defaults() {
         let o = bench(&["all_reduce"]).unwrap();
         assert_eq!((o.min_bytes, o.max_bytes), (32 << 20, 32 << 20));
-        assert_eq!((o.iters, o.warmup, o.agg, o.cycles, o.check), (20, 1, 1, 1, 1));
+        assert_eq!(
+            (o.iters, o.warmup, o.agg, o.cycles, o.check),
+            (20, 1, 1, 1, 1)
+        );
         assert_eq!(o.dtypes, vec![DataType::F32]);
         assert_eq!(o.ops, vec![RedOp::Sum]);
         assert_eq!(o.root, RootSel::One(0));
@@ -786,15 +915,52 @@ mod tests {
     #[test]
     fn flags_in_every_spelling() {
         let o = bench(&[
-            "all_gather", "-b", "8", "-e64K", "--stepfactor=4", "--iters", "3", "-w", "1",
-            "-d", "all", "-o", "all", "-r", "all", "-z", "1", "-a", "3", "-np", "3", "-J",
-            "x.json", "--plot", "x.png", "--label", "shm", "-T", "2.5", "-c", "0", "-m", "2",
-            "-N", "2",
+            "all_gather",
+            "-b",
+            "8",
+            "-e64K",
+            "--stepfactor=4",
+            "--iters",
+            "3",
+            "-w",
+            "1",
+            "-d",
+            "all",
+            "-o",
+            "all",
+            "-r",
+            "all",
+            "-z",
+            "1",
+            "-a",
+            "3",
+            "-np",
+            "3",
+            "-J",
+            "x.json",
+            "--plot",
+            "x.png",
+            "--label",
+            "shm",
+            "-T",
+            "2.5",
+            "-c",
+            "0",
+            "-m",
+            "2",
+            "-N",
+            "2",
         ])
         .unwrap();
         assert_eq!(o.bench, Bench::AllGather);
-        assert_eq!((o.min_bytes, o.max_bytes, o.step), (8, 64 << 10, Step::Factor(4)));
-        assert_eq!((o.iters, o.warmup, o.check, o.agg, o.cycles), (3, 1, 0, 2, 2));
+        assert_eq!(
+            (o.min_bytes, o.max_bytes, o.step),
+            (8, 64 << 10, Step::Factor(4))
+        );
+        assert_eq!(
+            (o.iters, o.warmup, o.check, o.agg, o.cycles),
+            (3, 1, 0, 2, 2)
+        );
         assert_eq!(o.dtypes.len(), 10);
         assert_eq!(o.ops.len(), 5);
         assert_eq!(o.root, RootSel::All);

@@ -185,12 +185,25 @@ mod tests {
             "#        (B)    (elements)                               (us)  (GB/s)  (GB/s)            (us)  (GB/s)  (GB/s)"
         );
         // Every row lines up with the header: same total width.
-        let r = row(8, 2, "float", "sum", -1, Some(&m(40.22, 0.0, 0.0, Some(0))), Some(&m(39.6, 0.0, 0.0, Some(0))));
+        let r = row(
+            8,
+            2,
+            "float",
+            "sum",
+            -1,
+            Some(&m(40.22, 0.0, 0.0, Some(0))),
+            Some(&m(39.6, 0.0, 0.0, Some(0))),
+        );
         assert_eq!(r.len(), lines[2].len());
     }
 
     fn m(t: f64, a: f64, b: f64, w: Option<u64>) -> Meas {
-        Meas { time_us: t, algbw: a, busbw: b, wrong: w }
+        Meas {
+            time_us: t,
+            algbw: a,
+            busbw: b,
+            wrong: w,
+        }
     }
 
     #[test]

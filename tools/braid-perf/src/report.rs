@@ -198,15 +198,19 @@ pub fn import_mpi_csv(text: &str, label: Option<&str>) -> Result<Report, String>
         .sum();
     let label = label
         .map(str::to_string)
-        .or_else(|| tag.filter(|t| !t.is_empty()).map(|t| format!("openmpi {t}")))
+        .or_else(|| {
+            tag.filter(|t| !t.is_empty())
+                .map(|t| format!("openmpi {t}"))
+        })
         .unwrap_or_else(|| "openmpi".into());
     Ok(Report {
         tool: "mpi_coll_bench".into(),
         version: String::new(),
         label,
         command: "import-mpi".into(),
-        buffers: "see mpi_coll_bench's header (mpi-best.sh: glibc malloc on transparent huge pages)"
-            .into(),
+        buffers:
+            "see mpi_coll_bench's header (mpi-best.sh: glibc malloc on transparent huge pages)"
+                .into(),
         ranks: Vec::new(),
         rows,
         avg_busbw_gbps: avg,
@@ -244,7 +248,9 @@ np2_shm_thp,mpi,2,allgather,1048576,262144,float,none,-1,150.000,160.000,6.9905,
     #[test]
     fn bad_csv_says_what_is_wrong() {
         assert!(import_mpi_csv("", None).unwrap_err().contains("empty"));
-        assert!(import_mpi_csv("a,b\n1,2\n", None).unwrap_err().contains("column"));
+        assert!(import_mpi_csv("a,b\n1,2\n", None)
+            .unwrap_err()
+            .contains("column"));
         let bad = CSV.replace("0.412", "fast");
         assert!(import_mpi_csv(&bad, None).unwrap_err().contains("line 2"));
         let header_only = CSV.lines().next().unwrap();

@@ -993,6 +993,73 @@ pub fn oversized_commit_rejected(factory: &Factory) {
 /// Expands to one `#[test]` per conformance case for the transport made by
 /// `$factory` (a non-capturing closure or fn returning a `Transport` or a
 /// `Box<dyn Transport>`). Use once per module.
+/// Case 11: direct (single-copy) transfers, where the transport offers them:
+/// a reference to a buffer larger than a slot arrives as
+/// [`Incoming::Remote`], reads back exactly, and `poll_drained` turns true
+/// only after the receiver released it. A transport without them must
+/// refuse `commit_direct` with an error (and keep working).
+pub fn direct_transfers_when_offered(factory: &Factory) {
+    use crate::transport::Incoming;
+    let (mut tx, mut rx) = fresh_pair(factory);
+    let len = tx.slot_bytes() * 3 + 7;
+    let data: Vec<u8> = (0..len).map(|i| (i * 7 + 3) as u8).collect();
+    let _ = wait_for("a free slot", Duration::from_secs(10), || {
+        tx.poll_acquire().unwrap()
+    });
+    if !tx.can_send_direct() {
+        // SAFETY: `data` is valid for `len` bytes and outlives the call.
+        let r = unsafe { tx.commit_direct(data.as_ptr(), len) };
+        assert!(
+            r.is_err(),
+            "commit_direct must fail where can_send_direct is false"
+        );
+        tx.commit(1)
+            .expect("the link still works after a refused direct commit");
+        let got = wait_for("the inline slot", Duration::from_secs(10), || {
+            rx.poll_peek_any().unwrap()
+        });
+        assert!(matches!(got, Incoming::Inline(_, 1)), "got {got:?}");
+        rx.release().unwrap();
+        return;
+    }
+    // SAFETY: `data` stays alive and unchanged until poll_drained below.
+    unsafe { tx.commit_direct(data.as_ptr(), len) }.expect("commit_direct");
+    assert!(
+        !tx.poll_drained().unwrap(),
+        "drained before the receiver read"
+    );
+    let got = wait_for("the direct slot", Duration::from_secs(10), || {
+        rx.poll_peek_any().unwrap()
+    });
+    match got {
+        Incoming::Remote(l) => assert_eq!(l, len, "direct length"),
+        other => panic!("expected a remote slot, got {other:?}"),
+    }
+    let mut out = vec![0u8; len];
+    // SAFETY: `out` holds `len` writable bytes.
+    unsafe { rx.read_remote(out.as_mut_ptr(), len) }.expect("read_remote");
+    assert!(out == data, "direct transfer corrupted the data");
+    assert!(!tx.poll_drained().unwrap(), "drained before release");
+    rx.release().unwrap();
+    wait_for("drain", Duration::from_secs(10), || {
+        tx.poll_drained().unwrap().then_some(())
+    });
+    // The FIFO keeps working inline afterwards.
+    let slot = wait_for("a free slot", Duration::from_secs(10), || {
+        tx.poll_acquire().unwrap()
+    });
+    if crate::types::MemKind::Host == tx.mem_kind() {
+        // SAFETY: host slot of at least one byte.
+        unsafe { slot.ptr.write(42) };
+    }
+    tx.commit(1).unwrap();
+    let got = wait_for("the inline slot", Duration::from_secs(10), || {
+        rx.poll_peek_any().unwrap()
+    });
+    assert!(matches!(got, Incoming::Inline(_, 1)), "got {got:?}");
+    rx.release().unwrap();
+}
+
 #[macro_export]
 macro_rules! transport_conformance_tests {
     (@cases $($test:ident => $case:ident),* $(,)?) => {
@@ -1018,6 +1085,7 @@ macro_rules! transport_conformance_tests {
             conformance_bad_connect_info_rejected => bad_connect_info_rejected,
             conformance_both_directions => both_directions,
             conformance_oversized_commit_rejected => oversized_commit_rejected,
+            conformance_direct_transfers_when_offered => direct_transfers_when_offered,
         );
     };
 }

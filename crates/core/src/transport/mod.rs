@@ -49,6 +49,16 @@ pub struct SlotBuf {
     pub cap: usize,
 }
 
+/// What the oldest committed slot of a receiving end holds.
+#[derive(Clone, Copy, Debug)]
+pub enum Incoming {
+    /// `len` bytes of payload in the slot itself.
+    Inline(SlotBuf, usize),
+    /// A reference to `len` bytes in the sender's memory: copy them out with
+    /// [`RecvChannel::read_remote`] (single-copy transfer).
+    Remote(usize),
+}
+
 /// A transport implementation: one per crate (`braid-transport-*`).
 pub trait Transport: Send + Sync {
     /// Short name used in logs and errors (`shm`, `socket`, ...).
@@ -114,6 +124,28 @@ pub trait SendChannel: Send {
     fn check_peer(&mut self) -> Result<()>;
     /// Tell the peer that this side gave up (best effort, never blocks).
     fn abort(&mut self, reason: &str);
+    /// Whether [`SendChannel::commit_direct`] may be used: the receiver can
+    /// copy straight out of this process's memory.
+    fn can_send_direct(&mut self) -> bool {
+        false
+    }
+    /// Publish the slot last returned by `poll_acquire` as a reference to
+    /// `len` bytes at `ptr` in this process's memory instead of a copy: the
+    /// receiver copies them out itself, so the data moves once instead of
+    /// twice. `len` may exceed `slot_bytes`.
+    ///
+    /// # Safety
+    ///
+    /// `ptr` must be valid for reads of `len` bytes, and the memory must stay
+    /// allocated and unchanged until [`SendChannel::poll_drained`] returns
+    /// true (the receiver reads it at a time of its choosing).
+    unsafe fn commit_direct(&mut self, ptr: *const u8, len: usize) -> Result<()> {
+        let _ = (ptr, len);
+        Err(crate::error::CoreError::Unavailable {
+            transport: self.transport(),
+            reason: "direct (single-copy) transfers are not supported".into(),
+        })
+    }
 }
 
 /// The receiving end of a connected FIFO.
@@ -135,4 +167,23 @@ pub trait RecvChannel: Send {
     fn check_peer(&mut self) -> Result<()>;
     /// Tell the peer that this side gave up (best effort, never blocks).
     fn abort(&mut self, reason: &str);
+    /// Like `poll_peek`, but also reports slots published with
+    /// [`SendChannel::commit_direct`]. Transports without direct transfers
+    /// keep this default.
+    fn poll_peek_any(&mut self) -> Result<Option<Incoming>> {
+        Ok(self.poll_peek()?.map(|(s, l)| Incoming::Inline(s, l)))
+    }
+    /// Copy the payload of the current [`Incoming::Remote`] slot (all `len`
+    /// bytes) to `dst`, before `release`.
+    ///
+    /// # Safety
+    ///
+    /// `dst` must be valid for writes of `len` bytes of host memory.
+    unsafe fn read_remote(&mut self, dst: *mut u8, len: usize) -> Result<()> {
+        let _ = (dst, len);
+        Err(crate::error::CoreError::Unavailable {
+            transport: self.transport(),
+            reason: "direct (single-copy) transfers are not supported".into(),
+        })
+    }
 }

@@ -1,0 +1,756 @@
+//! One rank's benchmark: buffers, the timed loops, the correctness checks
+//! and the rows (printed by rank 0).
+
+use std::io::Write;
+use std::time::Instant;
+
+use braid::{Collective, Communicator, DataType, RedOp};
+use braid_core::reference::{self, GARBAGE};
+
+use crate::cli::{Average, Bench, Opts, RootSel, Step};
+use crate::format::{self, Meas};
+use crate::report::{JsonMeas, Report, Row};
+
+/// What went wrong in a run.
+#[derive(Debug)]
+pub enum BenchError {
+    /// Bad options found once the communicator is known (e.g. a root out
+    /// of range): exit status 2.
+    Usage(String),
+    /// braid failed.
+    Braid(braid::Error),
+    /// Writing output failed.
+    Io(String),
+}
+
+impl std::fmt::Display for BenchError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            BenchError::Usage(m) | BenchError::Io(m) => f.write_str(m),
+            BenchError::Braid(e) => write!(f, "{e}"),
+        }
+    }
+}
+
+impl From<braid::Error> for BenchError {
+    fn from(e: braid::Error) -> Self {
+        BenchError::Braid(e)
+    }
+}
+
+/// The shape of one row: what nccl-tests prints and what braid runs.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Shape {
+    /// Bytes printed in the size column.
+    pub size: u64,
+    /// Elements printed in the count column (the operation's count
+    /// parameter: per rank for all_gather/reduce_scatter, per peer for
+    /// alltoall).
+    pub count: u64,
+    /// The collective (None for sendrecv, a group of a send and a recv).
+    pub coll: Option<Collective>,
+}
+
+/// nccl-tests' `getCollByteCount`: the per-rank count of all_gather,
+/// reduce_scatter and alltoall is size / nranks / typesize rounded down to a
+/// multiple of 16 bytes; the others use size / typesize.
+pub fn shape(bench: Bench, size: u64, dt: DataType, op: RedOp, root: u32, nranks: u32) -> Shape {
+    let ws = dt.size() as u64;
+    let p = u64::from(nranks.max(1));
+    let count = size / ws;
+    let (param, printed) = if bench.total_array() {
+        let gran = (16 / ws).max(1);
+        let per = count / p / gran * gran;
+        (per, per * p * ws)
+    } else {
+        (count, count * ws)
+    };
+    let n = param as usize;
+    let coll = match bench {
+        Bench::AllReduce => Some(Collective::AllReduce { count: n, op }),
+        Bench::ReduceScatter => Some(Collective::ReduceScatter { recv_count: n, op }),
+        Bench::AllGather => Some(Collective::AllGather { send_count: n }),
+        Bench::Broadcast => Some(Collective::Broadcast { count: n, root }),
+        Bench::Reduce => Some(Collective::Reduce { count: n, op, root }),
+        Bench::AllToAll => Some(Collective::AllToAll { count: n }),
+        Bench::SendRecv => None,
+    };
+    Shape {
+        size: printed,
+        count: param,
+        coll,
+    }
+}
+
+/// Elements of the send and receive buffers (out-of-place) and of the
+/// in-place buffer, for count parameter `n` on `p` ranks.
+pub fn buffer_elems(bench: Bench, n: usize, p: usize) -> (usize, usize, usize) {
+    match bench {
+        Bench::AllReduce | Bench::Broadcast | Bench::Reduce | Bench::SendRecv => (n, n, n),
+        Bench::ReduceScatter => (n * p, n, n * p),
+        Bench::AllGather => (n, n * p, n * p),
+        Bench::AllToAll => (n * p, n * p, n * p),
+    }
+}
+
+/// Everything a rank needs to run one row.
+#[derive(Clone, Copy, Debug)]
+struct Case {
+    bench: Bench,
+    dt: DataType,
+    op: RedOp,
+    root: u32,
+    in_place: bool,
+}
+
+/// The benchmark's buffers: two `Vec<u64>` (8-byte aligned for every
+/// datatype) of the largest size, allocated once and first-touched before
+/// any timing.
+#[derive(Debug)]
+pub struct Buffers {
+    send: Vec<u64>,
+    recv: Vec<u64>,
+    huge: bool,
+}
+
+impl Buffers {
+    /// Allocate `bytes` for each buffer, optionally advise huge pages, and
+    /// touch every page.
+    pub fn new(bytes: u64, hugepages: bool) -> Result<Buffers, BenchError> {
+        let words = usize::try_from(bytes.div_ceil(8) + 1)
+            .map_err(|_| BenchError::Usage(format!("{bytes} bytes do not fit in memory")))?;
+        let alloc = || -> Result<(Vec<u64>, bool), BenchError> {
+            let mut v: Vec<u64> = Vec::new();
+            v.try_reserve_exact(words).map_err(|_| {
+                BenchError::Usage(format!(
+                    "cannot allocate {} bytes for a buffer: lower -e",
+                    words * 8
+                ))
+            })?;
+            v.resize(words, 0);
+            let huge = hugepages && advise_huge(&mut v);
+            bytemuck::cast_slice_mut::<u64, u8>(&mut v).fill(GARBAGE);
+            Ok((v, huge))
+        };
+        let (send, h1) = alloc()?;
+        let (recv, h2) = alloc()?;
+        Ok(Buffers {
+            send,
+            recv,
+            huge: h1 && h2,
+        })
+    }
+
+    /// The two buffers as bytes.
+    pub fn bytes(&mut self) -> (&mut [u8], &mut [u8]) {
+        (
+            bytemuck::cast_slice_mut(&mut self.send),
+            bytemuck::cast_slice_mut(&mut self.recv),
+        )
+    }
+
+    /// How the buffers were allocated, for the header and the JSON.
+    pub fn describe(&self) -> String {
+        let tun = std::env::var("GLIBC_TUNABLES").unwrap_or_else(|_| "-".into());
+        format!(
+            "2 x Vec<u64> of {} bytes per rank (system allocator, {}, GLIBC_TUNABLES={tun}), first-touched before timing",
+            self.send.len() * 8,
+            if self.huge {
+                "madvise(MADV_HUGEPAGE)"
+            } else {
+                "no madvise"
+            }
+        )
+    }
+}
+
+/// Ask for transparent huge pages on the page-aligned interior of `v`
+/// (before it is first touched). Returns whether the kernel accepted.
+#[cfg(target_os = "linux")]
+fn advise_huge(v: &mut [u64]) -> bool {
+    const PAGE: usize = 4096;
+    let start = v.as_mut_ptr() as usize;
+    let end = start + std::mem::size_of_val(v);
+    let (a, b) = (start.next_multiple_of(PAGE), end / PAGE * PAGE);
+    if b <= a {
+        return false;
+    }
+    // SAFETY: [a, b) lies inside `v`'s allocation, which we borrow mutably;
+    // MADV_HUGEPAGE only changes how the kernel backs these pages, never
+    // their contents or validity.
+    unsafe { libc::madvise(a as *mut libc::c_void, b - a, libc::MADV_HUGEPAGE) == 0 }
+}
+
+#[cfg(not(target_os = "linux"))]
+fn advise_huge(_: &mut [u64]) -> bool {
+    false
+}
+
+/// Run one operation of `shape` on the buffers.
+fn exec(
+    comm: &Communicator,
+    case: &Case,
+    shape: &Shape,
+    send: &[u8],
+    recv: &mut [u8],
+) -> braid::Result<()> {
+    let ws = case.dt.size();
+    let (p, r) = (comm.nranks() as usize, comm.rank() as usize);
+    let n = shape.count as usize;
+    let (sl, rl, il) = buffer_elems(case.bench, n, p);
+    match &shape.coll {
+        Some(c) if case.in_place => comm.run_bytes_in_place(c, case.dt, &mut recv[..il * ws]),
+        Some(c) => comm.run_bytes(c, case.dt, &send[..sl * ws], &mut recv[..rl * ws]),
+        None => {
+            let (next, prev) = ((r + 1) % p, (r + p - 1) % p);
+            let mut g = comm.group();
+            g.send::<u8>(&send[..n * ws], next as u32);
+            g.recv::<u8>(&mut recv[..n * ws], prev as u32);
+            g.run()
+        }
+    }
+}
+
+/// Write this rank's inputs (exact under any reduction order) and fill the
+/// receive side with garbage.
+fn prepare(comm: &Communicator, case: &Case, shape: &Shape, send: &mut [u8], recv: &mut [u8]) {
+    let (dt, ws) = (case.dt, case.dt.size());
+    let (p, r) = (comm.nranks() as usize, comm.rank() as usize);
+    let n = shape.count as usize;
+    let (sl, rl, il) = buffer_elems(case.bench, n, p);
+    recv[..rl.max(il) * ws].fill(GARBAGE);
+    let dst: &mut [u8] = if case.in_place { recv } else { send };
+    match case.bench {
+        Bench::AllReduce | Bench::Reduce | Bench::ReduceScatter => {
+            let input = reference::gen_at(dt, case.op, r, 0, sl);
+            dst[..input.len()].copy_from_slice(&input);
+        }
+        Bench::AllGather => {
+            let own = reference::gen_at(dt, RedOp::Sum, r, 0, n);
+            let at = if case.in_place { r * n * ws } else { 0 };
+            dst[at..at + own.len()].copy_from_slice(&own);
+        }
+        Bench::Broadcast | Bench::AllToAll | Bench::SendRecv => {
+            let own = reference::gen_at(dt, RedOp::Sum, r, 0, sl);
+            dst[..own.len()].copy_from_slice(&own);
+        }
+    }
+}
+
+/// Count this rank's wrong elements against the reference.
+fn verify(comm: &Communicator, case: &Case, shape: &Shape, recv: &[u8]) -> u64 {
+    let (dt, ws) = (case.dt, case.dt.size());
+    let (p, r) = (comm.nranks() as usize, comm.rank() as usize);
+    let n = shape.count as usize;
+    let sum = RedOp::Sum;
+    let concat = |f: &dyn Fn(usize) -> Vec<u8>| (0..p).flat_map(f).collect::<Vec<u8>>();
+    let (got, want, op): (&[u8], Vec<u8>, RedOp) = match case.bench {
+        Bench::AllReduce => (
+            &recv[..n * ws],
+            reference::reduced(dt, case.op, p, 0, n),
+            case.op,
+        ),
+        Bench::Reduce => {
+            if r != case.root as usize {
+                return 0;
+            }
+            (
+                &recv[..n * ws],
+                reference::reduced(dt, case.op, p, 0, n),
+                case.op,
+            )
+        }
+        Bench::ReduceScatter => {
+            let at = if case.in_place { r * n * ws } else { 0 };
+            (
+                &recv[at..at + n * ws],
+                reference::reduced(dt, case.op, p, r * n, n),
+                case.op,
+            )
+        }
+        Bench::AllGather => (
+            &recv[..n * p * ws],
+            concat(&|q| reference::gen_at(dt, sum, q, 0, n)),
+            sum,
+        ),
+        Bench::Broadcast => (
+            &recv[..n * ws],
+            reference::gen_at(dt, sum, case.root as usize, 0, n),
+            sum,
+        ),
+        Bench::AllToAll => (
+            &recv[..n * p * ws],
+            concat(&|q| reference::gen_at(dt, sum, q, r * n, n)),
+            sum,
+        ),
+        Bench::SendRecv => (
+            &recv[..n * ws],
+            reference::gen_at(dt, sum, (r + p - 1) % p, 0, n),
+            sum,
+        ),
+    };
+    reference::count_wrong(dt, op, got, &want) as u64
+}
+
+/// Faults injected for tests through `BRAID_PERF_FAULT`: `wrong:R` makes
+/// rank R damage one element of every checked result (so the run must
+/// report wrong values and fail); `exit:R` makes rank R exit with status 3
+/// right after joining (so `-np` must stop the others and fail).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Fault {
+    Wrong(u32),
+    Exit(u32),
+}
+
+/// The fault requested by `BRAID_PERF_FAULT`, if any.
+pub fn fault() -> Option<Fault> {
+    let v = std::env::var("BRAID_PERF_FAULT").ok()?;
+    let (kind, rank) = v.split_once(':')?;
+    let rank = rank.trim().parse().ok()?;
+    match kind.trim() {
+        "wrong" => Some(Fault::Wrong(rank)),
+        "exit" => Some(Fault::Exit(rank)),
+        _ => None,
+    }
+}
+
+/// The result of a run.
+#[derive(Debug)]
+pub struct Summary {
+    pub report: Report,
+    pub wrong_total: u64,
+}
+
+/// Drives the sweep on one rank.
+pub struct Runner<'a> {
+    comm: &'a Communicator,
+    opts: &'a Opts,
+    bufs: Buffers,
+    out: Box<dyn Write + 'a>,
+}
+
+impl std::fmt::Debug for Runner<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Runner")
+            .field("rank", &self.comm.rank())
+            .field("bench", &self.opts.bench)
+            .field("bufs", &self.bufs)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<'a> Runner<'a> {
+    /// Allocate and touch the buffers. Rank 0 writes the table to `out`;
+    /// the other ranks' output is discarded.
+    pub fn new(
+        comm: &'a Communicator,
+        opts: &'a Opts,
+        out: Box<dyn Write + 'a>,
+    ) -> Result<Runner<'a>, BenchError> {
+        if let RootSel::One(root) = opts.root {
+            if opts.bench.rooted() && root >= comm.nranks() {
+                return Err(BenchError::Usage(format!(
+                    "-r {root}: root out of range for {} ranks (0..{})",
+                    comm.nranks(),
+                    comm.nranks() - 1
+                )));
+            }
+        }
+        let bufs = Buffers::new(opts.max_bytes, opts.hugepages)?;
+        let out: Box<dyn Write + 'a> = if comm.rank() == 0 {
+            out
+        } else {
+            Box::new(std::io::sink())
+        };
+        Ok(Runner {
+            comm,
+            opts,
+            bufs,
+            out,
+        })
+    }
+
+    fn print(&mut self, s: &str) -> Result<(), BenchError> {
+        self.out
+            .write_all(s.as_bytes())
+            .and_then(|_| self.out.flush())
+            .map_err(|e| BenchError::Io(format!("cannot write the table: {e}")))
+    }
+
+    /// Host name, pid and transport per peer of every rank.
+    fn rank_lines(&self) -> Result<Vec<String>, BenchError> {
+        const W: usize = 256;
+        let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+            .map(|s| s.trim().to_string())
+            .or_else(|_| std::env::var("HOSTNAME"))
+            .unwrap_or_else(|_| "localhost".into());
+        let me = self.comm.rank() as usize;
+        let tr = self.comm.transports();
+        let peers: String = if tr.len() <= 9 {
+            tr.iter()
+                .enumerate()
+                .filter(|(i, _)| *i != me)
+                .map(|(i, t)| format!("{i}:{t}"))
+                .collect::<Vec<_>>()
+                .join(" ")
+        } else {
+            let mut kinds: Vec<(&str, usize)> = Vec::new();
+            for (i, t) in tr.iter().enumerate() {
+                if i == me {
+                    continue;
+                }
+                match kinds.iter_mut().find(|(k, _)| k == t) {
+                    Some((_, c)) => *c += 1,
+                    None => kinds.push((t, 1)),
+                }
+            }
+            kinds
+                .iter()
+                .map(|(k, c)| format!("{k} x{c}"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
+        let line = format!(
+            "#  Rank {:>2} Group  0 Pid {:>6} on {:>10} device cpu [peers {}]",
+            me,
+            std::process::id(),
+            host,
+            if peers.is_empty() { "none" } else { &peers }
+        );
+        let mut mine = [0u8; W];
+        let b = line.as_bytes();
+        let n = b.len().min(W);
+        // Cut on a character boundary.
+        let n = (0..=n)
+            .rev()
+            .find(|&i| line.is_char_boundary(i))
+            .unwrap_or(0);
+        mine[..n].copy_from_slice(&b[..n]);
+        let mut all = vec![0u8; W * self.comm.nranks() as usize];
+        self.comm.all_gather(&mine, &mut all)?;
+        Ok(all
+            .chunks(W)
+            .map(|c| {
+                let end = c.iter().position(|&x| x == 0).unwrap_or(W);
+                String::from_utf8_lossy(&c[..end]).into_owned()
+            })
+            .collect())
+    }
+
+    fn header(&mut self, ranks: &[String], buffers: &str) -> String {
+        let o = self.opts;
+        let step = match o.step {
+            Step::Factor(f) => format!("{f}(factor)"),
+            Step::Bytes(b) => format!("{b}(bytes)"),
+        };
+        let mut h = format!(
+            "# braid-perf {} {}: braid {}, nccl-tests output format\n",
+            env!("CARGO_PKG_VERSION"),
+            o.bench.name(),
+            env!("CARGO_PKG_VERSION"),
+        );
+        h += &format!(
+            "# nranks {} minBytes {} maxBytes {} step: {step} warmup iters: {} iters: {} agg iters: {} validation: {} blocking: {} average: {}({}) cycles: {}\n",
+            self.comm.nranks(),
+            o.min_bytes,
+            o.max_bytes,
+            o.warmup,
+            o.iters,
+            o.agg,
+            o.check,
+            u8::from(o.blocking),
+            o.average.code(),
+            o.average.name(),
+            o.cycles,
+        );
+        h += &format!("# buffers: {buffers}\n");
+        h += "# timing: one synchronising op and a barrier, then iters x agg ops back to back on the calling thread, no barrier inside the timing";
+        h += if o.blocking {
+            " (-z 1: except a barrier after each iteration)\n"
+        } else {
+            "\n"
+        };
+        if o.agg > 1 {
+            h += "# agg iters: braid has no collective groups, so the ops of an iteration run one after another\n";
+        }
+        if !o.bench.has_in_place() {
+            h += &format!(
+                "# in-place: N/A ({})\n",
+                if o.bench == Bench::AllToAll {
+                    "braid's AllToAll has no in-place form"
+                } else {
+                    "a send and a receive of one group cannot share a buffer"
+                }
+            );
+        }
+        h += "#\n# Using devices\n";
+        for l in ranks {
+            h += l;
+            h.push('\n');
+        }
+        h
+    }
+
+    /// Combine a per-rank time across ranks as `-a` says.
+    fn combine(&self, t: f64) -> braid::Result<f64> {
+        let mut v = [t];
+        match self.opts.average {
+            Average::Rank0 => self.comm.broadcast(&mut v, 0)?,
+            Average::Avg => {
+                self.comm.all_reduce_in_place(&mut v, RedOp::Sum)?;
+                v[0] /= f64::from(self.comm.nranks());
+            }
+            Average::Min => self.comm.all_reduce_in_place(&mut v, RedOp::Min)?,
+            Average::Max => self.comm.all_reduce_in_place(&mut v, RedOp::Max)?,
+        }
+        Ok(v[0])
+    }
+
+    /// Time one placement of one size; returns µs per operation.
+    fn time(&mut self, case: &Case, shape: &Shape) -> Result<f64, BenchError> {
+        let comm = self.comm;
+        let (iters, agg, blocking) = (self.opts.iters, self.opts.agg, self.opts.blocking);
+        let (send, recv) = self.bufs.bytes();
+        prepare(comm, case, shape, send, recv);
+        exec(comm, case, shape, send, recv)?;
+        comm.barrier()?;
+        let t0 = Instant::now();
+        for _ in 0..iters {
+            for _ in 0..agg {
+                exec(comm, case, shape, send, recv)?;
+            }
+            if blocking {
+                comm.barrier()?;
+            }
+        }
+        let us = t0.elapsed().as_secs_f64() * 1e6 / (f64::from(iters) * f64::from(agg));
+        Ok(self.combine(us)?)
+    }
+
+    /// Run `-c` checked operations; returns wrong elements summed over
+    /// ranks and check iterations.
+    fn check(&mut self, case: &Case, shape: &Shape) -> Result<u64, BenchError> {
+        let comm = self.comm;
+        let mut wrong = 0u64;
+        let corrupt = fault() == Some(Fault::Wrong(comm.rank()));
+        for _ in 0..self.opts.check {
+            let (send, recv) = self.bufs.bytes();
+            prepare(comm, case, shape, send, recv);
+            exec(comm, case, shape, send, recv)?;
+            if corrupt && shape.count > 0 {
+                // Test hook: damage the first checked element.
+                let at = match (case.bench, case.in_place) {
+                    (Bench::ReduceScatter, true) => {
+                        comm.rank() as usize * shape.count as usize * case.dt.size()
+                    }
+                    _ => 0,
+                };
+                recv[at] ^= 0x01;
+            }
+            wrong += verify(comm, case, shape, recv);
+        }
+        let mut w = [wrong];
+        comm.all_reduce_in_place(&mut w, RedOp::Sum)?;
+        Ok(w[0])
+    }
+
+    fn measure(&mut self, case: &Case, shape: &Shape) -> Result<Meas, BenchError> {
+        let t = self.time(case, shape)?;
+        let wrong = if self.opts.check > 0 {
+            Some(self.check(case, shape)?)
+        } else {
+            None
+        };
+        Ok(Meas::new(
+            case.bench,
+            self.comm.nranks(),
+            shape.size,
+            t,
+            wrong,
+        ))
+    }
+
+    fn warmup(&mut self, case: &Case, sizes: &[u64]) -> Result<(), BenchError> {
+        if self.opts.warmup == 0 {
+            return Ok(());
+        }
+        let p = self.comm.nranks();
+        let ends = [sizes.last(), sizes.first()];
+        for size in ends.into_iter().flatten() {
+            let sh = shape(case.bench, *size, case.dt, case.op, case.root, p);
+            let (send, recv) = self.bufs.bytes();
+            prepare(self.comm, case, &sh, send, recv);
+            for _ in 0..self.opts.warmup {
+                exec(self.comm, case, &sh, send, recv)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Run the whole sweep: header, rows, footer.
+    pub fn run(&mut self, command: &str) -> Result<Summary, BenchError> {
+        let o = self.opts;
+        let p = self.comm.nranks();
+        let sizes = crate::cli::size_sequence(o.min_bytes, o.max_bytes, o.step)
+            .map_err(|e| BenchError::Usage(e.0))?;
+        let ranks = self.rank_lines()?;
+        let buffers = self.bufs.describe();
+        let h = self.header(&ranks, &buffers);
+        self.print(&h)?;
+        self.print(&format::table_header())?;
+        let roots: Vec<u32> = match (o.bench.rooted(), o.root) {
+            (false, _) => vec![0],
+            (true, RootSel::One(r)) => vec![r],
+            (true, RootSel::All) => (0..p).collect(),
+        };
+        let mut rows = Vec::new();
+        let (mut wrong_total, mut bw_sum, mut bw_n) = (0u64, 0f64, 0u64);
+        let mut cycle = 0u32;
+        while o.cycles == 0 || cycle < o.cycles {
+            for &dt in &o.dtypes {
+                for op in o.effective_ops() {
+                    for &root in &roots {
+                        let oop = Case {
+                            bench: o.bench,
+                            dt,
+                            op,
+                            root,
+                            in_place: false,
+                        };
+                        self.warmup(&oop, &sizes)?;
+                        for &size in &sizes {
+                            let sh = shape(o.bench, size, dt, op, root, p);
+                            let m_oop = self.measure(&oop, &sh)?;
+                            let m_ip = if o.bench.has_in_place() {
+                                let ip = Case {
+                                    in_place: true,
+                                    ..oop
+                                };
+                                Some(self.measure(&ip, &sh)?)
+                            } else {
+                                None
+                            };
+                            for m in [Some(&m_oop), m_ip.as_ref()].into_iter().flatten() {
+                                wrong_total += m.wrong.unwrap_or(0);
+                                bw_sum += m.busbw;
+                                bw_n += 1;
+                            }
+                            let root_col = if o.bench.rooted() {
+                                i64::from(root)
+                            } else {
+                                -1
+                            };
+                            let redop = o.bench.redop_name(op);
+                            let line = format::row(
+                                sh.size,
+                                sh.count,
+                                dt.name(),
+                                redop,
+                                root_col,
+                                Some(&m_oop),
+                                m_ip.as_ref(),
+                            );
+                            self.print(&(line + "\n"))?;
+                            rows.push(Row {
+                                collective: o.bench.name().into(),
+                                nranks: p,
+                                size: sh.size,
+                                count: sh.count,
+                                dtype: dt.name().into(),
+                                redop: redop.into(),
+                                root: root_col,
+                                cycle,
+                                out_of_place: Some(JsonMeas::from(&m_oop)),
+                                in_place: m_ip.as_ref().map(JsonMeas::from),
+                            });
+                        }
+                    }
+                }
+            }
+            cycle = cycle.saturating_add(1);
+        }
+        let avg = if bw_n > 0 { bw_sum / bw_n as f64 } else { 0.0 };
+        self.print(&format::footer(wrong_total, avg))?;
+        Ok(Summary {
+            report: Report {
+                tool: "braid-perf".into(),
+                version: env!("CARGO_PKG_VERSION").into(),
+                label: o.label.clone().unwrap_or_else(|| "braid".into()),
+                command: command.into(),
+                buffers,
+                ranks,
+                rows,
+                avg_busbw_gbps: avg,
+                out_of_bounds: wrong_total,
+            },
+            wrong_total,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use braid::Config;
+
+    #[test]
+    fn shapes_follow_get_coll_byte_count() {
+        let f = DataType::F32;
+        let s = shape(Bench::AllReduce, 8, f, RedOp::Sum, 0, 4);
+        assert_eq!((s.size, s.count), (8, 2));
+        // all_gather 1 MiB on 4 ranks: 65536 floats per rank.
+        let s = shape(Bench::AllGather, 1 << 20, f, RedOp::Sum, 0, 4);
+        assert_eq!((s.size, s.count), (1 << 20, 65536));
+        // Below 16 bytes per rank: 0 elements, size 0 (nccl-tests prints it so).
+        let s = shape(Bench::ReduceScatter, 32, f, RedOp::Sum, 0, 4);
+        assert_eq!((s.size, s.count), (0, 0));
+        // 3 ranks: per-rank count rounded down to 16 bytes.
+        let s = shape(Bench::AllToAll, 1000, f, RedOp::Sum, 0, 3);
+        // 1000 B = 250 floats, 83 per peer, rounded down to 80 (320 B).
+        assert_eq!((s.size, s.count), (960, 80));
+        let s = shape(Bench::SendRecv, 7, f, RedOp::Sum, 0, 3);
+        assert_eq!((s.size, s.count), (4, 1));
+        assert!(s.coll.is_none());
+        let s = shape(Bench::Broadcast, 64, DataType::F64, RedOp::Sum, 1, 2);
+        assert_eq!(s.coll, Some(Collective::Broadcast { count: 8, root: 1 }));
+    }
+
+    /// The check path counts a corrupted element: run a real 2-rank
+    /// AllReduce (threads), corrupt one element of rank 0's result and
+    /// count again.
+    #[test]
+    fn a_corrupted_result_is_counted_wrong() {
+        let comms = Communicator::init_threads(2, &Config::from_env().unwrap()).unwrap();
+        let handles: Vec<_> = comms
+            .into_iter()
+            .map(|comm| {
+                std::thread::spawn(move || {
+                    let mut bufs = Buffers::new(4096, false).unwrap();
+                    let case = Case {
+                        bench: Bench::AllReduce,
+                        dt: DataType::F32,
+                        op: RedOp::Sum,
+                        root: 0,
+                        in_place: false,
+                    };
+                    let sh = shape(Bench::AllReduce, 4096, DataType::F32, RedOp::Sum, 0, 2);
+                    let (send, recv) = bufs.bytes();
+                    prepare(&comm, &case, &sh, send, recv);
+                    exec(&comm, &case, &sh, send, recv).unwrap();
+                    let clean = verify(&comm, &case, &sh, recv);
+                    recv[4 * 7] ^= 0x40; // flip a bit of element 7
+                    recv[4 * 100 + 3] ^= 0x80; // flip the sign of element 100
+                    let dirty = verify(&comm, &case, &sh, recv);
+                    // A receive buffer left as garbage is all wrong.
+                    recv[..4096].fill(GARBAGE);
+                    let garbage = verify(&comm, &case, &sh, recv);
+                    (clean, dirty, garbage)
+                })
+            })
+            .collect();
+        for h in handles {
+            let (clean, dirty, garbage) = h.join().unwrap();
+            assert_eq!((clean, dirty, garbage), (0, 2, 1024));
+        }
+    }
+}

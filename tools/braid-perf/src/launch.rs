@@ -1,0 +1,159 @@
+//! `-np N`: this process hosts the rendezvous root and runs N copies of
+//! itself as the ranks, passing each its rank, the rank count and the
+//! unique id through hidden flags (the children never host a root).
+
+use std::net::SocketAddr;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use crate::cli::Opts;
+
+/// The arguments without `-np N` (`-np N`, `--np N`, `--np=N`).
+pub fn strip_np(args: &[String]) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut i = 0;
+    while i < args.len() {
+        let a = args[i].as_str();
+        if a == "-np" || a == "--np" {
+            i += 2;
+            continue;
+        }
+        if a.starts_with("--np=") {
+            i += 1;
+            continue;
+        }
+        out.push(args[i].clone());
+        i += 1;
+    }
+    out
+}
+
+/// How a child ended, as an exit code of ours (128 + signal if killed).
+fn code_of(st: std::process::ExitStatus) -> i32 {
+    if let Some(c) = st.code() {
+        return c;
+    }
+    #[cfg(unix)]
+    {
+        use std::os::unix::process::ExitStatusExt;
+        if let Some(s) = st.signal() {
+            return 128 + s;
+        }
+    }
+    1
+}
+
+/// Start `opts.np` ranks and wait for them. Returns the exit code: 0 when
+/// all succeed, else the first failing rank's code (the others are stopped
+/// after a short grace period, so that their own error messages get out).
+pub fn launch(opts: &Opts) -> Result<i32, String> {
+    let np = opts.np.unwrap_or(1);
+    let timeout = match opts.timeout {
+        Some(t) => Duration::from_secs_f64(t),
+        None => braid::env::timeout_from_env().map_err(|e| e.to_string())?,
+    };
+    let addr: SocketAddr = SocketAddr::from(([127, 0, 0, 1], 0));
+    let (id, root) = braid::bootstrap::create_unique_id_with_timeout(addr, timeout)
+        .map_err(|e| format!("cannot host the rendezvous on 127.0.0.1: {e}"))?;
+    let exe = std::env::current_exe()
+        .map_err(|e| format!("cannot find this program to start the ranks: {e}"))?;
+    let args = strip_np(&opts.raw_args);
+    let mut children: Vec<Option<Child>> = Vec::new();
+    for r in 0..np {
+        let child = Command::new(&exe)
+            .arg(opts.bench.name())
+            .args(&args)
+            .args(["--child-rank", &r.to_string()])
+            .args(["--child-nranks", &np.to_string()])
+            .args(["--child-id", &id.to_string()])
+            .stdin(Stdio::null())
+            .spawn();
+        match child {
+            Ok(c) => children.push(Some(c)),
+            Err(e) => {
+                stop_all(&mut children);
+                return Err(format!("cannot start rank {r} ({}): {e}", exe.display()));
+            }
+        }
+    }
+    let mut failed: Option<(usize, i32)> = None;
+    let mut deadline: Option<Instant> = None;
+    loop {
+        let mut running = 0;
+        for (r, slot) in children.iter_mut().enumerate() {
+            let Some(c) = slot else { continue };
+            match c.try_wait() {
+                Ok(Some(st)) => {
+                    *slot = None;
+                    if !st.success() && failed.is_none() {
+                        failed = Some((r, code_of(st)));
+                        deadline = Some(Instant::now() + Duration::from_secs(2));
+                    }
+                }
+                Ok(None) => running += 1,
+                Err(e) => {
+                    eprintln!("braid-perf: cannot wait for rank {r}: {e}");
+                    running += 1;
+                }
+            }
+        }
+        if running == 0 {
+            break;
+        }
+        if deadline.is_some_and(|d| Instant::now() >= d) {
+            stop_all(&mut children);
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    drop(root);
+    Ok(match failed {
+        Some((r, code)) => {
+            eprintln!("braid-perf: rank {r} of {np} failed (exit status {code})");
+            if code == 0 {
+                1
+            } else {
+                code
+            }
+        }
+        None => 0,
+    })
+}
+
+fn stop_all(children: &mut [Option<Child>]) {
+    for c in children.iter_mut().flatten() {
+        let _ = c.kill();
+    }
+    for slot in children.iter_mut() {
+        if let Some(mut c) = slot.take() {
+            let _ = c.wait();
+        }
+    }
+}
+
+/// Ask the kernel to kill this process when its parent (the `-np`
+/// launcher) dies, so that no rank outlives an interrupted run.
+pub fn die_with_parent() {
+    #[cfg(target_os = "linux")]
+    // SAFETY: prctl(PR_SET_PDEATHSIG, SIGKILL) takes plain integers, touches
+    // no memory of ours and only changes this process's own attributes.
+    unsafe {
+        libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn np_is_removed_in_every_spelling() {
+        let s = |v: &[&str]| v.iter().map(|x| x.to_string()).collect::<Vec<_>>();
+        assert_eq!(
+            strip_np(&s(&["-b", "8", "-np", "2", "-e", "1K"])),
+            s(&["-b", "8", "-e", "1K"])
+        );
+        assert_eq!(strip_np(&s(&["--np", "3", "-n", "1"])), s(&["-n", "1"]));
+        assert_eq!(strip_np(&s(&["--np=3", "-n", "1"])), s(&["-n", "1"]));
+    }
+}
