@@ -79,7 +79,7 @@ pub fn series_from(
         keys.first()
             .is_some_and(|k0| keys.iter().any(|k| f(k) != f(k0)))
     };
-    let fields: [(&str, &dyn Fn(&Key) -> String); 7] = [
+    let fields: [(&str, &KeyField); 7] = [
         ("label", &|k| k.label.clone()),
         ("coll", &|k| k.coll.clone()),
         ("np", &|k| format!("np{}", k.nranks)),
@@ -137,6 +137,9 @@ pub fn series_from(
         .collect();
     (series, common.join(", "))
 }
+
+/// Reads one part of a series key as text.
+type KeyField = dyn Fn(&Key) -> String;
 
 fn key_of(run: usize, rep: &Report, row: &Row, in_place: bool) -> Key {
     Key {
@@ -197,9 +200,9 @@ impl Canvas {
         }
         let a = a.min(1.0);
         let i = ((y as usize) * self.w as usize + x as usize) * 3;
-        for k in 0..3 {
-            let old = f64::from(self.px[i + k]);
-            self.px[i + k] = (old + (f64::from(c[k]) - old) * a).round() as u8;
+        for (p, &new) in self.px[i..i + 3].iter_mut().zip(&c) {
+            let old = f64::from(*p);
+            *p = (old + (f64::from(new) - old) * a).round() as u8;
         }
     }
 
@@ -332,11 +335,11 @@ impl DrawTarget for Canvas {
 /// Bytes with binary suffixes: 8, 1K, 64K, 1M, 2G.
 pub fn fmt_bytes(b: f64) -> String {
     let b = b.round() as u64;
-    if b >= 1 << 30 && b % (1 << 30) == 0 {
+    if b >= 1 << 30 && b.is_multiple_of(1 << 30) {
         format!("{}G", b >> 30)
-    } else if b >= 1 << 20 && b % (1 << 20) == 0 {
+    } else if b >= 1 << 20 && b.is_multiple_of(1 << 20) {
         format!("{}M", b >> 20)
-    } else if b >= 1 << 10 && b % (1 << 10) == 0 {
+    } else if b >= 1 << 10 && b.is_multiple_of(1 << 10) {
         format!("{}K", b >> 10)
     } else {
         b.to_string()
@@ -345,7 +348,7 @@ pub fn fmt_bytes(b: f64) -> String {
 
 /// A tick value on a log10 axis: 0.001, 0.5, 20, 1000, 1e+05.
 pub fn fmt_tick(v: f64) -> String {
-    if v >= 1e5 || v < 1e-3 {
+    if !(1e-3..1e5).contains(&v) {
         let e = v.log10().floor() as i32;
         let m = v / 10f64.powi(e);
         if (m - 1.0).abs() < 1e-9 {

@@ -292,6 +292,7 @@ fn json_output_has_every_row_and_plot_is_a_png() {
     );
     assert_eq!(o.status.code(), Some(1));
     assert!(text(&o).1.contains("not a braid-perf JSON report"));
+    let _ = std::fs::remove_dir_all(json.parent().unwrap());
 }
 
 fn assert_png(p: &Path) {
