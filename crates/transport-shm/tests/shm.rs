@@ -304,6 +304,9 @@ fn direct_transfers_probe_succeeds_between_processes_of_one_user() {
     if std::env::var("BRAID_SHM_DIRECT").as_deref() == Ok("0") {
         assert!(!tx.can_send_direct());
     } else {
-        assert!(tx.can_send_direct(), "process_vm_readv probe failed on this machine");
+        assert!(
+            tx.can_send_direct(),
+            "process_vm_readv probe failed on this machine"
+        );
     }
 }
