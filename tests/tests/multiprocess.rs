@@ -29,7 +29,20 @@ fn spawn_rank(
     args: &[String],
     timeout_s: u32,
 ) -> Child {
+    spawn_rank_env(suite, id, rank, n, args, timeout_s, &[])
+}
+
+fn spawn_rank_env(
+    suite: &str,
+    id: &UniqueId,
+    rank: u32,
+    n: u32,
+    args: &[String],
+    timeout_s: u32,
+    env: &[(&str, &str)],
+) -> Child {
     Command::new(env!("CARGO_BIN_EXE_braid-testrank"))
+        .envs(env.iter().copied())
         .arg(suite)
         .arg(id.to_string())
         .arg(rank.to_string())
@@ -86,10 +99,20 @@ fn wait_all(children: Vec<Child>, limit: Duration) -> Vec<(Option<i32>, String)>
 }
 
 fn run_suite(suite: &str, n: u32, args: &[&str], limit: Duration) -> Vec<(Option<i32>, String)> {
+    run_suite_env(suite, n, args, limit, &[])
+}
+
+fn run_suite_env(
+    suite: &str,
+    n: u32,
+    args: &[&str],
+    limit: Duration,
+    env: &[(&str, &str)],
+) -> Vec<(Option<i32>, String)> {
     let (id, _root) = root();
     let args: Vec<String> = args.iter().map(|s| s.to_string()).collect();
     let kids = (0..n)
-        .map(|r| spawn_rank(suite, &id, r, n, &args, 60))
+        .map(|r| spawn_rank_env(suite, &id, r, n, &args, 60, env))
         .collect();
     wait_all(kids, limit)
 }
@@ -118,8 +141,12 @@ fn braid_segments() -> Vec<String> {
 const SIZES: [&str; 5] = ["0", "1", "7", "1023", "1048579"]; // 2^20 + 3
 
 fn matrix(n: u32) {
+    matrix_env(n, &[]);
+}
+
+fn matrix_env(n: u32, env: &[(&str, &str)]) {
     let _g = serial();
-    let res = run_suite("matrix", n, &SIZES, Duration::from_secs(600));
+    let res = run_suite_env("matrix", n, &SIZES, Duration::from_secs(600), env);
     for (_, out) in &res {
         print!("{out}");
     }
@@ -136,9 +163,11 @@ fn matrix_2_ranks() {
     matrix(2);
 }
 
+/// Three ranks with single-copy transfers on for pieces of 64 KiB and more
+/// (the 2^20+3 sizes): the engine's by-reference path and its drain.
 #[test]
-fn matrix_3_ranks() {
-    matrix(3);
+fn matrix_3_ranks_single_copy() {
+    matrix_env(3, &[("BRAID_DIRECT_MIN_BYTES", "65536")]);
 }
 
 #[test]
@@ -158,6 +187,9 @@ fn point_to_point_and_groups() {
         let res = run_suite("p2p", n, &[], Duration::from_secs(120));
         assert_all_ok(&format!("p2p with {n} ranks"), &res);
     }
+    let single_copy = [("BRAID_DIRECT_MIN_BYTES", "4096")];
+    let res = run_suite_env("p2p", 3, &[], Duration::from_secs(120), &single_copy);
+    assert_all_ok("p2p with 3 ranks, single copy", &res);
 }
 
 #[test]

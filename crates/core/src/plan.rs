@@ -670,13 +670,12 @@ impl Ctx<'_> {
     fn all_gather(&self, prog: &mut Program, sc: usize) {
         let p = self.p;
         let me = self.ring[self.pos] as usize;
-        let own = Op::Copy {
-            src: self.reg(SEND, 0, sc),
-            dst: self.reg(RECV, me * sc, sc),
-            finalize: false,
-        };
         if p == 1 {
-            return prog.push(own);
+            return prog.push(Op::Copy {
+                src: self.reg(SEND, 0, sc),
+                dst: self.reg(RECV, me * sc, sc),
+                finalize: false,
+            });
         }
         let (next, prev) = (self.next(), self.prev());
         let mut off = 0;
@@ -686,6 +685,13 @@ impl Ctx<'_> {
             prog.push(Op::Send {
                 to: next,
                 src: self.reg(SEND, off, n),
+            });
+            // Our own block, piece by piece while the piece is in cache (a
+            // no-op in place: the send buffer is that block).
+            prog.push(Op::Copy {
+                src: self.reg(SEND, off, n),
+                dst: self.reg(RECV, me * sc + off, n),
+                finalize: false,
             });
             for k in 1..p - 1 {
                 prog.push(Op::RecvCopySend {
@@ -700,9 +706,6 @@ impl Ctx<'_> {
             });
             off += n;
         }
-        // Our own block last: the sends above read the send buffer, which
-        // in-place aliases exactly this block (then the copy is a no-op).
-        prog.push(own);
     }
 
     /// Position of this rank in the chain that starts at ring position
@@ -723,12 +726,22 @@ impl Ctx<'_> {
         let mut off = 0;
         while p > 1 && off < count {
             let n = self.piece.min(count - off);
-            prog.push(if ci == 0 {
-                Op::Send {
+            if ci == 0 {
+                // The root's own copy piece by piece, while it is in cache
+                // (a no-op in place).
+                prog.push(Op::Send {
                     to: next,
                     src: self.reg(SEND, off, n),
-                }
-            } else if ci < p - 1 {
+                });
+                prog.push(Op::Copy {
+                    src: self.reg(SEND, off, n),
+                    dst: self.reg(RECV, off, n),
+                    finalize: false,
+                });
+                off += n;
+                continue;
+            }
+            prog.push(if ci < p - 1 {
                 Op::RecvCopySend {
                     from: prev,
                     to: next,
@@ -742,7 +755,7 @@ impl Ctx<'_> {
             });
             off += n;
         }
-        if ci == 0 {
+        if p == 1 {
             prog.push(Op::Copy {
                 src: self.reg(SEND, 0, count),
                 dst: self.reg(RECV, 0, count),

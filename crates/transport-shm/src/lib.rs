@@ -107,10 +107,14 @@ impl Default for ShmTransport {
 }
 
 impl ShmTransport {
-    /// Default bytes per slot.
-    pub const DEFAULT_SLOT_BYTES: usize = 512 * 1024;
+    /// Default bytes per slot. 128 KiB pieces stay in the L2 cache between
+    /// the copy into and out of a slot; with 16 slots the ring (2 MiB) gives
+    /// enough slack to pipeline (measured with braid-perf, 2 ranks, against
+    /// 512 KiB × 8 and 64 KiB × 32: best or equal for AllReduce, AllGather,
+    /// Broadcast from 1 to 64 MiB).
+    pub const DEFAULT_SLOT_BYTES: usize = 128 * 1024;
     /// Default slots per connection.
-    pub const DEFAULT_SLOTS: usize = 8;
+    pub const DEFAULT_SLOTS: usize = 16;
 
     /// Parameters from `BRAID_SHM_SLOT_BYTES` / `BRAID_SHM_SLOTS`, defaults
     /// where unset. An invalid value is logged and replaced by the default;
@@ -938,7 +942,7 @@ mod tests {
         assert!(ShmTransport::with_params(4000, 8).is_err());
         assert!(ShmTransport::with_params(4096, 1).is_err());
         let d = ShmTransport::default();
-        assert_eq!((d.slot_bytes(), d.slots()), (512 * 1024, 8));
+        assert_eq!((d.slot_bytes(), d.slots()), (128 * 1024, 16));
     }
 
     #[test]
