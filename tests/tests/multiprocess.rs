@@ -163,11 +163,12 @@ fn matrix_2_ranks() {
     matrix(2);
 }
 
-/// Three ranks with single-copy transfers on for pieces of 64 KiB and more
-/// (the 2^20+3 sizes): the engine's by-reference path and its drain.
+/// Three ranks with single-copy transfers off: every byte goes through the
+/// slots (the other rank counts use single copy for pieces of 64 KiB and
+/// more, the default).
 #[test]
-fn matrix_3_ranks_single_copy() {
-    matrix_env(3, &[("BRAID_DIRECT_MIN_BYTES", "65536")]);
+fn matrix_3_ranks_two_copy() {
+    matrix_env(3, &[("BRAID_DIRECT_MIN_BYTES", "18446744073709551615")]);
 }
 
 #[test]

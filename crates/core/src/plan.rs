@@ -7,7 +7,9 @@
 //! buffers. No I/O, no threads, no clock: the same program runs in the
 //! in-memory simulator ([`crate::sim`]) and in the runtime's engine.
 //!
-//! Every op that moves data moves at most one transport slot (`piece_bytes`),
+//! Every op that moves data moves at most one transport slot (`piece_bytes`;
+//! `move_piece_bytes` for collectives that only move data over links that
+//! pass references),
 //! and the ring and chain algorithms are ordered so that every op of a rank
 //! depends only on ops that come earlier on its neighbours: with FIFOs of two
 //! slots they cannot deadlock (a ring step holds its input slot while it fills
@@ -310,6 +312,11 @@ pub struct PlanParams {
     pub ring: Vec<u32>,
     /// Largest transfer per op: the transport's slot size.
     pub piece_bytes: usize,
+    /// Largest transfer per op for collectives that only move data
+    /// (AllGather, Broadcast, AllToAll, point-to-point): larger than
+    /// `piece_bytes` when every link moves such pieces by reference (single
+    /// copy), where bigger pieces mean fewer, cheaper system calls.
+    pub move_piece_bytes: usize,
     /// AllReduce of at most this many bytes (and at most one piece) uses
     /// recursive doubling, which takes log2(p) exchange steps instead of the
     /// ring's 2(p−1) hops: latency-bound sizes. 0 means always the ring.
@@ -323,6 +330,7 @@ impl PlanParams {
             rank,
             ring: (0..nranks).collect(),
             piece_bytes,
+            move_piece_bytes: piece_bytes,
             small_allreduce_bytes: 0,
         }
     }
@@ -448,7 +456,13 @@ pub fn plan(coll: &Collective, dtype: DataType, params: &PlanParams) -> Result<P
     coll.validate(dtype, params.rank, p)?;
     let es = dtype.size();
     // Pieces hold whole elements.
-    let piece = (params.piece_bytes / es).max(1);
+    let moves_only = coll.red_op().is_none();
+    let piece_bytes = if moves_only {
+        params.move_piece_bytes.max(params.piece_bytes)
+    } else {
+        params.piece_bytes
+    };
+    let piece = (piece_bytes / es).max(1);
     let mut prog = Program::new(dtype, coll.red_op(), p);
     let ctx = Ctx {
         ring: &params.ring,

@@ -53,6 +53,7 @@ struct Shared {
     ring: Vec<u32>,
     piece: usize,
     small_allreduce: usize,
+    move_piece: usize,
     direct_min: usize,
     policy: WaitPolicy,
     abort: AtomicBool,
@@ -277,6 +278,17 @@ impl Communicator {
         }
         boot.barrier()?;
         let piece = chans.min_slot_bytes().unwrap_or(DEFAULT_PIECE);
+        // After the barrier every receiver has run its single-copy probe. If
+        // every link passes references, pieces of pure data movement can be
+        // much larger than a slot (fewer system calls); pieces below
+        // `direct_min` still fit a slot.
+        let direct_min = env_bytes("BRAID_DIRECT_MIN_BYTES", 64 * 1024)?;
+        let all_direct = chans.send.iter_mut().flatten().all(|c| c.can_send_direct());
+        let move_piece = if all_direct && direct_min <= piece {
+            piece.max(env_bytes("BRAID_DIRECT_PIECE_BYTES", 2 << 20)?)
+        } else {
+            piece
+        };
         let transports = choice
             .iter()
             .map(|c| c.map(|i| table.get(i).name()).unwrap_or("self"))
@@ -289,10 +301,12 @@ impl Communicator {
                 ring,
                 piece,
                 small_allreduce: small_allreduce_bytes()?,
-                // Off unless asked for: on the machines measured so far
-                // (VMs with 4 KiB pages) process_vm_readv ran at half the
-                // speed of memcpy, so the two-copy FIFO path was faster.
-                direct_min: env_bytes("BRAID_DIRECT_MIN_BYTES", usize::MAX)?,
+                // process_vm_readv runs at about half the speed of memcpy on
+                // the VMs measured (page pinning), but it replaces two copies
+                // and leaves the sender free: side by side it was faster for
+                // Broadcast, AllGather and AllToAll from 1 to 64 MiB.
+                direct_min,
+                move_piece,
                 policy: WaitPolicy {
                     timeout,
                     spin: spin_budget(&me, &peers),
@@ -430,6 +444,7 @@ impl Communicator {
             rank: sh.rank,
             ring: sh.ring.clone(),
             piece_bytes: sh.piece,
+            move_piece_bytes: sh.move_piece,
             small_allreduce_bytes: sh.small_allreduce,
         };
         let prog = Arc::new(plan::plan(&coll, dt, &params)?);

@@ -127,8 +127,9 @@ impl Buffers {
                     words * 8
                 ))
             })?;
+            // Advise before the first touch (resize writes every page).
+            let huge = hugepages && advise_huge(v.spare_capacity_mut());
             v.resize(words, 0);
-            let huge = hugepages && advise_huge(&mut v);
             bytemuck::cast_slice_mut::<u64, u8>(&mut v).fill(GARBAGE);
             Ok((v, huge))
         };
@@ -167,7 +168,7 @@ impl Buffers {
 /// Ask for transparent huge pages on the page-aligned interior of `v`
 /// (before it is first touched). Returns whether the kernel accepted.
 #[cfg(target_os = "linux")]
-fn advise_huge(v: &mut [u64]) -> bool {
+fn advise_huge(v: &mut [std::mem::MaybeUninit<u64>]) -> bool {
     const PAGE: usize = 4096;
     let start = v.as_mut_ptr() as usize;
     let end = start + std::mem::size_of_val(v);
@@ -182,7 +183,7 @@ fn advise_huge(v: &mut [u64]) -> bool {
 }
 
 #[cfg(not(target_os = "linux"))]
-fn advise_huge(_: &mut [u64]) -> bool {
+fn advise_huge(_: &mut [std::mem::MaybeUninit<u64>]) -> bool {
     false
 }
 
