@@ -9,7 +9,7 @@
 //!
 //! Enable the whole suite with one line in `tests/conformance.rs`:
 //!
-//! ```ignore
+//! ```text
 //! braid_core::transport_conformance_tests!(|| MyTransport::new());
 //! ```
 //!
