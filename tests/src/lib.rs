@@ -1,1 +1,4 @@
 //! Integration test helpers.
+
+pub mod netns;
+pub mod ranks;

@@ -1,13 +1,13 @@
 //! Multi-process tests over shared memory: each rank is its own process
 //! (`braid-testrank`), the test process hosts the bootstrap root.
 
-use std::io::{BufRead, BufReader};
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::process::{Child, Command, Stdio};
 use std::sync::{Mutex, MutexGuard};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use braid::{Communicator, RootServer, UniqueId};
+use braid_tests::ranks::{assert_all_ok, braid_segments, fault_run, wait_all};
 
 /// Multi-process tests run one at a time: each already starts several
 /// processes on a 2-core machine.
@@ -55,49 +55,6 @@ fn spawn_rank_env(
         .expect("spawn braid-testrank")
 }
 
-/// Wait for every child up to `limit`; kill all of them past it.
-fn wait_all(children: Vec<Child>, limit: Duration) -> Vec<(Option<i32>, String)> {
-    let start = Instant::now();
-    let mut children: Vec<(Child, std::thread::JoinHandle<String>)> = children
-        .into_iter()
-        .map(|mut c| {
-            let out = c.stdout.take().expect("stdout");
-            let reader = std::thread::spawn(move || {
-                let mut s = String::new();
-                for line in BufReader::new(out).lines().map_while(Result::ok) {
-                    s.push_str(&line);
-                    s.push('\n');
-                }
-                s
-            });
-            (c, reader)
-        })
-        .collect();
-    let mut status: Vec<Option<Option<i32>>> = vec![None; children.len()];
-    while status.iter().any(|s| s.is_none()) {
-        for (i, (c, _)) in children.iter_mut().enumerate() {
-            if status[i].is_none() {
-                if let Ok(Some(st)) = c.try_wait() {
-                    status[i] = Some(st.code());
-                }
-            }
-        }
-        if start.elapsed() > limit {
-            for (c, _) in children.iter_mut() {
-                let _ = c.kill();
-                let _ = c.wait();
-            }
-            panic!("ranks still running after {limit:?}: a hang");
-        }
-        std::thread::sleep(Duration::from_millis(5));
-    }
-    children
-        .into_iter()
-        .zip(status)
-        .map(|((_, r), st)| (st.flatten(), r.join().unwrap_or_default()))
-        .collect()
-}
-
 fn run_suite(suite: &str, n: u32, args: &[&str], limit: Duration) -> Vec<(Option<i32>, String)> {
     run_suite_env(suite, n, args, limit, &[])
 }
@@ -115,27 +72,6 @@ fn run_suite_env(
         .map(|r| spawn_rank_env(suite, &id, r, n, &args, 60, env))
         .collect();
     wait_all(kids, limit)
-}
-
-fn assert_all_ok(what: &str, res: &[(Option<i32>, String)]) {
-    for (r, (code, out)) in res.iter().enumerate() {
-        assert_eq!(*code, Some(0), "{what}: rank {r} failed:\n{out}");
-        assert!(
-            out.contains(&format!("rank {r}: ok")),
-            "{what}: rank {r}:\n{out}"
-        );
-    }
-}
-
-fn braid_segments() -> Vec<String> {
-    std::fs::read_dir("/dev/shm")
-        .map(|d| {
-            d.filter_map(|e| e.ok())
-                .map(|e| e.file_name().to_string_lossy().into_owned())
-                .filter(|n| n.starts_with("braid-"))
-                .collect()
-        })
-        .unwrap_or_default()
 }
 
 const SIZES: [&str; 5] = ["0", "1", "7", "1023", "1048579"]; // 2^20 + 3
@@ -222,70 +158,33 @@ fn killed_rank_gives_errors_not_hangs() {
     let timeout_s = 20;
     let (id, _root) = root();
     let args = vec!["1000000".to_string(), "65536".to_string()];
-    let mut kids: Vec<Child> = (0..n)
+    let kids: Vec<Child> = (0..n)
         .map(|r| spawn_rank("loop", &id, r, n, &args, timeout_s))
         .collect();
-    // Wait until every rank finished its first AllReduce.
-    let mut readers = Vec::new();
-    for c in kids.iter_mut() {
-        let mut out = BufReader::new(c.stdout.take().expect("stdout"));
-        let mut line = String::new();
-        out.read_line(&mut line).expect("read");
-        assert_eq!(line.trim(), "ready", "rank did not start: {line}");
-        readers.push(std::thread::spawn(move || {
-            let mut rest = String::new();
-            for l in out.lines().map_while(Result::ok) {
-                rest.push_str(&l);
-                rest.push('\n');
-            }
-            rest
-        }));
-    }
-    std::thread::sleep(Duration::from_millis(200));
-    let killed_at = Instant::now();
-    kids[victim as usize].kill().expect("kill");
-    let _ = kids[victim as usize].wait();
-    let mut outputs = Vec::new();
-    for (r, c) in kids.iter_mut().enumerate() {
-        if r as u32 == victim {
-            outputs.push(String::new());
-            continue;
-        }
-        loop {
-            if let Some(st) = c.try_wait().expect("wait") {
-                assert_eq!(st.code(), Some(3), "rank {r} should fail its AllReduce");
-                break;
-            }
-            if killed_at.elapsed() > Duration::from_secs(timeout_s as u64 + 10) {
-                for c in kids.iter_mut() {
-                    let _ = c.kill();
-                }
-                panic!("rank {r} still running after the victim died: a hang");
-            }
-            std::thread::sleep(Duration::from_millis(5));
-        }
-        outputs.push(String::new());
-    }
-    let elapsed = killed_at.elapsed();
-    for (r, h) in readers.into_iter().enumerate() {
-        outputs[r] = h.join().unwrap_or_default();
-    }
-    for (r, out) in outputs.iter().enumerate() {
+    let out = fault_run(
+        kids,
+        |k| {
+            let _ = k[victim as usize].kill();
+        },
+        Duration::from_secs(timeout_s as u64 + 10),
+    );
+    for (r, (code, text)) in out.ranks.iter().enumerate() {
         if r as u32 == victim {
             continue;
         }
-        println!("rank {r}: {out}");
-        assert!(out.contains("error:"), "rank {r}: {out}");
+        println!("rank {r}: {text}");
+        assert_eq!(*code, Some(3), "rank {r} should fail its AllReduce: {text}");
         // The ring neighbours see the victim directly; the others learn it
         // from a neighbour's abort, which carries the cause along.
         assert!(
-            out.contains("rank 2"),
-            "rank {r} does not name the dead rank: {out}"
+            text.contains("rank 2"),
+            "rank {r} does not name the dead rank: {text}"
         );
     }
     assert!(
-        elapsed < Duration::from_secs(timeout_s as u64),
-        "survivors took {elapsed:?}; they should notice the dead peer before the timeout"
+        out.elapsed < Duration::from_secs(timeout_s as u64),
+        "survivors took {:?}; they should notice the dead peer before the timeout",
+        out.elapsed
     );
     assert_eq!(
         braid_segments(),

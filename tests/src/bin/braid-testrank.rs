@@ -377,6 +377,8 @@ fn main() -> ExitCode {
             return ExitCode::from(4);
         }
     };
+    // One line the multi-host tests read: the transport to each peer.
+    println!("rank {rank} transports: {}", comm.transports().join(","));
     let extra: Vec<usize> = args[5..].iter().filter_map(|s| s.parse().ok()).collect();
     match args[1].as_str() {
         "matrix" => {
