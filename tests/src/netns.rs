@@ -242,6 +242,11 @@ impl Drop for Hosts {
             let _ = h.kill();
             let _ = h.wait();
         }
+        // Delete the veth pairs explicitly: a namespace's deletion removes
+        // its end only asynchronously.
+        for h in 0..self.names.len() {
+            let _ = ip(&["link", "del", &format!("bv{}h{h}", self.tag)]);
+        }
         for ns in &self.names {
             let _ = ip(&["netns", "del", ns]);
         }

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# The test suite, with what it needs installed first (README's test command).
+# The multi-host tests emulate hosts with network namespaces: they need root,
+# iproute2 (ip, tc) and util-linux (unshare, nsenter); without root they skip
+# and say so.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if [ "$(id -u)" = 0 ]; then
+    need=()
+    command -v ip >/dev/null || need+=(iproute2)
+    command -v nsenter >/dev/null || need+=(util-linux)
+    if [ ${#need[@]} -gt 0 ]; then
+        apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null
+    fi
+fi
+exec cargo test --workspace "$@"
