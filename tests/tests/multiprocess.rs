@@ -192,3 +192,22 @@ fn killed_rank_gives_errors_not_hangs() {
         "segments left in /dev/shm"
     );
 }
+
+/// Ranks that call different collectives, counts or roots get an error that
+/// says what each side called, instead of a hang or garbage.
+#[test]
+fn mismatched_calls_are_errors_naming_both_sides() {
+    let _g = serial();
+    for (variant, n, want) in [("0", 2, "AllGather"), ("1", 3, "count=10"), ("2", 2, "")] {
+        let res = run_suite("mismatch", n, &[variant], Duration::from_secs(60));
+        for (r, (code, out)) in res.iter().enumerate() {
+            println!("variant {variant} rank {r}: {out}");
+            assert_eq!(*code, Some(3), "variant {variant} rank {r}: {out}");
+            assert!(out.contains(want), "variant {variant} rank {r}: {out}");
+        }
+        assert!(
+            res.iter().any(|(_, o)| o.contains("called")),
+            "variant {variant}: no rank said what the other called"
+        );
+    }
+}

@@ -12,6 +12,7 @@ pub mod plan;
 pub mod reduce;
 pub mod reference;
 pub mod sim;
+pub mod topo;
 pub mod transport;
 pub mod types;
 

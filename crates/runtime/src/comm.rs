@@ -16,6 +16,7 @@ use crate::bootstrap::{create_unique_id, Bootstrap, RootServer, UniqueId};
 use crate::engine::{self, Channels, Exec, RawBuf, WaitPolicy};
 use crate::env::{timeout_from_env, LaunchInfo};
 use crate::error::{Error, Result};
+use crate::fingerprint::Headers;
 use crate::select::{self, TransportTable};
 
 /// Options for creating a communicator.
@@ -55,6 +56,7 @@ struct Shared {
     small_allreduce: usize,
     move_piece: usize,
     direct_min: usize,
+    check_headers: bool,
     policy: WaitPolicy,
     abort: AtomicBool,
     state: Mutex<State>,
@@ -67,6 +69,11 @@ struct Shared {
 struct State {
     chans: Channels,
     seq: u64,
+    /// Collectives issued so far (the header sequence number).
+    coll_seq: u64,
+    /// Point-to-point transfers to / from each peer so far.
+    p2p_send_seq: Vec<u64>,
+    p2p_recv_seq: Vec<u64>,
     broken: Option<String>,
     cache: HashMap<(Collective, DataType), Arc<Program>>,
 }
@@ -233,7 +240,7 @@ impl Communicator {
             .map(|(r, b)| decode_peer(b, r as u32))
             .collect::<Result<_>>()?;
 
-        let table = TransportTable::from_env()?;
+        let table = TransportTable::from_env(boot.root_addr())?;
         let choice = table.select_all(&me, &peers)?;
         let ring: Vec<u32> = (0..nranks).collect();
         info!(rank, ring = ?ring, "braid: ring order");
@@ -277,13 +284,36 @@ impl Communicator {
             }
         }
         boot.barrier()?;
-        let piece = chans.min_slot_bytes().unwrap_or(DEFAULT_PIECE);
-        // After the barrier every receiver has run its single-copy probe. If
-        // every link passes references, pieces of pure data movement can be
-        // much larger than a slot (fewer system calls); pieces below
-        // `direct_min` still fit a slot.
+        // After the barrier every receiver has run its single-copy probe.
+        // Plans must cut pieces the same way on every rank, so agree on the
+        // smallest slot of any link anywhere, and on whether every link
+        // passes references (then pieces of pure data movement can be much
+        // larger than a slot: fewer system calls; pieces below `direct_min`
+        // still fit a slot).
         let direct_min = env_bytes("BRAID_DIRECT_MIN_BYTES", 64 * 1024)?;
-        let all_direct = chans.send.iter_mut().flatten().all(|c| c.can_send_direct());
+        let local_piece = chans.min_slot_bytes().unwrap_or(usize::MAX) as u64;
+        let local_direct = chans.send.iter_mut().flatten().all(|c| c.can_send_direct());
+        let mut mine = local_piece.to_le_bytes().to_vec();
+        mine.push(local_direct as u8);
+        let all = boot.allgather(&mine)?;
+        let mut piece = u64::MAX;
+        let mut all_direct = true;
+        for (r, b) in all.iter().enumerate() {
+            let (Some(p), Some(&d)) = (b.get(0..8), b.get(8)) else {
+                return Err(Error::Bootstrap(format!(
+                    "rank {r} sent a malformed link summary"
+                )));
+            };
+            let mut a = [0u8; 8];
+            a.copy_from_slice(p);
+            piece = piece.min(u64::from_le_bytes(a));
+            all_direct &= d != 0;
+        }
+        let piece = if piece == u64::MAX {
+            DEFAULT_PIECE
+        } else {
+            piece as usize
+        };
         let move_piece = if all_direct && direct_min <= piece {
             piece.max(env_bytes("BRAID_DIRECT_PIECE_BYTES", 2 << 20)?)
         } else {
@@ -307,6 +337,11 @@ impl Communicator {
                 // Broadcast, AllGather and AllToAll from 1 to 64 MiB.
                 direct_min,
                 move_piece,
+                // Mismatch detection (one 64-byte header per link per
+                // operation); BRAID_CHECK_MISMATCH=0 turns it off.
+                check_headers: std::env::var("BRAID_CHECK_MISMATCH")
+                    .map(|v| v.trim() != "0")
+                    .unwrap_or(true),
                 policy: WaitPolicy {
                     timeout,
                     spin: spin_budget(&me, &peers),
@@ -315,6 +350,9 @@ impl Communicator {
                 state: Mutex::new(State {
                     chans,
                     seq: 0,
+                    coll_seq: 0,
+                    p2p_send_seq: vec![0; p],
+                    p2p_recv_seq: vec![0; p],
                     broken: None,
                     cache: HashMap::new(),
                 }),
@@ -396,13 +434,32 @@ impl Communicator {
         st.seq += 1;
         let name = coll.name();
         let _span = info_span!("op", op = name, seq, rank = sh.rank).entered();
-        let prog = self.program(&mut st, coll, dt)?;
+        let prog = self.program(&mut st, coll.clone(), dt)?;
         debug!(ops = prog.ops.len(), "start");
+        let headers = if !sh.check_headers {
+            None
+        } else if let Collective::Group(_) = coll {
+            let st = &mut *st;
+            Some(Headers::for_group(
+                &coll,
+                dt,
+                sh.rank,
+                &prog,
+                &mut st.p2p_send_seq,
+                &mut st.p2p_recv_seq,
+            ))
+        } else {
+            let h = Headers::for_collective(&coll, dt, st.coll_seq, &prog, sh.nranks);
+            st.coll_seq += 1;
+            Some(h)
+        };
         let ex = Exec {
             bufs,
             policy: &sh.policy,
             abort: &sh.abort,
             direct_min: sh.direct_min,
+            rank: sh.rank,
+            headers: headers.as_ref(),
         };
         // SAFETY: the typed entry points built `bufs` from live slices of the
         // right lengths (checked), borrowed for this whole call, aligned for

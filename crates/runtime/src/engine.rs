@@ -19,6 +19,8 @@ use braid_core::transport::{Incoming, RecvChannel, SendChannel, SlotBuf};
 use braid_core::types::MemKind;
 use braid_core::{CoreError, DataType, RedOp};
 
+use crate::fingerprint::{self, Headers, HEADER_BYTES};
+
 /// A caller buffer as the engine sees it.
 #[derive(Clone, Copy, Debug)]
 pub struct RawBuf {
@@ -215,6 +217,27 @@ pub struct Exec<'a> {
     /// Pieces of at least this many bytes of pure data movement go by
     /// reference where the link allows it (single copy); `usize::MAX` never.
     pub direct_min: usize,
+    /// This rank (for messages).
+    pub rank: u32,
+    /// Operation headers to send and to check (mismatch detection); `None`
+    /// turns the check off.
+    pub headers: Option<&'a Headers>,
+}
+
+/// Which peers' operation headers were checked so far in this operation.
+struct HeaderCheck<'a> {
+    headers: Option<&'a Headers>,
+    got: Vec<bool>,
+}
+
+impl HeaderCheck<'_> {
+    /// Whether a header from `from` must still be read before its data.
+    fn pending(&self, from: u32) -> bool {
+        self.headers
+            .and_then(|h| h.expect.get(from as usize).copied().flatten())
+            .is_some()
+            && !self.got.get(from as usize).copied().unwrap_or(true)
+    }
 }
 
 /// Run `prog` to completion.
@@ -232,6 +255,32 @@ pub unsafe fn execute(
     ex: &Exec<'_>,
 ) -> Result<(), CoreError> {
     let mut waiter = Waiter::new(ex.policy, ex.abort);
+    // Our operation header goes first on every link we send on.
+    if let Some(h) = ex.headers {
+        for (peer, bytes) in &h.send {
+            loop {
+                let ch = chans.sender(*peer)?;
+                if let Some(slot) = ch.poll_acquire()? {
+                    host_slot(ch.mem_kind(), *peer)?;
+                    // SAFETY: a host slot holds at least 4096 bytes.
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(bytes.as_ptr(), slot.ptr, HEADER_BYTES)
+                    };
+                    ch.commit(HEADER_BYTES)?;
+                    break;
+                }
+                waiter.idle(chans, (*peer, WAIT_SLOT))?;
+            }
+            waiter.progressed();
+        }
+    }
+    let mut hdr = HeaderCheck {
+        headers: ex.headers,
+        got: ex
+            .headers
+            .map(|h| vec![false; h.expect.len()])
+            .unwrap_or_default(),
+    };
     let mut direct: Vec<u32> = Vec::new();
     let mut pending: Vec<bool> = Vec::new();
     let mut claimed: Vec<(Option<u32>, Option<u32>)> = Vec::new();
@@ -239,7 +288,8 @@ pub unsafe fn execute(
         if let [op] = stage {
             // The common case: one op, retried until it runs.
             // SAFETY: forwarded from this function's contract.
-            while let Some(blocked) = unsafe { try_op(prog, op, chans, ex, &mut direct)? } {
+            while let Some(blocked) = unsafe { try_op(prog, op, chans, ex, &mut direct, &mut hdr)? }
+            {
                 waiter.idle(chans, blocked)?;
             }
             waiter.progressed();
@@ -259,7 +309,7 @@ pub unsafe fn execute(
                     continue;
                 }
                 // SAFETY: forwarded from this function's contract.
-                match unsafe { try_op(prog, op, chans, ex, &mut direct)? } {
+                match unsafe { try_op(prog, op, chans, ex, &mut direct, &mut hdr)? } {
                     None => {
                         pending[i] = false;
                         left -= 1;
@@ -350,10 +400,14 @@ unsafe fn try_op(
     chans: &mut Channels,
     ex: &Exec<'_>,
     direct: &mut Vec<u32>,
+    hdr: &mut HeaderCheck<'_>,
 ) -> Result<Option<(u32, &'static str)>, CoreError> {
     let len = op.wire_len();
     let input: Option<(u32, Incoming)> = match op.recv_peer() {
         Some(from) => {
+            if hdr.pending(from) && !check_header(chans, ex, hdr, from)? {
+                return Ok(Some((from, WAIT_DATA)));
+            }
             let ch = chans.receiver(from)?;
             match ch.poll_peek_any()? {
                 None => return Ok(Some((from, WAIT_DATA))),
@@ -526,6 +580,39 @@ unsafe fn try_op(
         chans.receiver(from)?.release()?;
     }
     Ok(None)
+}
+
+/// Read and check the operation header from `from`: `Ok(false)` while it has
+/// not arrived, an error naming both sides' operations when it differs.
+fn check_header(
+    chans: &mut Channels,
+    ex: &Exec<'_>,
+    hdr: &mut HeaderCheck<'_>,
+    from: u32,
+) -> Result<bool, CoreError> {
+    let Some(want) = hdr.headers.and_then(|h| h.expect[from as usize]) else {
+        return Ok(true);
+    };
+    let ch = chans.receiver(from)?;
+    let got = match ch.poll_peek_any()? {
+        None => return Ok(false),
+        Some(Incoming::Inline(slot, len))
+            if len == HEADER_BYTES && ch.mem_kind() == MemKind::Host =>
+        {
+            let mut b = [0u8; HEADER_BYTES];
+            // SAFETY: the host slot holds `len` = HEADER_BYTES bytes.
+            unsafe {
+                std::ptr::copy_nonoverlapping(slot.ptr as *const u8, b.as_mut_ptr(), HEADER_BYTES)
+            };
+            b.to_vec()
+        }
+        Some(Incoming::Inline(_, len)) | Some(Incoming::Remote(len)) => vec![0u8; len.min(1 << 20)],
+    };
+    fingerprint::check(from, ex.rank, &got, &want)
+        .map_err(|detail| CoreError::Protocol { peer: from, detail })?;
+    ch.release()?;
+    hdr.got[from as usize] = true;
+    Ok(true)
 }
 
 /// Apply the Avg division to `len` bytes at `d`.

@@ -19,6 +19,7 @@ pub mod comm;
 pub mod engine;
 pub mod env;
 pub mod error;
+pub mod fingerprint;
 pub mod select;
 pub mod stream;
 

@@ -7,14 +7,17 @@
 //! for every peer (an error if it cannot connect, never a silent fallback);
 //! `BRAID_<NAME>_DISABLE=1` removes one from the table.
 
+use std::net::SocketAddr;
+
 use braid_core::transport::{PeerDesc, Transport};
 use braid_transport_shm::ShmTransport;
-use tracing::info;
+use braid_transport_socket::{SocketConfig, SocketTransport};
+use tracing::{info, warn};
 
 use crate::error::{Error, Result};
 
 /// The transports this build knows, best first.
-pub const KNOWN: &[&str] = &["shm"];
+pub const KNOWN: &[&str] = &["shm", "socket"];
 
 /// The ordered table of available transports.
 pub struct TransportTable {
@@ -39,8 +42,10 @@ fn env_flag(name: &str) -> bool {
 }
 
 impl TransportTable {
-    /// Build the table from the environment.
-    pub fn from_env() -> Result<TransportTable> {
+    /// Build the table from the environment. `root` is the bootstrap root's
+    /// address: the socket transport listens on the interface that routes to
+    /// it unless `BRAID_SOCKET_IFNAME` says otherwise.
+    pub fn from_env(root: SocketAddr) -> Result<TransportTable> {
         let forced = std::env::var("BRAID_TRANSPORT")
             .ok()
             .map(|s| s.trim().to_ascii_lowercase())
@@ -56,6 +61,21 @@ impl TransportTable {
         let mut entries: Vec<Box<dyn Transport>> = Vec::new();
         if !env_flag("BRAID_SHM_DISABLE") {
             entries.push(Box::new(ShmTransport::new()));
+        }
+        if !env_flag("BRAID_SOCKET_DISABLE") {
+            match SocketConfig::from_env().and_then(|c| SocketTransport::new(c.with_root(root))) {
+                Ok(t) => {
+                    info!(
+                        addr = %t.local_addr(),
+                        interface = t.interface(),
+                        "braid: socket transport"
+                    );
+                    entries.push(Box::new(t));
+                }
+                // Forced: the caller asked for it, so its absence is an error.
+                Err(e) if forced.as_deref() == Some("socket") => return Err(Error::Core(e)),
+                Err(e) => warn!("braid: socket transport unavailable: {e}"),
+            }
         }
         Ok(TransportTable { entries, forced })
     }

@@ -406,6 +406,32 @@ fn main() -> ExitCode {
                 return ExitCode::from(1);
             }
         }
+        "mismatch" => {
+            // 0: ranks call different collectives; 1: different counts;
+            // 2: different roots. Then an AllReduce that everyone agrees on.
+            let variant = extra.first().copied().unwrap_or(0);
+            let mut a = vec![1.0f32; 100 + if variant == 1 { rank as usize } else { 0 }];
+            let first = match variant {
+                0 if rank == 0 => comm.all_reduce_in_place(&mut a, RedOp::Sum),
+                0 => {
+                    let mut g = vec![0f32; a.len() * nranks as usize];
+                    comm.all_gather(&a, &mut g)
+                }
+                1 => comm.all_reduce_in_place(&mut a, RedOp::Sum),
+                _ => comm.broadcast(&mut a, rank % 2),
+            };
+            let second = first.and_then(|_| comm.all_reduce_in_place(&mut [1u64; 8], RedOp::Sum));
+            match second {
+                Ok(()) => {
+                    println!("FAIL rank {rank}: the mismatch went unnoticed");
+                    return ExitCode::from(1);
+                }
+                Err(e) => {
+                    println!("error: {e}");
+                    return ExitCode::from(3);
+                }
+            }
+        }
         "badinput" => {
             if let Err(e) = badinput(&comm) {
                 println!("FAIL rank {rank}: {e}");

@@ -1,0 +1,443 @@
+//! The host model: NUMA nodes with their CPU sets, the PCI tree, GPUs with
+//! their NVLinks, and NICs with their network ports.
+//!
+//! The shape follows NCCL's topology XML (`system` → `cpu` → `pci` → `gpu` /
+//! `nic` → `net`) so that import and export are lossless; attributes braid
+//! does not interpret are kept in `attrs` and written back.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+/// Extra attributes braid keeps but does not interpret (written back on export).
+pub type Attrs = BTreeMap<String, String>;
+
+/// One host.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct System {
+    /// The `name` attribute (braid writes the host name there).
+    pub name: Option<String>,
+    /// NUMA nodes (NCCL's `cpu` elements), in file / node order.
+    pub cpus: Vec<Cpu>,
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub attrs: Attrs,
+}
+
+/// A NUMA node and the CPUs that belong to it (NCCL's `cpu` element).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Cpu {
+    /// NUMA node id (`numaid`); -1 when unknown.
+    pub numaid: i32,
+    /// The CPUs of the node (`affinity`, a cpumask in sysfs `cpumap` format).
+    pub affinity: Option<CpuSet>,
+    /// `x86_64`, `arm64`, `ppc64`.
+    pub arch: Option<String>,
+    /// `GenuineIntel`, `AuthenticAMD`, ...
+    pub vendor: Option<String>,
+    pub familyid: Option<u32>,
+    pub modelid: Option<u32>,
+    /// PCI devices attached to this node's host bridges.
+    pub pci: Vec<Pci>,
+    /// NICs not placed in the PCI tree.
+    pub nics: Vec<Nic>,
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub attrs: Attrs,
+}
+
+/// A set of CPU ids.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CpuSet(pub Vec<u32>);
+
+/// A PCI device: a bridge/switch, or an endpoint carrying a GPU or a NIC.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Pci {
+    /// `DDDD:BB:DD.F`, lower case.
+    pub busid: String,
+    /// PCI class code (`0x060400` bridge, `0x03xxxx` display, `0x02xxxx` network,
+    /// `0x068000` NVSwitch).
+    pub class: Option<u32>,
+    pub vendor: Option<String>,
+    pub device: Option<String>,
+    pub subsystem_vendor: Option<String>,
+    pub subsystem_device: Option<String>,
+    /// As sysfs / NCCL write it, e.g. `"16.0 GT/s PCIe"`.
+    pub link_speed: Option<String>,
+    pub link_width: Option<u32>,
+    /// The PCI host bridge (root complex, e.g. `pci0000:00`) this device hangs
+    /// from; braid's own attribute (`hostbridge`), used to tell nvidia-smi's
+    /// NODE from PHB. Absent in NCCL files.
+    pub hostbridge: Option<String>,
+    /// Devices below this one (when it is a bridge or switch).
+    pub children: Vec<Pci>,
+    pub gpu: Option<Gpu>,
+    pub nic: Option<Nic>,
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub attrs: Attrs,
+}
+
+/// A GPU (NCCL's `gpu` element inside its `pci`).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Gpu {
+    /// Device index (NVML / CUDA).
+    pub dev: Option<u32>,
+    /// Compute capability × 10 (`90` for Hopper).
+    pub sm: Option<u32>,
+    pub rank: Option<u32>,
+    pub gdr: Option<bool>,
+    pub nvlinks: Vec<NvLink>,
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub attrs: Attrs,
+}
+
+/// NVLinks from a GPU to one peer.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct NvLink {
+    /// Bus id of the peer (GPU, NVSwitch or CPU).
+    pub target: String,
+    /// Number of links.
+    pub count: u32,
+    /// Class of the peer: `0x068000` NVSwitch, `0x068001` CPU, `0x03xxxx` GPU.
+    pub tclass: Option<u32>,
+}
+
+/// A NIC: one PCI function, one or more network ports.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Nic {
+    pub nets: Vec<Net>,
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub attrs: Attrs,
+}
+
+/// One network port (NCCL's `net` element).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Net {
+    /// `mlx5_0` (RDMA device) or `eth0` (kernel interface).
+    pub name: String,
+    pub dev: Option<u32>,
+    /// Mbit/s.
+    pub speed: Option<u64>,
+    pub port: Option<u32>,
+    pub latency: Option<String>,
+    pub guid: Option<String>,
+    pub maxconn: Option<u32>,
+    pub gdr: Option<bool>,
+    pub coll: Option<bool>,
+    /// `InfiniBand` or `Ethernet` (braid attribute `link_layer`).
+    pub link_layer: Option<String>,
+    /// Port state as the kernel says it (`ACTIVE`, `DOWN`, `up`, ...) (braid attribute `state`).
+    pub state: Option<String>,
+    /// Whether this is an RDMA (verbs) device (braid attribute `rdma`).
+    pub rdma: Option<bool>,
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub attrs: Attrs,
+}
+
+/// What kind of network a port is on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub enum NicKind {
+    InfiniBand,
+    RoCE,
+    Ethernet,
+}
+
+impl std::fmt::Display for NicKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            NicKind::InfiniBand => "InfiniBand",
+            NicKind::RoCE => "RoCE",
+            NicKind::Ethernet => "Ethernet",
+        })
+    }
+}
+
+impl Net {
+    /// Whether the port is an RDMA device: the `rdma` attribute, or, in NCCL
+    /// files that lack it, a verbs-style name or a GUID.
+    pub fn is_rdma(&self) -> bool {
+        if let Some(r) = self.rdma {
+            return r;
+        }
+        const VERBS: [&str; 8] = ["mlx", "ib", "bnxt_re", "irdma", "efa", "rxe", "siw", "qedr"];
+        self.guid.is_some() || VERBS.iter().any(|p| self.name.starts_with(p))
+    }
+
+    /// InfiniBand, RoCE (RDMA over Ethernet) or plain Ethernet.
+    pub fn kind(&self) -> NicKind {
+        let eth = self
+            .link_layer
+            .as_deref()
+            .is_some_and(|l| l.eq_ignore_ascii_case("ethernet"));
+        match (self.is_rdma(), eth) {
+            (true, false) => NicKind::InfiniBand,
+            (true, true) => NicKind::RoCE,
+            (false, _) => NicKind::Ethernet,
+        }
+    }
+
+    /// Whether the port is usable: `ACTIVE` / `up`, or unknown state.
+    pub fn is_up(&self) -> bool {
+        match self.state.as_deref() {
+            None => true,
+            Some(s) => {
+                let s = s.to_ascii_lowercase();
+                s.contains("active") && !s.contains("inactive") || s == "up" || s == "unknown"
+            }
+        }
+    }
+
+    /// Bandwidth in GB/s (`speed / 8000`), if the speed is known.
+    pub fn bw(&self) -> Option<f64> {
+        self.speed.filter(|&s| s > 0).map(|s| s as f64 / 8000.0)
+    }
+}
+
+impl Pci {
+    /// The top byte of the class code: 0x03 display, 0x02 network, 0x06 bridge.
+    pub fn base_class(&self) -> Option<u8> {
+        self.class.map(|c| (c >> 16) as u8)
+    }
+    /// A GPU: has a `gpu` child, or is a display-class endpoint (partial files).
+    pub fn is_gpu(&self) -> bool {
+        self.gpu.is_some() || (self.base_class() == Some(0x03) && self.nic.is_none())
+    }
+    /// A NIC: has a `nic` child, or is a network-class endpoint (partial files).
+    pub fn is_nic(&self) -> bool {
+        self.nic.is_some() || (self.base_class() == Some(0x02) && self.gpu.is_none())
+    }
+    /// An NVSwitch (class 0x068000).
+    pub fn is_nvswitch(&self) -> bool {
+        self.class == Some(0x068000)
+    }
+    /// Link bandwidth in GB/s from `link_speed` × `link_width` (NCCL's rule:
+    /// width × per-lane rate / 80, per-lane in units of 100 Mbit/s), if known.
+    pub fn link_bw(&self) -> Option<f64> {
+        let per_lane = pcie_per_lane(self.link_speed.as_deref()?)?;
+        let width = self.link_width.filter(|&w| w > 0)?;
+        Some(width as f64 * per_lane / 80.0)
+    }
+    /// Visit this device and every device below it.
+    pub fn walk<'a>(&'a self, f: &mut impl FnMut(&'a Pci)) {
+        f(self);
+        for c in &self.children {
+            c.walk(f);
+        }
+    }
+}
+
+/// Per-lane PCIe rate in units of 100 Mbit/s for a `link_speed` string
+/// ("8.0 GT/s PCIe", "16 GT/s", "2.5 GT/s").
+pub fn pcie_per_lane(speed: &str) -> Option<f64> {
+    let num: String = speed
+        .trim()
+        .chars()
+        .take_while(|c| c.is_ascii_digit() || *c == '.')
+        .collect();
+    let gts: f64 = num.parse().ok()?;
+    Some(match gts {
+        g if g <= 2.5 => 15.0,
+        g if g <= 5.0 => 30.0,
+        g if g <= 8.0 => 60.0,
+        g if g <= 16.0 => 120.0,
+        g if g <= 32.0 => 240.0,
+        _ => 480.0,
+    })
+}
+
+impl CpuSet {
+    /// Parse a sysfs `cpumap` / NCCL `affinity` mask: comma-separated 32-bit
+    /// hex groups, most significant first (`"00000000,0000ffff"`).
+    pub fn from_mask(mask: &str) -> Option<CpuSet> {
+        let mut cpus = Vec::new();
+        let groups: Vec<&str> = mask.trim().split(',').collect();
+        for (i, g) in groups.iter().rev().enumerate() {
+            let g = g.trim().trim_start_matches("0x");
+            if g.is_empty() {
+                return None;
+            }
+            let v = u32::from_str_radix(g, 16).ok()?;
+            for b in 0..32 {
+                if v & (1 << b) != 0 {
+                    cpus.push(i as u32 * 32 + b);
+                }
+            }
+        }
+        cpus.sort_unstable();
+        Some(CpuSet(cpus))
+    }
+
+    /// Parse a sysfs `cpulist` (`"0-3,8,10-11"`).
+    pub fn from_list(list: &str) -> Option<CpuSet> {
+        let mut cpus = Vec::new();
+        for part in list.trim().split(',').filter(|p| !p.is_empty()) {
+            match part.split_once('-') {
+                Some((a, b)) => {
+                    let (a, b): (u32, u32) = (a.trim().parse().ok()?, b.trim().parse().ok()?);
+                    if b < a || b - a > 1 << 16 {
+                        return None;
+                    }
+                    cpus.extend(a..=b);
+                }
+                None => cpus.push(part.trim().parse().ok()?),
+            }
+        }
+        cpus.sort_unstable();
+        cpus.dedup();
+        Some(CpuSet(cpus))
+    }
+
+    /// The mask in sysfs `cpumap` format (8 hex digits per group).
+    pub fn to_mask(&self) -> String {
+        let groups = self.0.iter().max().map_or(1, |m| *m as usize / 32 + 1);
+        let mut words = vec![0u32; groups];
+        for &c in &self.0 {
+            words[c as usize / 32] |= 1 << (c % 32);
+        }
+        words
+            .iter()
+            .rev()
+            .map(|w| format!("{w:08x}"))
+            .collect::<Vec<_>>()
+            .join(",")
+    }
+
+    /// The list in sysfs `cpulist` format (`"0-3,8"`).
+    pub fn to_list(&self) -> String {
+        let mut out: Vec<String> = Vec::new();
+        let mut i = 0;
+        while i < self.0.len() {
+            let start = self.0[i];
+            let mut end = start;
+            while i + 1 < self.0.len() && self.0[i + 1] == end + 1 {
+                i += 1;
+                end += 1;
+            }
+            out.push(if start == end {
+                start.to_string()
+            } else {
+                format!("{start}-{end}")
+            });
+            i += 1;
+        }
+        out.join(",")
+    }
+
+    pub fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+}
+
+/// A GPU found in the model, with where it sits.
+#[derive(Clone, Debug)]
+pub struct GpuRef<'a> {
+    pub numaid: i32,
+    pub pci: &'a Pci,
+}
+
+/// A network port found in the model, with where it sits.
+#[derive(Clone, Debug)]
+pub struct NetRef<'a> {
+    pub numaid: i32,
+    /// The PCI function of the NIC (None for NICs outside the PCI tree).
+    pub pci: Option<&'a Pci>,
+    pub net: &'a Net,
+}
+
+impl System {
+    /// Every GPU (a `gpu` element or a display-class PCI endpoint), ordered by
+    /// device index, then bus id.
+    pub fn gpus(&self) -> Vec<GpuRef<'_>> {
+        let mut out = Vec::new();
+        for cpu in &self.cpus {
+            for p in &cpu.pci {
+                p.walk(&mut |d| {
+                    if d.is_gpu() {
+                        out.push(GpuRef {
+                            numaid: cpu.numaid,
+                            pci: d,
+                        })
+                    }
+                });
+            }
+        }
+        out.sort_by(|a, b| {
+            let da = a.pci.gpu.as_ref().and_then(|g| g.dev).unwrap_or(u32::MAX);
+            let db = b.pci.gpu.as_ref().and_then(|g| g.dev).unwrap_or(u32::MAX);
+            (da, &a.pci.busid).cmp(&(db, &b.pci.busid))
+        });
+        out
+    }
+
+    /// Every network port, in model order. A NIC endpoint from a partial file
+    /// (no `nic` element) shows up as one port named after its bus id.
+    pub fn nets(&self) -> Vec<NetRef<'_>> {
+        let mut out = Vec::new();
+        for cpu in &self.cpus {
+            for p in &cpu.pci {
+                p.walk(&mut |d| {
+                    if let Some(nic) = &d.nic {
+                        for n in &nic.nets {
+                            out.push(NetRef {
+                                numaid: cpu.numaid,
+                                pci: Some(d),
+                                net: n,
+                            });
+                        }
+                    }
+                });
+            }
+            for nic in &cpu.nics {
+                for n in &nic.nets {
+                    out.push(NetRef {
+                        numaid: cpu.numaid,
+                        pci: None,
+                        net: n,
+                    });
+                }
+            }
+        }
+        out
+    }
+
+    /// NIC-class PCI endpoints that carry no `nic` element (partial files).
+    pub fn bare_nic_endpoints(&self) -> Vec<(i32, &Pci)> {
+        let mut out = Vec::new();
+        for cpu in &self.cpus {
+            for p in &cpu.pci {
+                p.walk(&mut |d| {
+                    if d.is_nic() && d.nic.is_none() {
+                        out.push((cpu.numaid, d));
+                    }
+                });
+            }
+        }
+        out
+    }
+
+    /// Find a PCI device by bus id (case-insensitive).
+    pub fn find_pci(&self, busid: &str) -> Option<&Pci> {
+        let want = busid.to_ascii_lowercase();
+        let mut found = None;
+        for cpu in &self.cpus {
+            for p in &cpu.pci {
+                p.walk(&mut |d| {
+                    if found.is_none() && d.busid.eq_ignore_ascii_case(&want) {
+                        found = Some(d);
+                    }
+                });
+            }
+        }
+        found
+    }
+
+    /// Total number of CPUs over all NUMA nodes.
+    pub fn cpu_count(&self) -> usize {
+        self.cpus
+            .iter()
+            .map(|c| c.affinity.as_ref().map_or(0, |a| a.len()))
+            .sum()
+    }
+}

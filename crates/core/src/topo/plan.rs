@@ -1,0 +1,668 @@
+//! The planner: transports per rank pair and ring orders, as pure functions of
+//! the fused topology of all ranks.
+//!
+//! Per pair, best first: inside a host NVLink (GPUs joined by NVLink, directly
+//! or through NVSwitch), PCIe P2P (GPUs whose PCIe path is no worse than the
+//! P2P level, PXB by default: never through the CPU), shared memory; across
+//! hosts RDMA (`ib`, InfiniBand or RoCE, when both hosts have an active RDMA
+//! port) and sockets. `BRAID_TRANSPORT=<name>` forces one transport (an error
+//! where it cannot connect a pair), `BRAID_<NAME>_DISABLE=1` removes one and
+//! `BRAID_P2P_LEVEL` moves the PCIe P2P cut-off (as `NCCL_P2P_LEVEL`).
+//!
+//! Rings: inside a host, the order of its ranks that maximises the narrowest
+//! link, then minimises the worst path type, then maximises the total
+//! bandwidth (exhaustive up to 9 ranks a host, greedy beyond), which keeps
+//! NVLink neighbours adjacent. Across hosts each channel enters a host at the
+//! rank nearest to that channel's NIC (rails in turn) and leaves it from the
+//! last rank of the host's path through the NIC nearest that rank's GPU.
+//! Channels: across hosts one per NIC rail (the fewest over the hosts); inside
+//! one host one per 12 GB/s of the ring's narrowest GPU link, at most 16 (1
+//! for rings through host memory).
+
+use std::collections::BTreeSet;
+use std::fmt;
+use std::str::FromStr;
+
+use serde::{Deserialize, Serialize};
+
+use super::graph::{PathType, Topology, LOC_BW};
+use super::TopoError;
+
+/// braid's transports, best first.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Transport {
+    Nvlink,
+    Pcie,
+    Shm,
+    Ib,
+    Socket,
+}
+
+impl Transport {
+    pub const ALL: [Transport; 5] = [
+        Transport::Nvlink,
+        Transport::Pcie,
+        Transport::Shm,
+        Transport::Ib,
+        Transport::Socket,
+    ];
+    /// The transport's name as braid's runtime spells it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Transport::Nvlink => "nvlink",
+            Transport::Pcie => "pcie",
+            Transport::Shm => "shm",
+            Transport::Ib => "ib",
+            Transport::Socket => "socket",
+        }
+    }
+}
+
+impl fmt::Display for Transport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for Transport {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        let l = s.trim().to_ascii_lowercase();
+        Transport::ALL
+            .into_iter()
+            .find(|t| {
+                t.name() == l
+                    || (l == "p2p" && *t == Transport::Pcie)
+                    || (l == "net" && *t == Transport::Ib)
+            })
+            .ok_or_else(|| format!("unknown transport '{s}' (nvlink, pcie, shm, ib, socket)"))
+    }
+}
+
+/// What the environment allows.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TransportPolicy {
+    /// `BRAID_TRANSPORT`: use only this one.
+    pub forced: Option<Transport>,
+    /// `BRAID_<NAME>_DISABLE`.
+    pub disabled: BTreeSet<Transport>,
+    /// `BRAID_P2P_LEVEL`: the worst PCIe path P2P may take (default PXB).
+    pub p2p_level: PathType,
+}
+
+impl Default for TransportPolicy {
+    fn default() -> Self {
+        TransportPolicy {
+            forced: None,
+            disabled: BTreeSet::new(),
+            p2p_level: PathType::Pxb,
+        }
+    }
+}
+
+impl TransportPolicy {
+    /// Read the policy through `env` (e.g. `|k| std::env::var(k).ok()`).
+    pub fn from_env(env: impl Fn(&str) -> Option<String>) -> Result<Self, TopoError> {
+        let mut p = TransportPolicy::default();
+        if let Some(v) = env("BRAID_TRANSPORT").filter(|v| !v.trim().is_empty()) {
+            p.forced = Some(
+                v.parse()
+                    .map_err(|e| TopoError::Invalid(format!("BRAID_TRANSPORT: {e}")))?,
+            );
+        }
+        for t in Transport::ALL {
+            let k = format!("BRAID_{}_DISABLE", t.name().to_ascii_uppercase());
+            if let Some(v) = env(&k) {
+                let v = v.trim().to_ascii_lowercase();
+                if !matches!(v.as_str(), "" | "0" | "false" | "no" | "off") {
+                    p.disabled.insert(t);
+                }
+            }
+        }
+        if let Some(v) = env("BRAID_P2P_LEVEL").filter(|v| !v.trim().is_empty()) {
+            p.p2p_level = v
+                .parse()
+                .map_err(|e| TopoError::Invalid(format!("BRAID_P2P_LEVEL: {e}")))?;
+        }
+        Ok(p)
+    }
+}
+
+/// One host of the fused topology.
+#[derive(Clone, Debug)]
+pub struct Host {
+    pub name: String,
+    pub topo: Topology,
+}
+
+/// Where a rank runs.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RankPlace {
+    /// Index into [`Cluster::hosts`].
+    pub host: usize,
+    /// Bus id of the rank's GPU; None for a CPU-only rank.
+    pub gpu: Option<String>,
+    /// NUMA node a CPU-only rank is bound to (first node when None).
+    pub numa: Option<i32>,
+}
+
+/// The fused topology of all ranks.
+#[derive(Clone, Debug)]
+pub struct Cluster {
+    pub hosts: Vec<Host>,
+    pub ranks: Vec<RankPlace>,
+}
+
+impl Cluster {
+    /// `nranks` ranks spread over `nhosts` copies of one host (ranks in blocks:
+    /// host 0 gets the first ranks), each rank on the next GPU of its host, or
+    /// CPU-only ranks spread over the NUMA nodes when the host has no GPU.
+    pub fn uniform(
+        topo: &Topology,
+        name: &str,
+        nranks: usize,
+        nhosts: usize,
+    ) -> Result<Cluster, TopoError> {
+        if nranks == 0 || nhosts == 0 || nhosts > nranks {
+            return Err(TopoError::Invalid(format!(
+                "cannot place {nranks} ranks on {nhosts} hosts (need 1 ≤ hosts ≤ ranks)"
+            )));
+        }
+        let per = nranks.div_ceil(nhosts);
+        let gpus: Vec<String> = topo
+            .gpus
+            .iter()
+            .map(|&g| topo.nodes[g].id.clone())
+            .collect();
+        let numas: Vec<i32> = topo.system.cpus.iter().map(|c| c.numaid).collect();
+        let hosts = (0..nhosts)
+            .map(|h| Host {
+                name: if nhosts == 1 {
+                    name.to_string()
+                } else {
+                    format!("{name}#{h}")
+                },
+                topo: topo.clone(),
+            })
+            .collect();
+        let mut ranks = Vec::new();
+        for r in 0..nranks {
+            let h = (r / per).min(nhosts - 1);
+            let local = r - h * per;
+            ranks.push(RankPlace {
+                host: h,
+                gpu: (!gpus.is_empty()).then(|| gpus[local % gpus.len()].clone()),
+                numa: if gpus.is_empty() && !numas.is_empty() {
+                    Some(numas[local % numas.len()])
+                } else {
+                    None
+                },
+            });
+        }
+        Ok(Cluster { hosts, ranks })
+    }
+}
+
+/// One step of a ring.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Hop {
+    pub from: u32,
+    pub to: u32,
+    pub transport: Transport,
+    /// Path class between the two ends (NET across hosts).
+    pub path: PathType,
+    /// Bottleneck GB/s of the hop.
+    pub bw: f64,
+    /// Across hosts: the port the sender leaves through.
+    pub nic_out: Option<String>,
+    /// Across hosts: the port the receiver comes in through.
+    pub nic_in: Option<String>,
+}
+
+/// One channel's ring.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Ring {
+    pub order: Vec<u32>,
+    pub hops: Vec<Hop>,
+}
+
+impl Ring {
+    /// The narrowest hop, GB/s.
+    pub fn bottleneck(&self) -> f64 {
+        self.hops.iter().map(|h| h.bw).fold(f64::INFINITY, f64::min)
+    }
+}
+
+/// The transports and rings for a communicator.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Plan {
+    /// `transports[a][b]`: how rank a talks to rank b (None on the diagonal).
+    pub transports: Vec<Vec<Option<Transport>>>,
+    /// One ring per channel.
+    pub rings: Vec<Ring>,
+    /// Per rank: the port it uses to leave / enter its host (nearest its GPU).
+    pub nearest_nic: Vec<Option<String>>,
+}
+
+struct Ctx<'a> {
+    c: &'a Cluster,
+    policy: &'a TransportPolicy,
+    /// Per rank: GPU node (if any) and CPU node.
+    gpu: Vec<Option<usize>>,
+    cpu: Vec<usize>,
+    near_rdma: Vec<Option<usize>>,
+    near_any: Vec<Option<usize>>,
+}
+
+impl Ctx<'_> {
+    fn topo(&self, r: usize) -> &Topology {
+        &self.c.hosts[self.c.ranks[r].host].topo
+    }
+    fn host_has_rdma(&self, r: usize) -> bool {
+        self.near_rdma[r].is_some_and(|n| {
+            let t = self.topo(r);
+            let i = t.nets.iter().position(|&x| x == n);
+            i.and_then(|i| t.system.nets().get(i).map(|x| x.net.is_up()))
+                .unwrap_or(false)
+        })
+    }
+    /// (path type, GB/s) between two ranks of one host over `t`.
+    fn link(&self, a: usize, b: usize, t: Transport) -> (PathType, f64) {
+        let topo = self.topo(a);
+        match (t, self.gpu[a], self.gpu[b]) {
+            (Transport::Nvlink, Some(x), Some(y)) => topo
+                .path(x, y)
+                .map_or((PathType::Dis, 0.0), |p| (p.kind, p.bw)),
+            (Transport::Pcie, Some(x), Some(y)) => topo
+                .pci_path(x, y)
+                .map_or((PathType::Dis, 0.0), |p| (p.kind, p.bw)),
+            _ => {
+                // Through host memory: each end to its CPU, and between the CPUs.
+                let mut kind = if self.cpu[a] == self.cpu[b] {
+                    PathType::Loc
+                } else {
+                    PathType::Sys
+                };
+                let mut bw = if self.cpu[a] == self.cpu[b] {
+                    LOC_BW
+                } else {
+                    topo.path(self.cpu[a], self.cpu[b]).map_or(0.0, |p| p.bw)
+                };
+                for (g, c) in [(self.gpu[a], self.cpu[a]), (self.gpu[b], self.cpu[b])] {
+                    if let Some(p) = g.and_then(|g| topo.pci_path(g, c)) {
+                        kind = kind.max(p.kind);
+                        bw = bw.min(p.bw);
+                    }
+                }
+                (kind, bw)
+            }
+        }
+    }
+    fn choose(&self, a: usize, b: usize) -> Result<Transport, TopoError> {
+        let (ra, rb) = (&self.c.ranks[a], &self.c.ranks[b]);
+        let mut cands = Vec::new();
+        if ra.host == rb.host {
+            let topo = self.topo(a);
+            if let (Some(x), Some(y)) = (self.gpu[a], self.gpu[b]) {
+                if x != y {
+                    if topo.path(x, y).is_some_and(|p| p.kind <= PathType::Nvb) {
+                        cands.push(Transport::Nvlink);
+                    }
+                    if topo
+                        .pci_path(x, y)
+                        .is_some_and(|p| p.kind <= self.policy.p2p_level)
+                    {
+                        cands.push(Transport::Pcie);
+                    }
+                }
+            }
+            cands.push(Transport::Shm);
+        } else {
+            if self.host_has_rdma(a) && self.host_has_rdma(b) {
+                cands.push(Transport::Ib);
+            }
+            cands.push(Transport::Socket);
+        }
+        let what = || {
+            format!(
+                "ranks {a} ({}) and {b} ({})",
+                self.c.hosts[ra.host].name, self.c.hosts[rb.host].name
+            )
+        };
+        if let Some(f) = self.policy.forced {
+            return if cands.contains(&f) {
+                Ok(f)
+            } else {
+                Err(TopoError::Invalid(format!(
+                    "BRAID_TRANSPORT={f} cannot connect {}: possible here: {}",
+                    what(),
+                    names(&cands)
+                )))
+            };
+        }
+        cands
+            .iter()
+            .copied()
+            .find(|t| !self.policy.disabled.contains(t))
+            .ok_or_else(|| {
+                TopoError::Invalid(format!(
+                    "every transport that can connect {} is disabled ({}); unset one of the BRAID_*_DISABLE variables",
+                    what(),
+                    names(&cands)
+                ))
+            })
+    }
+}
+
+fn names(ts: &[Transport]) -> String {
+    ts.iter().map(|t| t.name()).collect::<Vec<_>>().join(", ")
+}
+
+/// Plan transports and rings for the ranks of `c` under `policy`.
+pub fn plan(c: &Cluster, policy: &TransportPolicy) -> Result<Plan, TopoError> {
+    let n = c.ranks.len();
+    if n == 0 {
+        return Err(TopoError::Invalid("no ranks to plan for".into()));
+    }
+    let mut gpu = Vec::with_capacity(n);
+    let mut cpu = Vec::with_capacity(n);
+    for (r, p) in c.ranks.iter().enumerate() {
+        let host = c.hosts.get(p.host).ok_or_else(|| {
+            TopoError::Invalid(format!(
+                "rank {r} is on host {} but there are {} hosts",
+                p.host,
+                c.hosts.len()
+            ))
+        })?;
+        let t = &host.topo;
+        let g = match &p.gpu {
+            Some(b) => Some(t.gpu_by_busid(b).ok_or_else(|| {
+                TopoError::Invalid(format!("rank {r}: no GPU {b} on host {}", host.name))
+            })?),
+            None => None,
+        };
+        let cn = match (g, p.numa) {
+            (Some(g), _) => t.cpu_of(g),
+            (None, Some(numa)) => t.cpus.iter().copied().find(|&x| t.nodes[x].numaid == numa),
+            (None, None) => t.cpus.first().copied(),
+        }
+        .ok_or_else(|| {
+            TopoError::Invalid(format!(
+                "rank {r}: host {} has no NUMA node for it",
+                host.name
+            ))
+        })?;
+        gpu.push(g);
+        cpu.push(cn);
+    }
+    let near_rdma = (0..n)
+        .map(|r| {
+            c.hosts[c.ranks[r].host]
+                .topo
+                .nearest_net(gpu[r].unwrap_or(cpu[r]), true)
+        })
+        .collect();
+    let near_any = (0..n)
+        .map(|r| {
+            c.hosts[c.ranks[r].host]
+                .topo
+                .nearest_net(gpu[r].unwrap_or(cpu[r]), false)
+        })
+        .collect();
+    let cx = Ctx {
+        c,
+        policy,
+        gpu,
+        cpu,
+        near_rdma,
+        near_any,
+    };
+    let mut transports = vec![vec![None; n]; n];
+    for (a, row) in transports.iter_mut().enumerate() {
+        for (b, slot) in row.iter_mut().enumerate() {
+            if a != b {
+                *slot = Some(cx.choose(a, b)?);
+            }
+        }
+    }
+    let nearest_nic: Vec<Option<String>> = (0..n)
+        .map(|r| {
+            let ib = transports[r].contains(&Some(Transport::Ib));
+            let net = if ib { cx.near_rdma[r] } else { cx.near_any[r] };
+            net.map(|x| cx.topo(r).nodes[x].id.clone())
+        })
+        .collect();
+
+    // Hosts in order of their first rank.
+    let mut hosts: Vec<usize> = Vec::new();
+    for p in &c.ranks {
+        if !hosts.contains(&p.host) {
+            hosts.push(p.host);
+        }
+    }
+    let members = |h: usize| -> Vec<usize> { (0..n).filter(|&r| c.ranks[r].host == h).collect() };
+    let mut rings = Vec::new();
+    if hosts.len() == 1 {
+        let rs = members(hosts[0]);
+        let order = best_order(&cx, &transports, &rs, None, true, &|_| 0);
+        let ring = make_ring(&cx, &transports, &order, &nearest_nic);
+        let all_gpu_links = ring
+            .hops
+            .iter()
+            .all(|h| matches!(h.transport, Transport::Nvlink | Transport::Pcie));
+        let nch = if all_gpu_links && n > 1 {
+            ((ring.bottleneck() / 12.0).floor() as usize).clamp(1, 16)
+        } else {
+            1
+        };
+        rings = vec![ring; nch];
+    } else {
+        // Rails: per host, the distinct nearest NICs of its ranks.
+        let rails: Vec<Vec<Option<String>>> = hosts
+            .iter()
+            .map(|&h| {
+                let mut v: Vec<Option<String>> = Vec::new();
+                for r in members(h) {
+                    if !v.contains(&nearest_nic[r]) {
+                        v.push(nearest_nic[r].clone());
+                    }
+                }
+                v
+            })
+            .collect();
+        let nch = rails.iter().map(Vec::len).min().unwrap_or(1).max(1);
+        for ch in 0..nch {
+            let mut order = Vec::new();
+            for (hi, &h) in hosts.iter().enumerate() {
+                let rs = members(h);
+                let rail = &rails[hi][ch % rails[hi].len()];
+                let next_rail = &rails[hi][(ch + 1) % rails[hi].len()];
+                let entry = rs
+                    .iter()
+                    .copied()
+                    .find(|&r| &nearest_nic[r] == rail)
+                    .unwrap_or(rs[0]);
+                let exit_pref = |last: usize| -> u8 {
+                    if last != entry && &nearest_nic[last] == rail {
+                        0
+                    } else if &nearest_nic[last] == next_rail {
+                        1
+                    } else {
+                        2
+                    }
+                };
+                order.extend(best_order(
+                    &cx,
+                    &transports,
+                    &rs,
+                    Some(entry),
+                    false,
+                    &exit_pref,
+                ));
+            }
+            rings.push(make_ring(&cx, &transports, &order, &nearest_nic));
+        }
+    }
+    Ok(Plan {
+        transports,
+        rings,
+        nearest_nic,
+    })
+}
+
+fn make_ring(
+    cx: &Ctx,
+    transports: &[Vec<Option<Transport>>],
+    order: &[usize],
+    nearest_nic: &[Option<String>],
+) -> Ring {
+    let n = order.len();
+    let mut hops = Vec::new();
+    if n > 1 {
+        for i in 0..n {
+            let (a, b) = (order[i], order[(i + 1) % n]);
+            let t = transports[a][b].unwrap_or(Transport::Shm);
+            let (path, bw, nic_out, nic_in) = if matches!(t, Transport::Ib | Transport::Socket) {
+                let bw_of = |r: usize, nic: &Option<String>| {
+                    let topo = cx.topo(r);
+                    let sys_nets = topo.system.nets();
+                    nic.as_ref()
+                        .and_then(|name| sys_nets.iter().find(|x| &x.net.name == name))
+                        .and_then(|x| x.net.bw())
+                        .unwrap_or(super::graph::NET_BW_FALLBACK)
+                };
+                let bw = bw_of(a, &nearest_nic[a]).min(bw_of(b, &nearest_nic[b]));
+                (
+                    PathType::Net,
+                    bw,
+                    nearest_nic[a].clone(),
+                    nearest_nic[b].clone(),
+                )
+            } else {
+                let (k, bw) = cx.link(a, b, t);
+                (k, bw, None, None)
+            };
+            hops.push(Hop {
+                from: a as u32,
+                to: b as u32,
+                transport: t,
+                path,
+                bw,
+                nic_out,
+                nic_in,
+            });
+        }
+    }
+    Ring {
+        order: order.iter().map(|&r| r as u32).collect(),
+        hops,
+    }
+}
+
+/// Score of an ordering: narrowest GB/s, worst path class, total GB/s, and
+/// where the path ends (0: another rank on the entry NIC, 1: a rank on the
+/// next rail, so every NIC carries one channel out and one in; 2: elsewhere).
+#[derive(Clone, Copy, PartialEq)]
+struct Score {
+    min_bw: f64,
+    worst: PathType,
+    sum_bw: f64,
+    exit: u8,
+}
+
+impl Score {
+    fn better(&self, o: &Score) -> bool {
+        const EPS: f64 = 1e-9;
+        if (self.min_bw - o.min_bw).abs() > EPS {
+            return self.min_bw > o.min_bw;
+        }
+        if self.worst != o.worst {
+            return self.worst < o.worst;
+        }
+        if (self.sum_bw - o.sum_bw).abs() > EPS {
+            return self.sum_bw > o.sum_bw;
+        }
+        self.exit < o.exit
+    }
+}
+
+/// The best order of the ranks `rs` of one host: a cycle (`cycle`) or a path
+/// from `start`.
+fn best_order(
+    cx: &Ctx,
+    transports: &[Vec<Option<Transport>>],
+    rs: &[usize],
+    start: Option<usize>,
+    cycle: bool,
+    exit_pref: &dyn Fn(usize) -> u8,
+) -> Vec<usize> {
+    let m = rs.len();
+    if m <= 1 {
+        return rs.to_vec();
+    }
+    let edge = |a: usize, b: usize| cx.link(a, b, transports[a][b].unwrap_or(Transport::Shm));
+    let first = start.unwrap_or(rs[0]);
+    let score = |order: &[usize]| {
+        let mut s = Score {
+            min_bw: f64::INFINITY,
+            worst: PathType::Loc,
+            sum_bw: 0.0,
+            exit: exit_pref(*order.last().unwrap_or(&first)),
+        };
+        let k = if cycle { order.len() } else { order.len() - 1 };
+        for i in 0..k {
+            let (t, bw) = edge(order[i], order[(i + 1) % order.len()]);
+            s.min_bw = s.min_bw.min(bw);
+            s.worst = s.worst.max(t);
+            s.sum_bw += bw;
+        }
+        s
+    };
+    let rest: Vec<usize> = rs.iter().copied().filter(|&r| r != first).collect();
+    if m <= 9 {
+        // Exhaustive, in lexicographic order so ties keep the smallest order.
+        let mut best: Option<(Score, Vec<usize>)> = None;
+        let mut cur = vec![first];
+        let mut used = vec![false; rest.len()];
+        permute(&rest, &mut used, &mut cur, &mut |o| {
+            let s = score(o);
+            if best.as_ref().is_none_or(|(b, _)| s.better(b)) {
+                best = Some((s, o.to_vec()));
+            }
+        });
+        return best.map(|(_, o)| o).unwrap_or_else(|| rs.to_vec());
+    }
+    // Greedy: always the best next neighbour.
+    let mut order = vec![first];
+    let mut left = rest;
+    while !left.is_empty() {
+        let last = *order.last().unwrap_or(&first);
+        let mut bi = 0;
+        for i in 1..left.len() {
+            let (ti, bwi) = edge(last, left[i]);
+            let (tb, bwb) = edge(last, left[bi]);
+            if bwi > bwb + 1e-9 || ((bwi - bwb).abs() <= 1e-9 && ti < tb) {
+                bi = i;
+            }
+        }
+        order.push(left.remove(bi));
+    }
+    order
+}
+
+fn permute(rest: &[usize], used: &mut [bool], cur: &mut Vec<usize>, f: &mut impl FnMut(&[usize])) {
+    if cur.len() == rest.len() + 1 {
+        f(cur);
+        return;
+    }
+    for i in 0..rest.len() {
+        if !used[i] {
+            used[i] = true;
+            cur.push(rest[i]);
+            permute(rest, used, cur, f);
+            cur.pop();
+            used[i] = false;
+        }
+    }
+}

@@ -1,0 +1,288 @@
+//! Text for people: the host summary, the nvidia-smi `topo -m` style matrix
+//! and the plan.
+
+use std::fmt::Write;
+
+use super::graph::{NodeKind, Topology};
+use super::plan::{Cluster, Plan};
+
+/// The endpoints of the matrix: GPUs, then NIC ports (and NIC endpoints without
+/// port details, from partial files), as (label, node, legend name).
+pub fn endpoints(t: &Topology) -> Vec<(String, usize, String)> {
+    let mut out = Vec::new();
+    for (i, &g) in t.gpus.iter().enumerate() {
+        out.push((format!("GPU{i}"), g, t.nodes[g].id.clone()));
+    }
+    let mut k = 0;
+    for &net in &t.nets {
+        if let Some(nic) = t.nic_of_net(net) {
+            out.push((format!("NIC{k}"), nic, t.nodes[net].id.clone()));
+            k += 1;
+        }
+    }
+    for &nic in &t.nics {
+        let has_port = t.links[nic]
+            .iter()
+            .any(|l| t.nodes[l.to].kind == NodeKind::Net);
+        if !has_port {
+            out.push((format!("NIC{k}"), nic, t.nodes[nic].id.clone()));
+            k += 1;
+        }
+    }
+    out
+}
+
+fn gbps(x: f64) -> String {
+    if x >= 100.0 {
+        format!("{x:.0}")
+    } else {
+        format!("{x:.1}")
+    }
+}
+
+/// CPUs/NUMA nodes, GPUs and NICs, one per line.
+pub fn summary(t: &Topology, notes: &[String]) -> String {
+    let s = &t.system;
+    let mut o = String::new();
+    let _ = writeln!(o, "host: {}", s.name.as_deref().unwrap_or("(unnamed)"));
+    let c0 = s.cpus.first();
+    let _ = writeln!(
+        o,
+        "CPUs: {} in {} NUMA node(s){}",
+        s.cpu_count(),
+        s.cpus.len(),
+        c0.map_or(String::new(), |c| {
+            let mut d = Vec::new();
+            d.extend(c.vendor.clone());
+            d.extend(c.arch.clone());
+            d.extend(c.familyid.map(|f| format!("family {f}")));
+            d.extend(c.modelid.map(|m| format!("model {m}")));
+            if d.is_empty() {
+                String::new()
+            } else {
+                format!(" ({})", d.join(", "))
+            }
+        })
+    );
+    for c in &s.cpus {
+        let _ = writeln!(
+            o,
+            "  NUMA {}: cpus {}",
+            c.numaid,
+            c.affinity
+                .as_ref()
+                .map_or("unknown".to_string(), |a| a.to_list())
+        );
+    }
+    if s.cpus.len() > 1 {
+        if let (Some(&a), Some(&b)) = (t.cpus.first(), t.cpus.get(1)) {
+            if let Some(p) = t.path(a, b) {
+                let _ = writeln!(o, "  inter-socket link: {} GB/s", gbps(p.bw));
+            }
+        }
+    }
+    let gpus = s.gpus();
+    if gpus.is_empty() {
+        let _ = writeln!(o, "GPUs: none");
+    } else {
+        let _ = writeln!(o, "GPUs: {}", gpus.len());
+    }
+    for (i, g) in gpus.iter().enumerate() {
+        let mut line = format!("  GPU{i} {} NUMA {}", g.pci.busid, g.numaid);
+        if let Some(gi) = &g.pci.gpu {
+            if let Some(sm) = gi.sm {
+                let _ = write!(line, " sm{sm}");
+            }
+            let links: u32 = gi.nvlinks.iter().map(|l| l.count).sum();
+            if links > 0 {
+                let _ = write!(line, " NVLink x{links}");
+            }
+        } else {
+            line.push_str(" (PCI placement only)");
+        }
+        if let (Some(sp), Some(w)) = (&g.pci.link_speed, g.pci.link_width) {
+            let _ = write!(line, " PCIe {sp} x{w}");
+        }
+        let _ = writeln!(o, "{line}");
+    }
+    let nets = s.nets();
+    let bare = s.bare_nic_endpoints();
+    if nets.is_empty() && bare.is_empty() {
+        let _ = writeln!(o, "NICs: none");
+    } else {
+        let _ = writeln!(o, "NICs: {}", nets.len() + bare.len());
+    }
+    for n in &nets {
+        let rate = n.net.speed.map_or("rate unknown".to_string(), |sp| {
+            format!("{} Gb/s", sp / 1000)
+        });
+        let _ = writeln!(
+            o,
+            "  {} {} {} state {} {} NUMA {}{}",
+            n.net.name,
+            n.net.kind(),
+            rate,
+            n.net.state.as_deref().unwrap_or("unknown"),
+            n.pci
+                .map_or("not on PCI".to_string(), |p| format!("pci {}", p.busid)),
+            n.numaid,
+            n.net
+                .link_layer
+                .as_deref()
+                .map_or(String::new(), |l| format!(" link_layer {l}"))
+        );
+    }
+    for (numa, p) in &bare {
+        let _ = writeln!(o, "  {} (PCI placement only) NUMA {numa}", p.busid);
+    }
+    for n in notes {
+        let _ = writeln!(o, "note: {n}");
+    }
+    o
+}
+
+/// The GPU/NIC matrix the way `nvidia-smi topo -m` prints it.
+pub fn matrix(t: &Topology) -> String {
+    let eps = endpoints(t);
+    let mut o = String::new();
+    if eps.is_empty() {
+        let _ = writeln!(o, "(no GPUs or NICs to show)");
+        return o;
+    }
+    let w = eps
+        .iter()
+        .map(|(l, _, _)| l.len())
+        .max()
+        .unwrap_or(4)
+        .max(5)
+        + 2;
+    let _ = write!(o, "{:w$}", "");
+    for (l, _, _) in &eps {
+        let _ = write!(o, "{l:<w$}");
+    }
+    let _ = writeln!(o, "CPU Affinity    NUMA Affinity");
+    for (l, a, _) in &eps {
+        let _ = write!(o, "{l:<w$}");
+        for (lb, b, _) in &eps {
+            let label = if a == b && !std::ptr::eq(l, lb) {
+                "PIX".to_string() // two ports of one NIC
+            } else {
+                t.smi_label(*a, *b)
+            };
+            let _ = write!(o, "{label:<w$}");
+        }
+        let numa = t.nodes[*a].numaid;
+        let aff = t
+            .system
+            .cpus
+            .iter()
+            .find(|c| c.numaid == numa)
+            .and_then(|c| c.affinity.as_ref())
+            .map_or("N/A".to_string(), |a| a.to_list());
+        let _ = writeln!(o, "{aff:<16}{numa}");
+    }
+    let _ = writeln!(o);
+    let _ = writeln!(o, "Legend:");
+    let _ = writeln!(o);
+    for (k, v) in [
+        ("X", "Self"),
+        ("SYS", "Connection traversing PCIe as well as the SMP interconnect between NUMA nodes"),
+        ("NODE", "Connection traversing PCIe as well as the interconnect between PCIe Host Bridges within a NUMA node"),
+        ("PHB", "Connection traversing PCIe as well as a PCIe Host Bridge (typically the CPU)"),
+        ("PXB", "Connection traversing multiple PCIe bridges (without traversing the PCIe Host Bridge)"),
+        ("PIX", "Connection traversing at most a single PCIe bridge"),
+        ("NV#", "Connection traversing a bonded set of # NVLinks"),
+    ] {
+        let _ = writeln!(o, "  {k:<4} = {v}");
+    }
+    if eps.iter().any(|(l, _, _)| l.starts_with("NIC")) {
+        let _ = writeln!(o);
+        let _ = writeln!(o, "NIC Legend:");
+        let _ = writeln!(o);
+        for (l, _, name) in eps.iter().filter(|(l, _, _)| l.starts_with("NIC")) {
+            let _ = writeln!(o, "  {l}: {name}");
+        }
+    }
+    o
+}
+
+/// Paths between GPUs (and GPU → nearest NIC) with NCCL's classes and GB/s.
+pub fn paths(t: &Topology) -> String {
+    let mut o = String::new();
+    let eps = endpoints(t);
+    for (la, a, _) in &eps {
+        for (lb, b, _) in &eps {
+            if a < b {
+                if let Some(p) = t.path(*a, *b) {
+                    let _ = writeln!(o, "  {la} -> {lb}: {} {} GB/s", p.kind, gbps(p.bw));
+                }
+            }
+        }
+    }
+    o
+}
+
+/// The plan: ranks, the transport matrix and the rings.
+pub fn plan(c: &Cluster, p: &Plan) -> String {
+    let mut o = String::new();
+    let n = c.ranks.len();
+    let _ = writeln!(o, "ranks: {n} on {} host(s)", c.hosts.len());
+    for (r, place) in c.ranks.iter().enumerate() {
+        let _ = writeln!(
+            o,
+            "  rank {r:<3} host {:<12} {:<14} nic {}",
+            c.hosts[place.host].name,
+            place.gpu.as_deref().map_or(
+                format!("cpu numa {}", place.numa.unwrap_or(0)),
+                |g| format!("gpu {g}")
+            ),
+            p.nearest_nic[r].as_deref().unwrap_or("-")
+        );
+    }
+    let _ = writeln!(o, "transports:");
+    let _ = write!(o, "{:>8}", "");
+    for b in 0..n {
+        let _ = write!(o, "{b:>8}");
+    }
+    let _ = writeln!(o);
+    for (a, row) in p.transports.iter().enumerate() {
+        let _ = write!(o, "{a:>8}");
+        for t in row {
+            let _ = write!(o, "{:>8}", t.map_or("-", |t| t.name()));
+        }
+        let _ = writeln!(o);
+    }
+    let _ = writeln!(o, "rings: {} channel(s)", p.rings.len());
+    let mut i = 0;
+    while i < p.rings.len() {
+        let mut j = i;
+        while j + 1 < p.rings.len() && p.rings[j + 1] == p.rings[i] {
+            j += 1;
+        }
+        let ring = &p.rings[i];
+        let chans = if i == j {
+            format!("{i}")
+        } else {
+            format!("{i}-{j}")
+        };
+        let order: Vec<String> = ring.order.iter().map(|r| r.to_string()).collect();
+        let _ = writeln!(o, "  channel {chans}: {}", order.join(" "));
+        for h in &ring.hops {
+            let via = match (&h.nic_out, &h.nic_in) {
+                (Some(a), Some(b)) => format!(" via {a} -> {b}"),
+                _ => String::new(),
+            };
+            let _ = writeln!(
+                o,
+                "    {} -> {}: {} {} {} GB/s{via}",
+                h.from,
+                h.to,
+                h.transport,
+                h.path,
+                gbps(h.bw)
+            );
+        }
+        i = j + 1;
+    }
+    o
+}

@@ -1,0 +1,953 @@
+//! Detection from sysfs under an injected root, recording of what was read,
+//! and writing a sysfs tree for a model (hand-built fixtures).
+//!
+//! The root is a directory that holds `sys/` (and optionally `proc/cpuinfo`
+//! and `proc/sys/kernel/hostname`); on a live machine it is `/`. Detection
+//! reads:
+//!
+//! - `sys/devices/system/node/node<N>/cpumap` (or `cpulist`): NUMA nodes;
+//!   without them, one node with `sys/devices/system/cpu/online`.
+//! - `sys/bus/pci/devices/<bdf>` → its real path gives the PCI ancestry; each
+//!   level's `class`, `vendor`, `device`, `subsystem_*`, `max_link_speed`,
+//!   `max_link_width`, `numa_node`. As NCCL does, the walk up skips one level
+//!   at a time (the downstream port of a switch, or the root port), so a
+//!   PCIe switch is one node.
+//! - `sys/class/infiniband/<dev>/{device,node_guid,ports/<p>/{state,rate,link_layer}}`:
+//!   RDMA ports (InfiniBand or RoCE).
+//! - `sys/class/net/<if>/{device,speed,operstate,type}`: kernel interfaces
+//!   with a device behind them (virtual ones like `lo` are skipped).
+//! - `sys/module/nvidia_peermem` (or `sys/kernel/mm/memory_peers/nv_mem`): GPUDirect RDMA.
+//!
+//! GPUs do not come from sysfs but from a [`GpuProvider`]: braid does not link
+//! CUDA or NVML here. [`NoGpus`] reports none (not an error);
+//! [`RecordedGpus`] reads `<gpus><gpu busid=.. dev=.. sm=..><nvlink .../></gpu></gpus>`
+//! (the answers NVML would give, recorded in a fixture as `nvml-gpus.xml`). An
+//! NVML/CUDA provider loaded at run time plugs in through the same trait.
+
+use std::cell::RefCell;
+use std::collections::BTreeMap;
+use std::fs;
+use std::path::{Component, Path, PathBuf};
+
+use super::model::{Cpu, CpuSet, Gpu, Net, Nic, Pci, System};
+use super::xml::parse_document;
+use super::TopoError;
+
+/// A GPU reported by a provider: its bus id and what NVML / CUDA says about it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct DetectedGpu {
+    pub busid: String,
+    pub gpu: Gpu,
+}
+
+/// Where GPUs come from (NVML, the CUDA driver, a recording).
+pub trait GpuProvider {
+    /// A short name for reports (`none`, `recorded:<file>`, `nvml`).
+    fn name(&self) -> String;
+    /// The GPUs; an absent driver is `Ok(vec![])`, never an error.
+    fn gpus(&self) -> Result<Vec<DetectedGpu>, TopoError>;
+}
+
+/// No GPU provider: reports no GPUs.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct NoGpus;
+
+impl GpuProvider for NoGpus {
+    fn name(&self) -> String {
+        "none (braid-core does not load NVML/CUDA)".into()
+    }
+    fn gpus(&self) -> Result<Vec<DetectedGpu>, TopoError> {
+        Ok(Vec::new())
+    }
+}
+
+/// GPUs recorded in an XML file (`<gpus><gpu busid=...>...</gpu></gpus>`).
+#[derive(Clone, Debug)]
+pub struct RecordedGpus {
+    pub file: PathBuf,
+}
+
+/// The file name [`RecordedGpus`] is looked up under in a fixture root.
+pub const RECORDED_GPUS_FILE: &str = "nvml-gpus.xml";
+
+impl RecordedGpus {
+    /// `<root>/nvml-gpus.xml` if it exists.
+    pub fn in_root(root: &Path) -> Option<RecordedGpus> {
+        let f = root.join(RECORDED_GPUS_FILE);
+        f.is_file().then_some(RecordedGpus { file: f })
+    }
+
+    /// Parse the recorded-GPU XML text.
+    pub fn parse(file: &str, text: &str) -> Result<Vec<DetectedGpu>, TopoError> {
+        let root = parse_document(file, text)?;
+        if root.name != "gpus" {
+            return Err(TopoError::Parse {
+                file: file.into(),
+                line: root.line,
+                msg: format!("root element is <{}>, expected <gpus>", root.name),
+            });
+        }
+        let mut out = Vec::new();
+        for g in &root.children {
+            if g.name != "gpu" {
+                continue;
+            }
+            // Reuse the <pci><gpu/></pci> importer by wrapping.
+            let busid = g
+                .attrs
+                .iter()
+                .find(|(k, _)| k == "busid")
+                .map(|(_, v)| v.trim().to_ascii_lowercase())
+                .ok_or_else(|| TopoError::Parse {
+                    file: file.into(),
+                    line: g.line,
+                    msg: "<gpu> without a busid attribute".into(),
+                })?;
+            let mut g2 = g.clone();
+            g2.attrs.retain(|(k, _)| k != "busid");
+            let gpu = super::xml::element_to_gpu(file, &g2)?;
+            out.push(DetectedGpu { busid, gpu });
+        }
+        Ok(out)
+    }
+
+    /// Write GPUs in the recorded format.
+    pub fn render(gpus: &[DetectedGpu]) -> String {
+        let v: Vec<(String, Gpu)> = gpus
+            .iter()
+            .map(|g| (g.busid.clone(), g.gpu.clone()))
+            .collect();
+        super::xml::gpus_to_xml(&v)
+    }
+}
+
+impl GpuProvider for RecordedGpus {
+    fn name(&self) -> String {
+        format!("recorded ({})", self.file.display())
+    }
+    fn gpus(&self) -> Result<Vec<DetectedGpu>, TopoError> {
+        let f = self.file.display().to_string();
+        let text = fs::read_to_string(&self.file).map_err(|e| TopoError::Io {
+            path: f.clone(),
+            msg: e.to_string(),
+        })?;
+        RecordedGpus::parse(&f, &text)
+    }
+}
+
+/// What detection found, plus notes for people.
+#[derive(Clone, Debug)]
+pub struct Detected {
+    pub system: System,
+    /// Facts worth telling (no GPU provider, devices skipped, ...).
+    pub notes: Vec<String>,
+}
+
+#[derive(Default, Debug)]
+struct Recording {
+    files: BTreeMap<PathBuf, Vec<u8>>,
+    links: BTreeMap<PathBuf, PathBuf>,
+}
+
+/// Reads files under a root, resolving symlinks inside it, optionally
+/// recording every file and link it touched.
+#[derive(Debug)]
+pub struct SysfsReader {
+    root: PathBuf,
+    rec: Option<RefCell<Recording>>,
+}
+
+impl SysfsReader {
+    /// A reader for `root` (the directory holding `sys/`). A directory that
+    /// is itself a sysfs (holds `bus/` and `devices/`) is accepted too.
+    pub fn new(root: impl Into<PathBuf>) -> Result<SysfsReader, TopoError> {
+        let root: PathBuf = root.into();
+        let root = if !root.join("sys").is_dir() && root.join("bus").is_dir() {
+            // Given the sysfs itself: treat its parent as the root only if it is named sys.
+            match root.file_name() {
+                Some(n) if n == "sys" => root.parent().map(Path::to_path_buf).unwrap_or(root),
+                _ => {
+                    return Err(TopoError::Io {
+                        path: root.display().to_string(),
+                        msg: "looks like a sysfs but is not named 'sys'; pass the directory that contains sys/".into(),
+                    })
+                }
+            }
+        } else {
+            root
+        };
+        let pci = root.join("sys/bus/pci/devices");
+        if let Err(e) = fs::read_dir(&pci) {
+            return Err(TopoError::Io {
+                path: pci.display().to_string(),
+                msg: format!("cannot read the PCI device list ({e}); is the root a sysfs tree (it must hold sys/bus/pci/devices)?"),
+            });
+        }
+        Ok(SysfsReader { root, rec: None })
+    }
+
+    /// Like [`SysfsReader::new`], recording every file and symlink read.
+    pub fn recording(root: impl Into<PathBuf>) -> Result<SysfsReader, TopoError> {
+        let mut r = SysfsReader::new(root)?;
+        r.rec = Some(RefCell::new(Recording::default()));
+        Ok(r)
+    }
+
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+
+    /// Resolve a root-relative path, following symlinks inside the root.
+    fn resolve(&self, rel: &Path) -> PathBuf {
+        self.resolve_depth(rel, 0)
+    }
+
+    fn resolve_depth(&self, rel: &Path, depth: usize) -> PathBuf {
+        let mut cur = PathBuf::new();
+        for comp in rel.components() {
+            match comp {
+                Component::Normal(c) => {
+                    let cand = cur.join(c);
+                    let full = self.root.join(&cand);
+                    match fs::symlink_metadata(&full) {
+                        Ok(m) if m.file_type().is_symlink() && depth < 40 => {
+                            let Ok(target) = fs::read_link(&full) else {
+                                cur = cand;
+                                continue;
+                            };
+                            if let Some(r) = &self.rec {
+                                r.borrow_mut().links.insert(cand.clone(), target.clone());
+                            }
+                            let joined = if target.is_absolute() {
+                                target.strip_prefix("/").unwrap_or(&target).to_path_buf()
+                            } else {
+                                cur.join(&target)
+                            };
+                            cur = self.resolve_depth(&joined, depth + 1);
+                        }
+                        _ => cur = cand,
+                    }
+                }
+                Component::ParentDir => {
+                    cur.pop();
+                }
+                _ => {}
+            }
+        }
+        cur
+    }
+
+    /// Read a small text file (trimmed); None if absent or unreadable.
+    pub fn read(&self, rel: impl AsRef<Path>) -> Option<String> {
+        let r = self.resolve(rel.as_ref());
+        let bytes = fs::read(self.root.join(&r)).ok()?;
+        if let Some(rec) = &self.rec {
+            rec.borrow_mut().files.insert(r, bytes.clone());
+        }
+        Some(String::from_utf8_lossy(&bytes).trim().to_string())
+    }
+
+    /// The resolved (real) root-relative path.
+    pub fn real(&self, rel: impl AsRef<Path>) -> PathBuf {
+        self.resolve(rel.as_ref())
+    }
+
+    /// Whether a path exists.
+    pub fn exists(&self, rel: impl AsRef<Path>) -> bool {
+        let r = self.resolve(rel.as_ref());
+        let ok = self.root.join(&r).exists();
+        if ok {
+            if let Some(rec) = &self.rec {
+                let mut rec = rec.borrow_mut();
+                if self.root.join(&r).is_dir() {
+                    rec.files.entry(r.join(".keep")).or_default();
+                } else if let Ok(b) = fs::read(self.root.join(&r)) {
+                    rec.files.insert(r, b);
+                }
+            }
+        }
+        ok
+    }
+
+    /// Sorted entry names of a directory (empty if absent).
+    pub fn list(&self, rel: impl AsRef<Path>) -> Vec<String> {
+        let r = self.resolve(rel.as_ref());
+        let Ok(rd) = fs::read_dir(self.root.join(&r)) else {
+            return Vec::new();
+        };
+        let mut names: Vec<String> = rd
+            .filter_map(|e| e.ok())
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .collect();
+        names.sort_by_key(|a| natural(a));
+        if let Some(rec) = &self.rec {
+            let mut rec = rec.borrow_mut();
+            for n in &names {
+                let p = r.join(n);
+                if let Ok(t) = fs::read_link(self.root.join(&p)) {
+                    rec.links.insert(p, t);
+                }
+            }
+        }
+        names
+    }
+
+    /// Write what was read into `out` (a new fixture root). Returns the number
+    /// of files and links written.
+    pub fn write_recording(&self, out: &Path) -> Result<(usize, usize), TopoError> {
+        let io = |p: &Path, e: std::io::Error| TopoError::Io {
+            path: p.display().to_string(),
+            msg: e.to_string(),
+        };
+        let Some(rec) = &self.rec else {
+            return Ok((0, 0));
+        };
+        let rec = rec.borrow();
+        for (p, bytes) in &rec.files {
+            let dst = out.join(p);
+            if let Some(d) = dst.parent() {
+                fs::create_dir_all(d).map_err(|e| io(d, e))?;
+            }
+            if p.file_name().is_some_and(|n| n == ".keep") {
+                continue;
+            }
+            fs::write(&dst, bytes).map_err(|e| io(&dst, e))?;
+        }
+        for (p, target) in &rec.links {
+            let dst = out.join(p);
+            if let Some(d) = dst.parent() {
+                fs::create_dir_all(d).map_err(|e| io(d, e))?;
+            }
+            let _ = fs::remove_file(&dst);
+            symlink(target, &dst).map_err(|e| io(&dst, e))?;
+        }
+        Ok((rec.files.len(), rec.links.len()))
+    }
+}
+
+#[cfg(unix)]
+fn symlink(target: &Path, dst: &Path) -> std::io::Result<()> {
+    std::os::unix::fs::symlink(target, dst)
+}
+
+#[cfg(not(unix))]
+fn symlink(_target: &Path, _dst: &Path) -> std::io::Result<()> {
+    Err(std::io::Error::other("symlinks need a unix host"))
+}
+
+/// Sort key that orders `node10` after `node9`.
+fn natural(s: &str) -> (String, u64, String) {
+    let digits_at = s.find(|c: char| c.is_ascii_digit()).unwrap_or(s.len());
+    let (head, rest) = s.split_at(digits_at);
+    let end = rest
+        .find(|c: char| !c.is_ascii_digit())
+        .unwrap_or(rest.len());
+    let n = rest[..end].parse().unwrap_or(0);
+    (head.to_string(), n, rest[end..].to_string())
+}
+
+/// Whether `s` looks like a PCI address `DDDD:BB:DD.F`.
+pub fn is_bdf(s: &str) -> bool {
+    let b = s.as_bytes();
+    b.len() == 12
+        && b[4] == b':'
+        && b[7] == b':'
+        && b[10] == b'.'
+        && s.chars()
+            .enumerate()
+            .all(|(i, c)| matches!(i, 4 | 7 | 10) || c.is_ascii_hexdigit())
+}
+
+fn hex_u32(s: &str) -> Option<u32> {
+    u32::from_str_radix(s.trim().trim_start_matches("0x"), 16).ok()
+}
+
+/// Detect the host under `reader`'s root, with GPUs from `gpus`.
+pub fn detect(reader: &SysfsReader, gpus: &dyn GpuProvider) -> Result<Detected, TopoError> {
+    let mut notes = Vec::new();
+    let mut sys = System {
+        name: reader.read("proc/sys/kernel/hostname"),
+        ..Default::default()
+    };
+    // NUMA nodes.
+    let (arch, vendor, family, model) = cpuinfo(reader);
+    for n in reader.list("sys/devices/system/node") {
+        let Some(id) = n.strip_prefix("node").and_then(|i| i.parse::<i32>().ok()) else {
+            continue;
+        };
+        let base = format!("sys/devices/system/node/{n}");
+        let aff = reader
+            .read(format!("{base}/cpumap"))
+            .and_then(|m| CpuSet::from_mask(&m))
+            .or_else(|| {
+                reader
+                    .read(format!("{base}/cpulist"))
+                    .and_then(|l| CpuSet::from_list(&l))
+            });
+        sys.cpus.push(Cpu {
+            numaid: id,
+            affinity: aff,
+            arch: arch.clone(),
+            vendor: vendor.clone(),
+            familyid: family,
+            modelid: model,
+            ..Default::default()
+        });
+    }
+    if sys.cpus.is_empty() {
+        notes.push("no NUMA nodes under sys/devices/system/node: assuming one node".into());
+        sys.cpus.push(Cpu {
+            numaid: 0,
+            affinity: reader
+                .read("sys/devices/system/cpu/online")
+                .and_then(|l| CpuSet::from_list(&l)),
+            arch,
+            vendor,
+            familyid: family,
+            modelid: model,
+            ..Default::default()
+        });
+    }
+
+    // GPUs.
+    let provided = gpus.gpus()?;
+    if provided.is_empty() {
+        notes.push(format!("GPU provider {}: no GPUs", gpus.name()));
+    }
+    for g in provided {
+        let pci = insert_pci(reader, &mut sys, &g.busid, &mut notes);
+        pci.gpu = Some(g.gpu);
+    }
+
+    // RDMA devices.
+    let gdr = reader.exists("sys/module/nvidia_peermem")
+        || reader.exists("sys/kernel/mm/memory_peers/nv_mem/version");
+    let ib = reader.list("sys/class/infiniband");
+    if ib.is_empty() {
+        notes.push("no RDMA devices (sys/class/infiniband is empty or absent)".into());
+    }
+    let mut rdma_dev = 0u32;
+    let mut rdma_pci: Vec<String> = Vec::new();
+    for dev in &ib {
+        let base = format!("sys/class/infiniband/{dev}");
+        let guid = reader.read(format!("{base}/node_guid")).map(|g| {
+            let h: String = g.chars().filter(|c| c.is_ascii_hexdigit()).collect();
+            format!("0x{}", h.trim_start_matches('0'))
+        });
+        let mut nets = Vec::new();
+        for port in reader.list(format!("{base}/ports")) {
+            let Ok(pn) = port.parse::<u32>() else {
+                continue;
+            };
+            let pb = format!("{base}/ports/{port}");
+            let state = reader
+                .read(format!("{pb}/state"))
+                .map(|s| s.split(':').next_back().unwrap_or("").trim().to_string());
+            let speed = reader.read(format!("{pb}/rate")).and_then(|r| {
+                let num: String = r
+                    .chars()
+                    .take_while(|c| c.is_ascii_digit() || *c == '.')
+                    .collect();
+                num.parse::<f64>().ok().map(|g| (g * 1000.0) as u64)
+            });
+            nets.push(Net {
+                name: if pn == 1 {
+                    dev.clone()
+                } else {
+                    format!("{dev}:{pn}")
+                },
+                dev: Some(rdma_dev),
+                speed,
+                port: Some(pn),
+                guid: guid.clone(),
+                gdr: Some(gdr),
+                link_layer: reader.read(format!("{pb}/link_layer")),
+                state,
+                rdma: Some(true),
+                ..Default::default()
+            });
+            rdma_dev += 1;
+        }
+        attach_nets(
+            reader,
+            &mut sys,
+            &format!("{base}/device"),
+            nets,
+            &mut notes,
+            &mut rdma_pci,
+        );
+    }
+
+    // Kernel network interfaces backed by a device.
+    let mut sock_dev = 0u32;
+    for ifname in reader.list("sys/class/net") {
+        let base = format!("sys/class/net/{ifname}");
+        if !reader.exists(format!("{base}/device")) {
+            continue;
+        }
+        let speed = reader
+            .read(format!("{base}/speed"))
+            .and_then(|s| s.parse::<i64>().ok())
+            .filter(|&s| s > 0)
+            .map(|s| s as u64);
+        let ll = match reader.read(format!("{base}/type")).as_deref() {
+            Some("32") => "InfiniBand",
+            _ => "Ethernet",
+        };
+        let net = Net {
+            name: ifname.clone(),
+            dev: Some(sock_dev),
+            speed,
+            link_layer: Some(ll.into()),
+            state: reader.read(format!("{base}/operstate")),
+            rdma: Some(false),
+            ..Default::default()
+        };
+        sock_dev += 1;
+        attach_nets(
+            reader,
+            &mut sys,
+            &format!("{base}/device"),
+            vec![net],
+            &mut notes,
+            &mut rdma_pci,
+        );
+    }
+    Ok(Detected { system: sys, notes })
+}
+
+fn cpuinfo(r: &SysfsReader) -> (Option<String>, Option<String>, Option<u32>, Option<u32>) {
+    let Some(text) = r.read("proc/cpuinfo") else {
+        return (None, None, None, None);
+    };
+    let mut vendor = None;
+    let mut family = None;
+    let mut model = None;
+    let mut arch = None;
+    for line in text.lines() {
+        let Some((k, v)) = line.split_once(':') else {
+            if line.trim().is_empty() && vendor.is_some() {
+                break;
+            }
+            continue;
+        };
+        let (k, v) = (k.trim(), v.trim());
+        match k {
+            "vendor_id" if vendor.is_none() => vendor = Some(v.to_string()),
+            "cpu family" if family.is_none() => family = v.parse().ok(),
+            "model" if model.is_none() => model = v.parse().ok(),
+            "CPU implementer" => arch = Some("arm64".to_string()),
+            "cpu" if v.starts_with("POWER") => arch = Some("ppc64".to_string()),
+            _ => {}
+        }
+    }
+    if vendor.is_some() && arch.is_none() {
+        arch = Some("x86_64".into());
+    }
+    (arch, vendor, family, model)
+}
+
+/// Put the nets of one device (found through `device_link`) into the model,
+/// merging with a NIC already on the same PCI function.
+fn attach_nets(
+    r: &SysfsReader,
+    sys: &mut System,
+    device_link: &str,
+    nets: Vec<Net>,
+    notes: &mut Vec<String>,
+    _seen: &mut Vec<String>,
+) {
+    if nets.is_empty() {
+        return;
+    }
+    let real = r.real(device_link);
+    let bdf = real
+        .components()
+        .filter_map(|c| c.as_os_str().to_str())
+        .rfind(|c| is_bdf(c))
+        .map(str::to_string);
+    match bdf {
+        Some(b) => {
+            let pci = insert_pci(r, sys, &b, notes);
+            pci.nic.get_or_insert_with(Nic::default).nets.extend(nets);
+        }
+        None => {
+            notes.push(format!(
+                "{} is not on PCI ({}); placed under NUMA node {}",
+                nets[0].name,
+                real.display(),
+                sys.cpus[0].numaid
+            ));
+            sys.cpus[0].nics.push(Nic {
+                nets,
+                attrs: Default::default(),
+            });
+        }
+    }
+}
+
+fn pci_attrs(r: &SysfsReader, dir: &Path, parent_port: Option<&Path>, busid: &str) -> Pci {
+    let rd = |f: &str| r.read(dir.join(f));
+    let speed = rd("max_link_speed").filter(|s| !s.is_empty() && !s.starts_with("Unknown"));
+    let mut width = rd("max_link_width")
+        .and_then(|w| w.parse::<u32>().ok())
+        .filter(|&w| w > 0);
+    let mut speed = speed;
+    if let Some(pp) = parent_port {
+        // The link is as fast as the slower end (device or the port above it).
+        let pw = r
+            .read(pp.join("max_link_width"))
+            .and_then(|w| w.parse::<u32>().ok());
+        if let (Some(w), Some(p)) = (width, pw.filter(|&p| p > 0)) {
+            width = Some(w.min(p));
+        }
+        if let (Some(s), Some(ps)) = (&speed, r.read(pp.join("max_link_speed"))) {
+            let (a, b) = (
+                super::model::pcie_per_lane(s),
+                super::model::pcie_per_lane(&ps),
+            );
+            if let (Some(a), Some(b)) = (a, b) {
+                if b < a {
+                    speed = Some(ps);
+                }
+            }
+        }
+    }
+    Pci {
+        busid: busid.to_string(),
+        class: rd("class").and_then(|c| hex_u32(&c)),
+        vendor: rd("vendor"),
+        device: rd("device"),
+        subsystem_vendor: rd("subsystem_vendor"),
+        subsystem_device: rd("subsystem_device"),
+        link_speed: speed,
+        link_width: width,
+        ..Default::default()
+    }
+}
+
+/// Insert the PCI device `busid` and its ancestry into the model; returns it.
+fn insert_pci<'s>(
+    r: &SysfsReader,
+    sys: &'s mut System,
+    busid: &str,
+    notes: &mut Vec<String>,
+) -> &'s mut Pci {
+    let busid = busid.to_ascii_lowercase();
+    let real = r.real(format!("sys/bus/pci/devices/{busid}"));
+    let comps: Vec<String> = real
+        .components()
+        .filter_map(|c| c.as_os_str().to_str().map(str::to_string))
+        .collect();
+    // Levels: everything from the host bridge (pciDDDD:BB) down.
+    let hb_idx = comps
+        .iter()
+        .rposition(|c| c.starts_with("pci") && !is_bdf(c));
+    let found = r.root().join(&real).is_dir() && comps.last().is_some_and(|c| c == &busid);
+    let (hostbridge, bdfs): (Option<String>, Vec<usize>) = match (found, hb_idx) {
+        (true, Some(h)) => (
+            Some(comps[h].clone()),
+            (h + 1..comps.len())
+                .filter(|&i| is_bdf(&comps[i]))
+                .collect(),
+        ),
+        _ => {
+            notes.push(format!(
+                "{busid} is not in sys/bus/pci/devices: placed directly under the first NUMA node"
+            ));
+            (None, Vec::new())
+        }
+    };
+    // Chain from the top: the endpoint, then every second level up (NCCL's walk).
+    let mut chain: Vec<Pci> = Vec::new();
+    if bdfs.is_empty() {
+        chain.push(Pci {
+            busid: busid.clone(),
+            ..Default::default()
+        });
+    } else {
+        let mut k = bdfs.len() as isize - 1;
+        while k >= 0 {
+            let i = bdfs[k as usize];
+            let dir: PathBuf = comps[..=i].iter().collect();
+            let port: Option<PathBuf> =
+                (k >= 1).then(|| comps[..=bdfs[k as usize - 1]].iter().collect());
+            chain.push(pci_attrs(r, &dir, port.as_deref(), &comps[i]));
+            k -= 2;
+        }
+    }
+    chain.reverse();
+    let numa = {
+        let ep = comps.clone();
+        let n = if found {
+            r.read(ep.iter().collect::<PathBuf>().join("numa_node"))
+                .and_then(|s| s.parse::<i32>().ok())
+                .unwrap_or(-1)
+        } else {
+            -1
+        };
+        if sys.cpus.iter().any(|c| c.numaid == n) {
+            n
+        } else {
+            sys.cpus[0].numaid
+        }
+    };
+    let ci = sys.cpus.iter().position(|c| c.numaid == numa).unwrap_or(0);
+    if let Some(top) = chain.first_mut() {
+        top.hostbridge.clone_from(&hostbridge);
+    }
+    let mut list = &mut sys.cpus[ci].pci;
+    let mut chain = chain.into_iter().peekable();
+    loop {
+        let p = chain.next().unwrap_or_else(|| Pci {
+            busid: busid.clone(),
+            ..Default::default()
+        });
+        let pos = match list.iter().position(|x| x.busid == p.busid) {
+            Some(i) => i,
+            None => {
+                let at = list.partition_point(|x| x.busid < p.busid);
+                list.insert(at, p);
+                at
+            }
+        };
+        if chain.peek().is_none() {
+            return &mut list[pos];
+        }
+        list = &mut list[pos].children;
+    }
+}
+
+/// Write a sysfs tree (plus `proc/cpuinfo`, hostname and `nvml-gpus.xml`)
+/// that [`detect`] turns back into `sys`. Used to build fixtures by hand from
+/// a topology XML. Switch downstream ports and root ports are synthesised
+/// (bus of the parent + 1, device = child index).
+pub fn write_tree(sys: &System, out: &Path) -> Result<(), TopoError> {
+    let io = |p: &Path, e: std::io::Error| TopoError::Io {
+        path: p.display().to_string(),
+        msg: e.to_string(),
+    };
+    let put = |rel: &str, text: &str| -> Result<(), TopoError> {
+        let p = out.join(rel);
+        if let Some(d) = p.parent() {
+            fs::create_dir_all(d).map_err(|e| io(d, e))?;
+        }
+        fs::write(&p, format!("{text}\n")).map_err(|e| io(&p, e))
+    };
+    let link = |rel: &str, target: &str| -> Result<(), TopoError> {
+        let p = out.join(rel);
+        if let Some(d) = p.parent() {
+            fs::create_dir_all(d).map_err(|e| io(d, e))?;
+        }
+        let _ = fs::remove_file(&p);
+        symlink(Path::new(target), &p).map_err(|e| io(&p, e))
+    };
+    fs::create_dir_all(out.join("sys/bus/pci/devices")).map_err(|e| io(out, e))?;
+    if let Some(n) = &sys.name {
+        put("proc/sys/kernel/hostname", n)?;
+    }
+    if let Some(c) = sys.cpus.first() {
+        if let Some(v) = &c.vendor {
+            let mut s = format!("processor\t: 0\nvendor_id\t: {v}\n");
+            if let Some(f) = c.familyid {
+                s.push_str(&format!("cpu family\t: {f}\n"));
+            }
+            if let Some(m) = c.modelid {
+                s.push_str(&format!("model\t\t: {m}\n"));
+            }
+            put("proc/cpuinfo", &s)?;
+        }
+    }
+    let mut gpus = Vec::new();
+    let mut any_gdr = false;
+    for c in &sys.cpus {
+        let nb = format!("sys/devices/system/node/node{}", c.numaid);
+        if let Some(a) = &c.affinity {
+            put(&format!("{nb}/cpumap"), &a.to_mask())?;
+            put(&format!("{nb}/cpulist"), &a.to_list())?;
+        }
+        for (i, p) in c.pci.iter().enumerate() {
+            let (dom, bus) = split_bus(&p.busid);
+            let hb = p
+                .hostbridge
+                .clone()
+                .unwrap_or_else(|| format!("pci{dom}:{:02x}", bus.saturating_sub(1)));
+            let hbus = u32::from_str_radix(hb.rsplit(':').next().unwrap_or("0"), 16).unwrap_or(0);
+            // A root port between the host bridge and the device.
+            let rp = format!("{dom}:{hbus:02x}:{:02x}.0", (i + 1) as u32 % 32);
+            let rp_dir = format!("sys/devices/{hb}/{rp}");
+            write_dev(&put, &link, &rp_dir, &rp, &bridge_like(p), c.numaid)?;
+            write_pci_tree(&put, &link, &rp_dir, p, c.numaid, &mut gpus, &mut any_gdr)?;
+        }
+    }
+    // NICs.
+    for c in &sys.cpus {
+        for p in &c.pci {
+            let mut err = Ok(());
+            p.walk(&mut |d| {
+                if let Some(nic) = &d.nic {
+                    for n in &nic.nets {
+                        any_gdr |= n.gdr == Some(true);
+                        if err.is_ok() {
+                            err = write_net(&put, &link, &d.busid, n);
+                        }
+                    }
+                }
+            });
+            err?;
+        }
+    }
+    if any_gdr {
+        put("sys/module/nvidia_peermem/version", "1.0")?;
+    }
+    if !gpus.is_empty() {
+        let p = out.join(RECORDED_GPUS_FILE);
+        fs::write(&p, RecordedGpus::render(&gpus)).map_err(|e| io(&p, e))?;
+    }
+    Ok(())
+}
+
+fn split_bus(busid: &str) -> (String, u32) {
+    let mut it = busid.split(':');
+    let dom = it.next().unwrap_or("0000").to_string();
+    let bus = it
+        .next()
+        .and_then(|b| u32::from_str_radix(b, 16).ok())
+        .unwrap_or(0);
+    (dom, bus)
+}
+
+fn bridge_like(p: &Pci) -> Pci {
+    Pci {
+        busid: String::new(),
+        class: Some(0x060400),
+        vendor: p.vendor.clone().filter(|_| p.base_class() == Some(0x06)),
+        link_speed: p.link_speed.clone(),
+        link_width: p.link_width,
+        ..Default::default()
+    }
+}
+
+fn write_dev(
+    put: &impl Fn(&str, &str) -> Result<(), TopoError>,
+    link: &impl Fn(&str, &str) -> Result<(), TopoError>,
+    dir: &str,
+    busid: &str,
+    p: &Pci,
+    numa: i32,
+) -> Result<(), TopoError> {
+    if let Some(c) = p.class {
+        put(&format!("{dir}/class"), &format!("0x{c:06x}"))?;
+    }
+    for (f, v) in [
+        ("vendor", &p.vendor),
+        ("device", &p.device),
+        ("subsystem_vendor", &p.subsystem_vendor),
+        ("subsystem_device", &p.subsystem_device),
+        ("max_link_speed", &p.link_speed),
+    ] {
+        if let Some(v) = v {
+            put(&format!("{dir}/{f}"), v)?;
+        }
+    }
+    if let Some(w) = p.link_width {
+        put(&format!("{dir}/max_link_width"), &w.to_string())?;
+    }
+    put(&format!("{dir}/numa_node"), &numa.to_string())?;
+    let under_sys = dir.strip_prefix("sys/").unwrap_or(dir);
+    link(
+        &format!("sys/bus/pci/devices/{busid}"),
+        &format!("../../../{under_sys}"),
+    )
+}
+
+fn write_pci_tree(
+    put: &impl Fn(&str, &str) -> Result<(), TopoError>,
+    link: &impl Fn(&str, &str) -> Result<(), TopoError>,
+    parent_dir: &str,
+    p: &Pci,
+    numa: i32,
+    gpus: &mut Vec<DetectedGpu>,
+    any_gdr: &mut bool,
+) -> Result<(), TopoError> {
+    let dir = format!("{parent_dir}/{}", p.busid);
+    write_dev(put, link, &dir, &p.busid, p, numa)?;
+    if let Some(g) = &p.gpu {
+        gpus.push(DetectedGpu {
+            busid: p.busid.clone(),
+            gpu: g.clone(),
+        });
+    }
+    let _ = any_gdr;
+    let (dom, bus) = split_bus(&p.busid);
+    for (i, c) in p.children.iter().enumerate() {
+        let port = format!("{dom}:{:02x}:{:02x}.0", bus + 1, i as u32 % 32);
+        let pdir = format!("{dir}/{port}");
+        write_dev(put, link, &pdir, &port, &bridge_like(c), numa)?;
+        write_pci_tree(put, link, &pdir, c, numa, gpus, any_gdr)?;
+    }
+    Ok(())
+}
+
+fn write_net(
+    put: &impl Fn(&str, &str) -> Result<(), TopoError>,
+    link: &impl Fn(&str, &str) -> Result<(), TopoError>,
+    busid: &str,
+    n: &Net,
+) -> Result<(), TopoError> {
+    if n.is_rdma() {
+        let (dev, port) = match n.name.split_once(':') {
+            Some((d, p)) => (d.to_string(), p.to_string()),
+            None => (n.name.clone(), n.port.unwrap_or(1).to_string()),
+        };
+        let base = format!("sys/class/infiniband/{dev}");
+        link(
+            &format!("{base}/device"),
+            &format!("../../../bus/pci/devices/{busid}"),
+        )?;
+        if let Some(g) = &n.guid {
+            let h = g.trim_start_matches("0x");
+            let h = format!("{h:0>16}");
+            put(
+                &format!("{base}/node_guid"),
+                &format!("{}:{}:{}:{}", &h[0..4], &h[4..8], &h[8..12], &h[12..16]),
+            )?;
+        }
+        let pb = format!("{base}/ports/{port}");
+        if let Some(s) = &n.state {
+            let code = match s.as_str() {
+                "ACTIVE" => 4,
+                "ARMED" => 3,
+                "INIT" => 2,
+                _ => 1,
+            };
+            put(&format!("{pb}/state"), &format!("{code}: {s}"))?;
+        }
+        if let Some(sp) = n.speed {
+            put(&format!("{pb}/rate"), &format!("{} Gb/sec (4X)", sp / 1000))?;
+        }
+        if let Some(l) = &n.link_layer {
+            put(&format!("{pb}/link_layer"), l)?;
+        }
+    } else {
+        let base = format!("sys/class/net/{}", n.name);
+        link(
+            &format!("{base}/device"),
+            &format!("../../../bus/pci/devices/{busid}"),
+        )?;
+        put(
+            &format!("{base}/speed"),
+            &n.speed.map_or("-1".to_string(), |s| s.to_string()),
+        )?;
+        if let Some(s) = &n.state {
+            put(&format!("{base}/operstate"), s)?;
+        }
+        let ty = if n.link_layer.as_deref() == Some("InfiniBand") {
+            "32"
+        } else {
+            "1"
+        };
+        put(&format!("{base}/type"), ty)?;
+    }
+    Ok(())
+}

@@ -1,0 +1,275 @@
+//! Mismatch detection: every operation sends, on each link it uses, one small
+//! header (64 bytes, its own slot) ahead of its data, saying what the sender
+//! is doing: the kind, datatype, operator, root and count of the operation and
+//! its sequence number. The receiver checks it against what it is doing
+//! itself before it touches any data, so a rank that calls AllGather while
+//! its peer calls AllReduce, or passes another count or root, gets an error
+//! that says what each side called — instead of a hang or garbage.
+//!
+//! Collectives are numbered per communicator (every rank calls every
+//! collective); point-to-point transfers are numbered per ordered pair of
+//! ranks, and their header carries the total count sent to that peer in the
+//! group. One header per link per operation, not per slot.
+
+use braid_core::plan::{Collective, P2pKind, Program};
+use braid_core::{DataType, RedOp};
+
+/// Bytes of one header (one slot message of its own).
+pub const HEADER_BYTES: usize = 64;
+const MAGIC: [u8; 4] = *b"BRHD";
+const NONE: u8 = 0xff;
+
+/// What one side of a link is doing in the current operation.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct OpHeader {
+    /// 1 AllReduce, 2 ReduceScatter, 3 AllGather, 4 Broadcast, 5 Reduce,
+    /// 6 AllToAll, 7 point-to-point.
+    pub kind: u8,
+    /// Datatype wire code.
+    pub dtype: u8,
+    /// Reduction operator wire code (or none).
+    pub op: u8,
+    /// Root (or `u32::MAX`).
+    pub root: u32,
+    /// Element count as the caller passed it (point-to-point: elements sent
+    /// to this peer in the group).
+    pub count: u64,
+    /// Sequence number (collectives: per communicator; point-to-point: per
+    /// ordered pair).
+    pub seq: u64,
+}
+
+impl OpHeader {
+    /// The header of collective `coll` number `seq`.
+    pub fn collective(coll: &Collective, dt: DataType, seq: u64) -> OpHeader {
+        let (kind, count) = match *coll {
+            Collective::AllReduce { count, .. } => (1, count),
+            Collective::ReduceScatter { recv_count, .. } => (2, recv_count),
+            Collective::AllGather { send_count } => (3, send_count),
+            Collective::Broadcast { count, .. } => (4, count),
+            Collective::Reduce { count, .. } => (5, count),
+            Collective::AllToAll { count } => (6, count),
+            Collective::Group(_) => (7, 0),
+        };
+        OpHeader {
+            kind,
+            dtype: dt as u8,
+            op: coll.red_op().map(|o| o as u8).unwrap_or(NONE),
+            root: coll.root().unwrap_or(u32::MAX),
+            count: count as u64,
+            seq,
+        }
+    }
+
+    /// Encode into one header message.
+    pub fn encode(&self) -> [u8; HEADER_BYTES] {
+        let mut b = [0u8; HEADER_BYTES];
+        b[0..4].copy_from_slice(&MAGIC);
+        b[4] = self.kind;
+        b[5] = self.dtype;
+        b[6] = self.op;
+        b[8..12].copy_from_slice(&self.root.to_le_bytes());
+        b[16..24].copy_from_slice(&self.count.to_le_bytes());
+        b[24..32].copy_from_slice(&self.seq.to_le_bytes());
+        b
+    }
+
+    /// Decode a header message; an error says what arrived instead.
+    pub fn decode(b: &[u8]) -> Result<OpHeader, String> {
+        if b.len() != HEADER_BYTES || b[0..4] != MAGIC {
+            return Err(format!(
+                "expected an operation header, got {} bytes of data: the ranks called different operations",
+                b.len()
+            ));
+        }
+        let u32_at = |i: usize| u32::from_le_bytes([b[i], b[i + 1], b[i + 2], b[i + 3]]);
+        let u64_at = |i: usize| {
+            let mut a = [0u8; 8];
+            a.copy_from_slice(&b[i..i + 8]);
+            u64::from_le_bytes(a)
+        };
+        Ok(OpHeader {
+            kind: b[4],
+            dtype: b[5],
+            op: b[6],
+            root: u32_at(8),
+            count: u64_at(16),
+            seq: u64_at(24),
+        })
+    }
+
+    /// Human-readable form: `AllReduce(count=1024, float, sum) #7`.
+    pub fn describe(&self) -> String {
+        let name = match self.kind {
+            1 => "AllReduce",
+            2 => "ReduceScatter",
+            3 => "AllGather",
+            4 => "Broadcast",
+            5 => "Reduce",
+            6 => "AllToAll",
+            7 => "Send/Recv",
+            _ => "an unknown operation",
+        };
+        let dt = DataType::from_u8(self.dtype)
+            .map(|d| d.name().to_string())
+            .unwrap_or_else(|| format!("datatype #{}", self.dtype));
+        let mut s = format!("{name}(count={}, {dt}", self.count);
+        if let Some(op) = RedOp::from_u8(self.op) {
+            s.push_str(&format!(", {op}"));
+        }
+        if self.root != u32::MAX {
+            s.push_str(&format!(", root={}", self.root));
+        }
+        s.push_str(&format!(") #{}", self.seq));
+        s
+    }
+}
+
+/// The headers of one operation: what to send to each peer and what to
+/// expect from each peer (indexed by rank).
+#[derive(Clone, Debug, Default)]
+pub struct Headers {
+    /// `(peer, header)` for every peer the program sends to.
+    pub send: Vec<(u32, [u8; HEADER_BYTES])>,
+    /// For each rank the program receives from, the header it must send.
+    pub expect: Vec<Option<OpHeader>>,
+}
+
+fn peers(prog: &Program, nranks: u32) -> (Vec<bool>, Vec<bool>) {
+    let mut to = vec![false; nranks as usize];
+    let mut from = vec![false; nranks as usize];
+    for op in &prog.ops {
+        if let Some(p) = op.send_peer() {
+            to[p as usize] = true;
+        }
+        if let Some(p) = op.recv_peer() {
+            from[p as usize] = true;
+        }
+    }
+    (to, from)
+}
+
+impl Headers {
+    /// Headers of collective `coll` number `seq`: the same on every link.
+    pub fn for_collective(
+        coll: &Collective,
+        dt: DataType,
+        seq: u64,
+        prog: &Program,
+        nranks: u32,
+    ) -> Headers {
+        let h = OpHeader::collective(coll, dt, seq);
+        let (to, from) = peers(prog, nranks);
+        let bytes = h.encode();
+        Headers {
+            send: (0..nranks)
+                .filter(|&p| to[p as usize])
+                .map(|p| (p, bytes))
+                .collect(),
+            expect: from.iter().map(|&f| f.then_some(h)).collect(),
+        }
+    }
+
+    /// Headers of a point-to-point group: per peer, the total count sent to
+    /// it (and expected from it) and the pair's sequence numbers, which are
+    /// advanced here for every peer the group talks to.
+    pub fn for_group(
+        coll: &Collective,
+        dt: DataType,
+        me: u32,
+        prog: &Program,
+        send_seq: &mut [u64],
+        recv_seq: &mut [u64],
+    ) -> Headers {
+        let nranks = send_seq.len() as u32;
+        let (to, from) = peers(prog, nranks);
+        let mut sent = vec![0u64; nranks as usize];
+        let mut recvd = vec![0u64; nranks as usize];
+        if let Collective::Group(ops) = coll {
+            for o in ops.iter().filter(|o| o.peer != me) {
+                match o.kind {
+                    P2pKind::Send => sent[o.peer as usize] += o.count as u64,
+                    P2pKind::Recv => recvd[o.peer as usize] += o.count as u64,
+                }
+            }
+        }
+        let header = |count: u64, seq: u64| OpHeader {
+            kind: 7,
+            dtype: dt as u8,
+            op: NONE,
+            root: u32::MAX,
+            count,
+            seq,
+        };
+        let mut h = Headers {
+            send: Vec::new(),
+            expect: vec![None; nranks as usize],
+        };
+        for p in 0..nranks as usize {
+            if to[p] {
+                h.send
+                    .push((p as u32, header(sent[p], send_seq[p]).encode()));
+                send_seq[p] += 1;
+            }
+            if from[p] {
+                h.expect[p] = Some(header(recvd[p], recv_seq[p]));
+                recv_seq[p] += 1;
+            }
+        }
+        h
+    }
+}
+
+/// Compare a peer's header with ours; the error says what each side called.
+pub fn check(peer: u32, me: u32, got: &[u8], want: &OpHeader) -> Result<(), String> {
+    let theirs = OpHeader::decode(got).map_err(|e| format!("from rank {peer}: {e}"))?;
+    if theirs == *want {
+        return Ok(());
+    }
+    Err(format!(
+        "rank {peer} called {} where rank {me} called {}: every rank must issue the same operations, with the same counts, datatypes, operators and roots, in the same order",
+        theirs.describe(),
+        want.describe()
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn headers_round_trip_and_describe_both_sides() {
+        let a = OpHeader::collective(
+            &Collective::AllReduce {
+                count: 1024,
+                op: RedOp::Sum,
+            },
+            DataType::F32,
+            7,
+        );
+        assert_eq!(OpHeader::decode(&a.encode()).unwrap(), a);
+        let b = OpHeader::collective(
+            &Collective::AllGather { send_count: 1024 },
+            DataType::F32,
+            7,
+        );
+        let e = check(1, 0, &b.encode(), &a).unwrap_err();
+        assert!(
+            e.contains("rank 1 called AllGather(count=1024, float) #7"),
+            "{e}"
+        );
+        assert!(
+            e.contains("rank 0 called AllReduce(count=1024, float, sum) #7"),
+            "{e}"
+        );
+        let r = OpHeader::collective(
+            &Collective::Broadcast { count: 5, root: 2 },
+            DataType::I8,
+            0,
+        );
+        assert!(r.describe().contains("root=2"));
+        assert!(check(0, 1, &[0u8; 17], &a)
+            .unwrap_err()
+            .contains("17 bytes"));
+    }
+}

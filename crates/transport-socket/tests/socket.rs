@@ -1,0 +1,246 @@
+//! Socket-specific checks beyond the conformance suite: striping and
+//! reassembly across many message sizes, abort reasons, drop with a stuck
+//! peer, configuration.
+
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use braid_core::error::CoreError;
+use braid_core::transport::conformance::{connect_pair, desc};
+use braid_core::transport::Transport;
+use braid_transport_socket::{SocketConfig, SocketTransport};
+
+fn loopback(slot_bytes: usize, slots: usize, nsocks: usize) -> SocketTransport {
+    SocketTransport::new(
+        SocketConfig::default()
+            .with_addr("127.0.0.1".parse().unwrap())
+            .with_geometry(slot_bytes, slots)
+            .with_nsocks(nsocks),
+    )
+    .unwrap()
+}
+
+fn byte(seq: u64, i: usize) -> u8 {
+    (seq as u8).wrapping_mul(151) ^ (i as u8) ^ ((i >> 9) as u8).wrapping_mul(7) ^ (i >> 17) as u8
+}
+
+fn wait<T>(what: &str, mut f: impl FnMut() -> Option<T>) -> T {
+    let end = Instant::now() + Duration::from_secs(20);
+    loop {
+        if let Some(v) = f() {
+            return v;
+        }
+        assert!(Instant::now() < end, "timed out waiting for {what}");
+        std::thread::yield_now();
+    }
+}
+
+/// Messages from 0 B to a full 4 MiB slot, striped over 4 sockets, arrive
+/// intact and in order while sender and receiver run concurrently.
+#[test]
+fn striping_reassembles_every_size() {
+    const SB: usize = 4 << 20;
+    let (t0, t1) = (loopback(SB, 4, 4), loopback(SB, 4, 4));
+    let (mut tx, mut rx) = connect_pair(&t0, &t1, 0, 1);
+    let sizes = [
+        0usize,
+        1,
+        63,
+        4095,
+        65_535,
+        65_536,
+        65_537,
+        100_000,
+        3 * 65_536 + 1,
+        262_144,
+        262_145,
+        1 << 20,
+        3 * (1 << 20) + 7,
+        SB - 1,
+        SB,
+        17,
+    ];
+    let rounds = 5u64;
+    let n = sizes.len() as u64 * rounds;
+    let len_of = move |seq: u64| sizes[(seq as usize * 7) % sizes.len()];
+    let sender = std::thread::spawn(move || {
+        for seq in 0..n {
+            let buf = wait("a credit", || tx.poll_acquire().unwrap());
+            let len = len_of(seq);
+            // SAFETY: a host slot of `cap >= len` bytes owned by us until commit.
+            let s = unsafe { std::slice::from_raw_parts_mut(buf.ptr, len) };
+            for (i, b) in s.iter_mut().enumerate() {
+                *b = byte(seq, i);
+            }
+            tx.commit(len).unwrap();
+        }
+        wait("drain", || tx.poll_drained().unwrap().then_some(()));
+        tx
+    });
+    for seq in 0..n {
+        let (buf, len) = wait("a message", || rx.poll_peek().unwrap());
+        assert_eq!(len, len_of(seq), "message {seq}: wrong length (reordered?)");
+        // SAFETY: the slot holds `len` readable bytes until release.
+        let s = unsafe { std::slice::from_raw_parts(buf.ptr, len) };
+        if let Some(i) = s.iter().enumerate().position(|(i, b)| *b != byte(seq, i)) {
+            panic!("message {seq} ({len} bytes) corrupted at byte {i}");
+        }
+        rx.release().unwrap();
+    }
+    let _tx = sender.join().unwrap();
+    assert!(rx.poll_peek().unwrap().is_none());
+}
+
+/// The peer sees the reason given to abort, both ways.
+#[test]
+fn abort_reason_reaches_the_peer() {
+    let (t0, t1) = (loopback(65536, 4, 2), loopback(65536, 4, 2));
+    let (mut tx, mut rx) = connect_pair(&t0, &t1, 0, 1);
+    tx.abort("rank 0 ran out of patience");
+    let e = wait("the abort", || rx.check_peer().err());
+    match &e {
+        CoreError::PeerAborted { peer, reason, .. } => {
+            assert_eq!(*peer, 0);
+            assert!(reason.contains("out of patience"), "{e}");
+        }
+        other => panic!("expected PeerAborted, got {other:?}"),
+    }
+    assert!(matches!(tx.poll_acquire(), Err(CoreError::Aborted(_))));
+
+    let (mut tx, mut rx) = connect_pair(&t0, &t1, 0, 1);
+    rx.abort("bad data");
+    let e = wait("the abort", || tx.check_peer().err());
+    assert!(
+        matches!(&e, CoreError::PeerAborted { peer: 1, reason, .. } if reason.contains("bad data")),
+        "{e:?}"
+    );
+    assert!(tx.poll_acquire().is_err());
+}
+
+/// Dropping either end returns quickly even while the other end holds
+/// unreleased data and the sender has more queued than the receiver took.
+#[test]
+fn drop_does_not_hang_with_a_stuck_peer() {
+    let (t0, t1) = (loopback(1 << 20, 2, 2), loopback(1 << 20, 2, 2));
+    let (mut tx, rx) = connect_pair(&t0, &t1, 0, 1);
+    for _ in 0..2 {
+        let _ = wait("a credit", || tx.poll_acquire().unwrap());
+        tx.commit(1 << 20).unwrap();
+    }
+    let start = Instant::now();
+    drop(rx);
+    drop(tx);
+    assert!(
+        start.elapsed() < Duration::from_secs(3),
+        "drop took {:?}",
+        start.elapsed()
+    );
+
+    // Receiver alive and not reading, sender dropped.
+    let (mut tx, mut rx) = connect_pair(&t0, &t1, 0, 1);
+    for _ in 0..2 {
+        let _ = wait("a credit", || tx.poll_acquire().unwrap());
+        tx.commit(1 << 20).unwrap();
+    }
+    let start = Instant::now();
+    drop(tx);
+    assert!(
+        start.elapsed() < Duration::from_secs(3),
+        "drop took {:?}",
+        start.elapsed()
+    );
+    // What was committed before the close is still delivered, then the
+    // close is reported.
+    for _ in 0..2 {
+        let (_, len) = wait("a message sent before the close", || {
+            rx.poll_peek().unwrap()
+        });
+        assert_eq!(len, 1 << 20);
+        rx.release().unwrap();
+    }
+    let e = wait("the close", || rx.poll_peek().err());
+    assert!(matches!(e, CoreError::PeerAborted { .. }), "{e:?}");
+}
+
+/// Interface choice from the configuration.
+#[test]
+fn interface_choice() {
+    let root: SocketAddr = "127.0.0.1:29500".parse().unwrap();
+    let t = SocketTransport::new(SocketConfig::default().with_root(root)).unwrap();
+    assert!(t.local_addr().ip().is_loopback(), "{:?}", t.local_addr());
+    let t = SocketTransport::new(SocketConfig::default().with_ifname("=lo")).unwrap();
+    assert!(t.local_addr().ip().is_loopback());
+    assert_eq!(t.interface(), "lo");
+    match SocketTransport::new(SocketConfig::default().with_ifname("=no-such-if0")) {
+        Err(CoreError::Unavailable { reason, .. }) => {
+            assert!(reason.contains("BRAID_SOCKET_IFNAME"), "{reason}")
+        }
+        other => panic!("expected Unavailable, got {other:?}"),
+    }
+    // The chosen interface works end to end.
+    let t0 = SocketTransport::new(SocketConfig::default().with_root(root)).unwrap();
+    let t1 = SocketTransport::new(SocketConfig::default().with_root(root)).unwrap();
+    let (mut tx, mut rx) = connect_pair(&t0, &t1, 0, 1);
+    let _ = wait("a credit", || tx.poll_acquire().unwrap());
+    tx.commit(5).unwrap();
+    assert_eq!(wait("the message", || rx.poll_peek().unwrap()).1, 5);
+    rx.release().unwrap();
+}
+
+/// `BRAID_SOCKET_*` variables (the only test in this binary that sets them).
+#[test]
+fn config_from_env() {
+    let vars = [
+        ("BRAID_SOCKET_NSOCKS", "3"),
+        ("BRAID_SOCKET_SLOT_BYTES", "131072"),
+        ("BRAID_SOCKET_SLOTS", "5"),
+        ("BRAID_SOCKET_IFNAME", "^docker"),
+        ("BRAID_SOCKET_FAMILY", "AF_INET"),
+    ];
+    for (k, v) in vars {
+        std::env::set_var(k, v);
+    }
+    let c = SocketConfig::from_env();
+    std::env::set_var("BRAID_SOCKET_SLOTS", "many");
+    let bad = SocketConfig::from_env();
+    std::env::set_var("BRAID_SOCKET_SLOTS", "5");
+    std::env::set_var("BRAID_SOCKET_SLOT_BYTES", "100");
+    let bad_geometry = SocketConfig::from_env();
+    for (k, _) in vars {
+        std::env::remove_var(k);
+    }
+    let c = c.unwrap();
+    assert_eq!((c.nsocks(), c.slot_bytes(), c.slots()), (3, 131072, 5));
+    assert_eq!(
+        c,
+        SocketConfig::default()
+            .with_nsocks(3)
+            .with_geometry(131072, 5)
+            .with_ifname("^docker")
+            .with_family(braid_transport_socket::Family::V4)
+    );
+    assert!(matches!(bad, Err(CoreError::InvalidArgument(m)) if m.contains("BRAID_SOCKET_SLOTS")));
+    assert!(matches!(bad_geometry, Err(CoreError::InvalidArgument(_))));
+    let d = SocketConfig::default();
+    assert_eq!((d.nsocks(), d.slot_bytes(), d.slots()), (4, 512 * 1024, 8));
+}
+
+/// Blobs meant for another pair of ranks are refused.
+#[test]
+fn blobs_for_other_ranks_are_refused() {
+    let (t0, t1) = (loopback(65536, 2, 1), loopback(65536, 2, 1));
+    let (_prx, rinfo) = t1.listen(&desc(1), &desc(0)).unwrap();
+    let (ptx, _) = t0.prepare_send(&desc(2), &desc(1)).unwrap();
+    let e = ptx
+        .connect(&rinfo, Instant::now() + Duration::from_secs(5))
+        .err()
+        .unwrap();
+    assert!(matches!(e, CoreError::Protocol { .. }), "{e:?}");
+    let (prx, _) = t1.listen(&desc(1), &desc(0)).unwrap();
+    let (_, sinfo) = t0.prepare_send(&desc(0), &desc(3)).unwrap();
+    let e = prx
+        .connect(&sinfo, Instant::now() + Duration::from_secs(5))
+        .err()
+        .unwrap();
+    assert!(matches!(e, CoreError::Protocol { .. }), "{e:?}");
+}

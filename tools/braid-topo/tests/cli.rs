@@ -1,0 +1,91 @@
+//! braid-topo runs on this machine and on every fixture; --xml output parses
+//! back into the same model; errors name the file and line.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use braid_core::topo::{self, xml};
+
+fn fixtures() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../crates/core/tests/fixtures/topo")
+}
+
+fn run(args: &[&str]) -> (i32, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_braid-topo"))
+        .args(args)
+        .env_remove("BRAID_TOPO_FILE")
+        .env_remove("BRAID_TRANSPORT")
+        .output()
+        .unwrap();
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn runs_on_this_machine() {
+    let (rc, out, err) = run(&["--ranks", "4"]);
+    assert_eq!(rc, 0, "{err}");
+    assert!(out.contains("NUMA") && out.contains("transports:"), "{out}");
+    let (rc, out, err) = run(&["--json"]);
+    assert_eq!(rc, 0, "{err}");
+    assert!(serde_json::from_str::<serde_json::Value>(&out).is_ok());
+}
+
+#[test]
+fn runs_on_every_fixture_and_xml_parses_back() {
+    let f = fixtures();
+    let mut sources: Vec<Vec<String>> = Vec::new();
+    for d in ["nvswitch8", "pcie4", "nvbridge4", "vm"] {
+        sources.push(vec!["--sysfs-root".into(), f.join(d).display().to_string()]);
+    }
+    for x in ["nvswitch8", "pcie4", "nvbridge4", "cloud-partial"] {
+        sources.push(vec![
+            "--topo-file".into(),
+            f.join(format!("{x}.xml")).display().to_string(),
+        ]);
+    }
+    for src in sources {
+        let a: Vec<&str> = src.iter().map(String::as_str).collect();
+        for extra in [
+            &["--paths"][..],
+            &["--ranks", "8", "--hosts", "2"],
+            &["--json", "--ranks", "4"],
+        ] {
+            let args: Vec<&str> = a.iter().chain(extra).copied().collect();
+            let (rc, out, err) = run(&args);
+            assert_eq!(rc, 0, "{args:?}: {err}");
+            assert!(!out.is_empty());
+        }
+        let (rc, out, err) = run(&[a[0], a[1], "--xml"]);
+        assert_eq!(rc, 0, "{err}");
+        let back = xml::from_xml("stdout", &out).unwrap();
+        let (_, json, _) = run(&[a[0], a[1], "--json"]);
+        let model = topo::json::from_json("stdout.json", &json).unwrap();
+        assert_eq!(
+            back, model,
+            "{a:?}: --xml parses back into the model --json shows"
+        );
+    }
+}
+
+#[test]
+fn clear_errors() {
+    let bad = fixtures().join("bad/mismatched.xml");
+    let (rc, _, err) = run(&["--topo-file", &bad.display().to_string()]);
+    assert_eq!(rc, 1);
+    assert!(err.contains(&format!("{}:4:", bad.display())), "{err}");
+    let (rc, _, err) = run(&["--sysfs-root", "/nonexistent/root"]);
+    assert_eq!(rc, 1);
+    assert!(
+        err.contains("/nonexistent/root/sys/bus/pci/devices"),
+        "{err}"
+    );
+    let (rc, _, err) = run(&["--bogus"]);
+    assert_eq!(rc, 2);
+    assert!(err.contains("unknown argument"), "{err}");
+    let (rc, _, err) = run(&["--ranks", "0"]);
+    assert_eq!(rc, 2, "{err}");
+}
