@@ -40,17 +40,23 @@ in_host 1 iperf3 -s -1 -D -B "$net.2" >/dev/null; sleep 0.3
 tcp1=$(in_host 0 iperf3 -c "$net.2" -t 5 -J | python3 -c 'import json,sys; print(json.load(sys.stdin)["end"]["sum_received"]["bits_per_second"]/8e9)')
 in_host 1 iperf3 -s -1 -D -B "$net.2" >/dev/null; sleep 0.3
 tcp4=$(in_host 0 iperf3 -c "$net.2" -t 5 -P 4 -J | python3 -c 'import json,sys; print(json.load(sys.stdin)["end"]["sum_received"]["bits_per_second"]/8e9)')
-echo "iperf3: 1 stream $tcp1 GB/s, 4 streams $tcp4 GB/s"
+in_host 1 iperf3 -s -1 -D -B "$net.2" >/dev/null; sleep 0.3
+# Both directions at once, as an AllReduce between two hosts loads the link.
+tcpbi=$(in_host 0 iperf3 -c "$net.2" -t 5 --bidir -J | python3 -c 'import json,sys; e=json.load(sys.stdin)["end"]; print((e["sum_received"]["bits_per_second"]+e["sum_received_bidir_reverse"]["bits_per_second"])/2/8e9)')
+echo "iperf3: 1 stream $tcp1 GB/s, 4 streams $tcp4 GB/s, both directions at once $tcpbi GB/s each way"
 
 echo "== braid AllReduce, 1 rank per host, over the socket transport"
 secret=$(head -c 16 /dev/urandom | od -An -tx1 | tr -d ' \n')
 id="$net.1:29611/$secret"
 out=$(mktemp)
+ranks=()
 for r in 0 1; do
     in_host $r env BRAID_UNIQUE_ID="$id" BRAID_RANK=$r BRAID_NRANKS=2 BRAID_LOCAL_RANK=0 \
         "$perf" all_reduce -b "$size" -e "$size" -n "$iters" -w 3 -c 1 >"$out.$r" 2>&1 &
+    ranks+=($!)
 done
-wait
+wait "${ranks[@]}"
+cat "$out.1" >&2
 cat "$out.0"
 busbw=$(awk '/^ +[0-9]/ {print $8; exit}' "$out.0")
-python3 -c "b=$busbw; t1=$tcp1; t4=$tcp4; print(f'braid busbw {b:.3f} GB/s; raw TCP 1 stream {t1:.3f} GB/s (ratio {b/t1:.2f}), 4 streams {t4:.3f} GB/s (ratio {b/t4:.2f})')"
+python3 -c "b=$busbw; t1=$tcp1; t4=$tcp4; tb=$tcpbi; print(f'braid busbw {b:.3f} GB/s; raw TCP: 1 stream {t1:.3f} GB/s (ratio {b/t1:.2f}), 4 streams {t4:.3f} GB/s (ratio {b/t4:.2f}), bidirectional {tb:.3f} GB/s each way (ratio {b/tb:.2f})')"
