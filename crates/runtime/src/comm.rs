@@ -74,6 +74,9 @@ struct State {
     /// Point-to-point transfers to / from each peer so far.
     p2p_send_seq: Vec<u64>,
     p2p_recv_seq: Vec<u64>,
+    /// Reused per operation (no allocation on the hot path).
+    headers: Headers,
+    header_flags: Vec<u8>,
     broken: Option<String>,
     cache: HashMap<(Collective, DataType), Arc<Program>>,
 }
@@ -353,6 +356,8 @@ impl Communicator {
                     coll_seq: 0,
                     p2p_send_seq: vec![0; p],
                     p2p_recv_seq: vec![0; p],
+                    headers: Headers::default(),
+                    header_flags: Vec::new(),
                     broken: None,
                     cache: HashMap::new(),
                 }),
@@ -436,22 +441,24 @@ impl Communicator {
         let _span = info_span!("op", op = name, seq, rank = sh.rank).entered();
         let prog = self.program(&mut st, coll.clone(), dt)?;
         debug!(ops = prog.ops.len(), "start");
-        let headers = if !sh.check_headers {
-            None
+        let st = &mut *st;
+        let mut headers = std::mem::take(&mut st.headers);
+        let use_headers = if !sh.check_headers {
+            false
         } else if let Collective::Group(_) = coll {
-            let st = &mut *st;
-            Some(Headers::for_group(
+            headers = Headers::for_group(
                 &coll,
                 dt,
                 sh.rank,
                 &prog,
                 &mut st.p2p_send_seq,
                 &mut st.p2p_recv_seq,
-            ))
+            );
+            true
         } else {
-            let h = Headers::for_collective(&coll, dt, st.coll_seq, &prog, sh.nranks);
+            headers.fill_collective(&coll, dt, st.coll_seq, &prog, sh.nranks);
             st.coll_seq += 1;
-            Some(h)
+            true
         };
         let ex = Exec {
             bufs,
@@ -459,12 +466,13 @@ impl Communicator {
             abort: &sh.abort,
             direct_min: sh.direct_min,
             rank: sh.rank,
-            headers: headers.as_ref(),
+            headers: use_headers.then_some(&headers),
         };
         // SAFETY: the typed entry points built `bufs` from live slices of the
         // right lengths (checked), borrowed for this whole call, aligned for
         // `dt`, aliasing only as the in-place plans allow.
-        let res = unsafe { engine::execute(&prog, &mut st.chans, &ex) };
+        let res = unsafe { engine::execute(&prog, &mut st.chans, &ex, &mut st.header_flags) };
+        st.headers = headers;
         match res {
             Ok(()) => Ok(()),
             Err(source) => {

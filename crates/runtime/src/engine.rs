@@ -224,19 +224,53 @@ pub struct Exec<'a> {
     pub headers: Option<&'a Headers>,
 }
 
-/// Which peers' operation headers were checked so far in this operation.
+/// Operation headers in flight: which peers' headers were checked and sent
+/// so far in this operation. A header travels in front of the first piece to
+/// a peer when both fit one slot, else as a message of its own.
 struct HeaderCheck<'a> {
     headers: Option<&'a Headers>,
-    got: Vec<bool>,
+    /// Per peer: [`GOT`], [`SENT`], [`PREFIX`] bits (reused memory).
+    flags: &'a mut Vec<u8>,
 }
 
+/// The peer's header was checked.
+const GOT: u8 = 1;
+/// Our header to the peer was sent.
+const SENT: u8 = 2;
+/// The slot peeked from this peer starts with its (checked) header.
+const PREFIX: u8 = 4;
+
 impl HeaderCheck<'_> {
+    fn flag(&self, peer: u32, bit: u8) -> bool {
+        self.flags.get(peer as usize).is_some_and(|f| f & bit != 0)
+    }
+
+    fn set(&mut self, peer: u32, bit: u8, on: bool) {
+        if let Some(f) = self.flags.get_mut(peer as usize) {
+            if on {
+                *f |= bit;
+            } else {
+                *f &= !bit;
+            }
+        }
+    }
+
+    /// Our header for `to`, if it still has to be sent.
+    fn unsent(&self, to: u32) -> Option<[u8; HEADER_BYTES]> {
+        let h = self.headers?;
+        if self.flag(to, SENT) || to as usize >= self.flags.len() {
+            return None;
+        }
+        h.send.iter().find(|(p, _)| *p == to).map(|(_, b)| *b)
+    }
+
     /// Whether a header from `from` must still be read before its data.
     fn pending(&self, from: u32) -> bool {
         self.headers
             .and_then(|h| h.expect.get(from as usize).copied().flatten())
             .is_some()
-            && !self.got.get(from as usize).copied().unwrap_or(true)
+            && (from as usize) < self.flags.len()
+            && !self.flag(from, GOT)
     }
 }
 
@@ -253,33 +287,15 @@ pub unsafe fn execute(
     prog: &Program,
     chans: &mut Channels,
     ex: &Exec<'_>,
+    flags: &mut Vec<u8>,
 ) -> Result<(), CoreError> {
     let mut waiter = Waiter::new(ex.policy, ex.abort);
-    // Our operation header goes first on every link we send on.
-    if let Some(h) = ex.headers {
-        for (peer, bytes) in &h.send {
-            loop {
-                let ch = chans.sender(*peer)?;
-                if let Some(slot) = ch.poll_acquire()? {
-                    host_slot(ch.mem_kind(), *peer)?;
-                    // SAFETY: a host slot holds at least 4096 bytes.
-                    unsafe {
-                        std::ptr::copy_nonoverlapping(bytes.as_ptr(), slot.ptr, HEADER_BYTES)
-                    };
-                    ch.commit(HEADER_BYTES)?;
-                    break;
-                }
-                waiter.idle(chans, (*peer, WAIT_SLOT))?;
-            }
-            waiter.progressed();
-        }
-    }
+    let n = ex.headers.map(|h| h.expect.len()).unwrap_or(0);
+    flags.clear();
+    flags.resize(n, 0);
     let mut hdr = HeaderCheck {
         headers: ex.headers,
-        got: ex
-            .headers
-            .map(|h| vec![false; h.expect.len()])
-            .unwrap_or_default(),
+        flags,
     };
     let mut direct: Vec<u32> = Vec::new();
     let mut pending: Vec<bool> = Vec::new();
@@ -408,10 +424,23 @@ unsafe fn try_op(
             if hdr.pending(from) && !check_header(chans, ex, hdr, from)? {
                 return Ok(Some((from, WAIT_DATA)));
             }
+            let prefixed = hdr.flag(from, PREFIX);
             let ch = chans.receiver(from)?;
             match ch.poll_peek_any()? {
                 None => return Ok(Some((from, WAIT_DATA))),
                 Some(inc) => {
+                    // Skip the header in front of the first piece.
+                    let inc = match inc {
+                        Incoming::Inline(slot, l) if prefixed => Incoming::Inline(
+                            SlotBuf {
+                                // SAFETY: the slot held a header and more.
+                                ptr: unsafe { slot.ptr.add(HEADER_BYTES) },
+                                cap: slot.cap - HEADER_BYTES,
+                            },
+                            l - HEADER_BYTES,
+                        ),
+                        other => other,
+                    };
                     let got = match inc {
                         Incoming::Inline(_, l) | Incoming::Remote(l) => l,
                     };
@@ -431,21 +460,47 @@ unsafe fn try_op(
         None => None,
     };
     // The output: a slot to fill, or a direct reference to user memory.
+    // `extra`: header bytes in front of the data in the output slot.
+    let mut extra = 0usize;
     let output: Option<(u32, Option<SlotBuf>)> = match op.send_peer() {
         Some(to) => {
             let ch = chans.sender(to)?;
             match ch.poll_acquire()? {
                 None => return Ok(Some((to, WAIT_SLOT))),
-                Some(slot) => {
+                Some(mut slot) => {
                     host_slot(ch.mem_kind(), to)?;
+                    let direct_ok = len >= ex.direct_min
+                        && !matches!(op, Op::RecvReduceSend { .. })
+                        && (prog.red_op.is_none() || !matches!(op, Op::Send { .. }))
+                        && ch.can_send_direct();
+                    if let Some(hb) = hdr.unsent(to) {
+                        // SAFETY: a host slot holds at least 4096 bytes.
+                        unsafe {
+                            std::ptr::copy_nonoverlapping(hb.as_ptr(), slot.ptr, HEADER_BYTES)
+                        };
+                        hdr.set(to, SENT, true);
+                        if !direct_ok && slot.cap >= len + HEADER_BYTES {
+                            // In front of the data, in the same slot.
+                            extra = HEADER_BYTES;
+                            slot = SlotBuf {
+                                // SAFETY: cap ≥ len + HEADER_BYTES.
+                                ptr: unsafe { slot.ptr.add(HEADER_BYTES) },
+                                cap: slot.cap - HEADER_BYTES,
+                            };
+                        } else {
+                            // A message of its own; the data needs the next slot.
+                            ch.commit(HEADER_BYTES)?;
+                            match ch.poll_acquire()? {
+                                None => return Ok(Some((to, WAIT_SLOT))),
+                                Some(next) => slot = next,
+                            }
+                        }
+                    }
                     // Single copy for pure data movement: the receiver copies
                     // out of our buffer. Not for data a receiver reduces
                     // (Send in a reducing collective): it would only move the
                     // copy from us to it.
-                    let by_reference = len >= ex.direct_min
-                        && !matches!(op, Op::RecvReduceSend { .. })
-                        && (prog.red_op.is_none() || !matches!(op, Op::Send { .. }))
-                        && ch.can_send_direct();
+                    let by_reference = direct_ok && extra == 0;
                     if by_reference {
                         Some((to, None))
                     } else if slot.cap < len {
@@ -514,7 +569,7 @@ unsafe fn try_op(
                 Some((to, Some(slot))) => {
                     // SAFETY: the slot holds at least `len` bytes (checked).
                     unsafe { std::ptr::copy_nonoverlapping(p, slot.ptr, len) };
-                    chans.sender(to)?.commit(len)
+                    chans.sender(to)?.commit(len + extra)
                 }
                 None => Err(CoreError::InvalidArgument("op without output".into())),
             }
@@ -544,7 +599,7 @@ unsafe fn try_op(
                     ));
                 };
                 reduce::reduce_raw(slot.ptr, i, region_ptr(ex, src)?, len / dt.size(), dt, rop);
-                chans.sender(to)?.commit(len)?;
+                chans.sender(to)?.commit(len + extra)?;
             }
             Op::RecvReduceCopy {
                 src, dst, finalize, ..
@@ -578,6 +633,7 @@ unsafe fn try_op(
     }
     if let Some((from, _)) = input {
         chans.receiver(from)?.release()?;
+        hdr.set(from, PREFIX, false);
     }
     Ok(None)
 }
@@ -594,24 +650,31 @@ fn check_header(
         return Ok(true);
     };
     let ch = chans.receiver(from)?;
-    let got = match ch.poll_peek_any()? {
+    let (got, with_data) = match ch.poll_peek_any()? {
         None => return Ok(false),
         Some(Incoming::Inline(slot, len))
-            if len == HEADER_BYTES && ch.mem_kind() == MemKind::Host =>
+            if len >= HEADER_BYTES && ch.mem_kind() == MemKind::Host =>
         {
             let mut b = [0u8; HEADER_BYTES];
-            // SAFETY: the host slot holds `len` = HEADER_BYTES bytes.
+            // SAFETY: the host slot holds at least HEADER_BYTES bytes.
             unsafe {
                 std::ptr::copy_nonoverlapping(slot.ptr as *const u8, b.as_mut_ptr(), HEADER_BYTES)
             };
-            b.to_vec()
+            (b.to_vec(), len > HEADER_BYTES)
         }
-        Some(Incoming::Inline(_, len)) | Some(Incoming::Remote(len)) => vec![0u8; len.min(1 << 20)],
+        Some(Incoming::Inline(_, len)) | Some(Incoming::Remote(len)) => {
+            (vec![0u8; len.min(1 << 20)], false)
+        }
     };
     fingerprint::check(from, ex.rank, &got, &want)
         .map_err(|detail| CoreError::Protocol { peer: from, detail })?;
-    ch.release()?;
-    hdr.got[from as usize] = true;
+    hdr.set(from, GOT, true);
+    if with_data {
+        // The first piece follows the header in this slot.
+        hdr.set(from, PREFIX, true);
+    } else {
+        ch.release()?;
+    }
     Ok(true)
 }
 

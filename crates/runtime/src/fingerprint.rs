@@ -158,15 +158,35 @@ impl Headers {
         prog: &Program,
         nranks: u32,
     ) -> Headers {
+        let mut h = Headers::default();
+        h.fill_collective(coll, dt, seq, prog, nranks);
+        h
+    }
+
+    /// As [`Headers::for_collective`], reusing this value's memory (no
+    /// allocation once it has grown: this runs for every operation).
+    pub fn fill_collective(
+        &mut self,
+        coll: &Collective,
+        dt: DataType,
+        seq: u64,
+        prog: &Program,
+        nranks: u32,
+    ) {
         let h = OpHeader::collective(coll, dt, seq);
-        let (to, from) = peers(prog, nranks);
         let bytes = h.encode();
-        Headers {
-            send: (0..nranks)
-                .filter(|&p| to[p as usize])
-                .map(|p| (p, bytes))
-                .collect(),
-            expect: from.iter().map(|&f| f.then_some(h)).collect(),
+        self.send.clear();
+        self.expect.clear();
+        self.expect.resize(nranks as usize, None);
+        for op in &prog.ops {
+            if let Some(p) = op.recv_peer() {
+                self.expect[p as usize] = Some(h);
+            }
+            if let Some(p) = op.send_peer() {
+                if !self.send.iter().any(|(q, _)| *q == p) {
+                    self.send.push((p, bytes));
+                }
+            }
         }
     }
 
