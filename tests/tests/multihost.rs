@@ -109,6 +109,16 @@ fn two_hosts_two_ranks_each_shm_inside_socket_across() {
     }
 }
 
+/// Ranks interleaved over hosts (0 and 2 on host 0, 1 and 3 on host 1):
+/// braid's ring keeps each host's ranks adjacent; results stay exact.
+#[test]
+fn interleaved_ranks_over_two_hosts() {
+    let _g = serial();
+    let Some(h) = hosts(2) else { return };
+    let res = run(&h, &[0, 1, 0, 1], "matrix", &["1", "7", "65539"]);
+    assert_all_ok("interleaved placement", &res);
+}
+
 #[test]
 fn four_hosts_one_rank_each() {
     let _g = serial();

@@ -245,8 +245,8 @@ impl Communicator {
 
         let table = TransportTable::from_env(boot.root_addr())?;
         let choice = table.select_all(&me, &peers)?;
-        let ring: Vec<u32> = (0..nranks).collect();
-        info!(rank, ring = ?ring, "braid: ring order");
+        let ring = select::ring_by_host(&peers);
+        info!(rank, ring = ?ring, "braid: ring order (ranks of one host adjacent)");
 
         // Phase 1: allocate both ends of every link, collect connect-info.
         let p = nranks as usize;

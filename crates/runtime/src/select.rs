@@ -166,3 +166,50 @@ pub fn host_id() -> String {
         .unwrap_or_else(|_| "no-pidns".into());
     format!("{hostname}/{shm}/{pidns}")
 }
+
+/// The ring order: ranks grouped by host (hosts in the order of their lowest
+/// rank, ranks of a host in rank order), so a ring crosses between hosts once
+/// per host instead of at every rank when a launcher interleaves ranks over
+/// hosts (Slurm's cyclic distribution, say). A pure function of the ranks'
+/// descriptions, so every rank computes the same ring.
+pub fn ring_by_host(peers: &[PeerDesc]) -> Vec<u32> {
+    let mut hosts: Vec<&str> = Vec::new();
+    for p in peers {
+        if !hosts.contains(&p.host_id.as_str()) {
+            hosts.push(&p.host_id);
+        }
+    }
+    hosts
+        .iter()
+        .flat_map(|h| {
+            peers
+                .iter()
+                .filter(move |p| p.host_id == *h)
+                .map(|p| p.rank)
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn desc(rank: u32, host: &str) -> PeerDesc {
+        PeerDesc {
+            rank,
+            host_id: host.into(),
+            pid: 1000 + rank,
+        }
+    }
+
+    #[test]
+    fn ring_keeps_each_hosts_ranks_adjacent() {
+        let peers: Vec<_> = [(0, "a"), (1, "b"), (2, "a"), (3, "b"), (4, "c")]
+            .into_iter()
+            .map(|(r, h)| desc(r, h))
+            .collect();
+        assert_eq!(ring_by_host(&peers), vec![0, 2, 1, 3, 4]);
+        let one: Vec<_> = (0..4).map(|r| desc(r, "x")).collect();
+        assert_eq!(ring_by_host(&one), vec![0, 1, 2, 3]);
+    }
+}
