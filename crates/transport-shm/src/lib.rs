@@ -860,6 +860,15 @@ impl RecvChannel for ShmRecv {
         }
         // SAFETY: `dst` is valid for `len` bytes (this method's contract).
         unsafe { segment::read_process(self.peer_pid, addr, dst, len) }.map_err(|e| {
+            // A peer that gave up before it died said why: that reason is
+            // the cause to report, not the failed read that followed.
+            if let Some(reason) = abort_reason(&self.seg.header().sender.0) {
+                return CoreError::PeerAborted {
+                    transport: NAME,
+                    peer: self.peer,
+                    reason,
+                };
+            }
             if e == nix::errno::Errno::ESRCH {
                 CoreError::Peer {
                     transport: NAME,
