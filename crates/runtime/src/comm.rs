@@ -231,10 +231,14 @@ impl Communicator {
             )));
         }
         let timeout = config.timeout;
+        // The table first: network transports probe their fabric, which
+        // every rank needs to know about the others.
+        let table = TransportTable::from_env(id.addr)?;
         let me = PeerDesc {
             rank,
             host_id: select::host_id(),
             pid: std::process::id(),
+            fabrics: table.fabrics(),
         };
         let (boot, infos) = Bootstrap::connect(id, rank, nranks, &encode_peer(&me), timeout)?;
         let peers: Vec<PeerDesc> = infos
@@ -243,7 +247,6 @@ impl Communicator {
             .map(|(r, b)| decode_peer(b, r as u32))
             .collect::<Result<_>>()?;
 
-        let table = TransportTable::from_env(boot.root_addr())?;
         let choice = table.select_all(&me, &peers)?;
         let ring = select::ring_by_host(&peers);
         info!(rank, ring = ?ring, "braid: ring order (ranks of one host adjacent)");
@@ -884,24 +887,51 @@ fn encode_peer(p: &PeerDesc) -> Vec<u8> {
     let mut v = Vec::new();
     v.extend_from_slice(&p.rank.to_le_bytes());
     v.extend_from_slice(&p.pid.to_le_bytes());
-    v.extend_from_slice(p.host_id.as_bytes());
+    let mut field = |b: &[u8]| {
+        v.extend_from_slice(&(b.len() as u16).to_le_bytes());
+        v.extend_from_slice(b);
+    };
+    field(p.host_id.as_bytes());
+    for (t, f) in &p.fabrics {
+        field(t.as_bytes());
+        field(f.as_bytes());
+    }
     v
 }
 
 fn decode_peer(b: &[u8], from: u32) -> Result<PeerDesc> {
     let bad = || Error::Bootstrap(format!("rank {from} sent a malformed peer description"));
-    if b.len() < 8 || b.len() > 8 + 4096 {
+    if b.len() < 8 || b.len() > 8 + 16384 {
         return Err(bad());
     }
     let rank = u32::from_le_bytes(b[0..4].try_into().map_err(|_| bad())?);
     let pid = u32::from_le_bytes(b[4..8].try_into().map_err(|_| bad())?);
-    let host_id = String::from_utf8(b[8..].to_vec()).map_err(|_| bad())?;
+    let mut at = 8;
+    let field = |at: &mut usize| -> Result<String> {
+        let l = b.get(*at..*at + 2).ok_or_else(bad)?;
+        let l = u16::from_le_bytes([l[0], l[1]]) as usize;
+        let s = b.get(*at + 2..*at + 2 + l).ok_or_else(bad)?;
+        *at += 2 + l;
+        String::from_utf8(s.to_vec()).map_err(|_| bad())
+    };
+    let host_id = field(&mut at)?;
+    let mut fabrics = Vec::new();
+    while at < b.len() {
+        let t = field(&mut at)?;
+        let f = field(&mut at)?;
+        fabrics.push((t, f));
+    }
     if rank != from {
         return Err(Error::Bootstrap(format!(
             "slot {from} of the rendezvous holds rank {rank}'s description"
         )));
     }
-    Ok(PeerDesc { rank, host_id, pid })
+    Ok(PeerDesc {
+        rank,
+        host_id,
+        pid,
+        fabrics,
+    })
 }
 
 fn encode_blobs(blobs: &[(Vec<u8>, Vec<u8>)]) -> Vec<u8> {
@@ -932,4 +962,31 @@ fn decode_blobs(b: &[u8], p: usize, from: u32) -> Result<Vec<(Vec<u8>, Vec<u8>)>
         out.push((r, s));
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod peer_desc_tests {
+    use super::*;
+
+    #[test]
+    fn peer_descriptions_round_trip_with_fabrics() {
+        let p = PeerDesc {
+            rank: 3,
+            host_id: "host/a:b/pid:[1]".into(),
+            pid: 77,
+            fabrics: vec![("ib".into(), "ib:fe80000000000000".into())],
+        };
+        assert_eq!(decode_peer(&encode_peer(&p), 3).unwrap(), p);
+        let q = PeerDesc {
+            fabrics: Vec::new(),
+            ..p.clone()
+        };
+        assert_eq!(decode_peer(&encode_peer(&q), 3).unwrap(), q);
+        // Wrong slot, truncation.
+        assert!(decode_peer(&encode_peer(&p), 2).is_err());
+        let b = encode_peer(&p);
+        for n in [0, 7, 9, b.len() - 1] {
+            assert!(decode_peer(&b[..n], 3).is_err(), "prefix {n}");
+        }
+    }
 }

@@ -17,7 +17,11 @@ use tracing::{info, warn};
 use crate::error::{Error, Result};
 
 /// The transports this build knows, best first.
+#[cfg(not(feature = "ib"))]
 pub const KNOWN: &[&str] = &["shm", "socket"];
+/// The transports this build knows, best first.
+#[cfg(feature = "ib")]
+pub const KNOWN: &[&str] = &["shm", "ib", "socket"];
 
 /// The ordered table of available transports.
 pub struct TransportTable {
@@ -53,14 +57,37 @@ impl TransportTable {
         if let Some(f) = &forced {
             if !KNOWN.contains(&f.as_str()) {
                 return Err(Error::Env(format!(
-                    "BRAID_TRANSPORT={f} is not a transport of this build; use one of: {}",
-                    KNOWN.join(", ")
+                    "BRAID_TRANSPORT={f} is not a transport of this build; use one of: {}{}",
+                    KNOWN.join(", "),
+                    if f == "ib" {
+                        " (IB needs a build with `--features ib`)"
+                    } else {
+                        ""
+                    }
                 )));
             }
         }
         let mut entries: Vec<Box<dyn Transport>> = Vec::new();
         if !env_flag("BRAID_SHM_DISABLE") {
             entries.push(Box::new(ShmTransport::new()));
+        }
+        #[cfg(feature = "ib")]
+        if !env_flag("BRAID_IB_DISABLE") {
+            match braid_transport_ib::IbTransport::from_env() {
+                Ok(t) => {
+                    let c = t.chosen();
+                    info!(
+                        device = %c.device,
+                        port = c.port,
+                        gid_index = c.gid_index,
+                        fabric = %c.fabric,
+                        "braid: IB transport"
+                    );
+                    entries.push(Box::new(t));
+                }
+                Err(e) if forced.as_deref() == Some("ib") => return Err(Error::Core(e)),
+                Err(e) => info!("braid: {e}"),
+            }
         }
         if !env_flag("BRAID_SOCKET_DISABLE") {
             match SocketConfig::from_env().and_then(|c| SocketTransport::new(c.with_root(root))) {
@@ -78,6 +105,15 @@ impl TransportTable {
             }
         }
         Ok(TransportTable { entries, forced })
+    }
+
+    /// The fabrics this rank's transports are attached to, for
+    /// [`PeerDesc::fabrics`].
+    pub fn fabrics(&self) -> Vec<(String, String)> {
+        self.entries
+            .iter()
+            .filter_map(|t| t.fabric().map(|f| (t.name().to_owned(), f)))
+            .collect()
     }
 
     /// A table with the given transports (tests).
@@ -199,6 +235,7 @@ mod tests {
             rank,
             host_id: host.into(),
             pid: 1000 + rank,
+            fabrics: Vec::new(),
         }
     }
 

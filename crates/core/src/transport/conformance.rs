@@ -76,7 +76,18 @@ pub fn desc(rank: u32) -> PeerDesc {
         rank,
         host_id: HOST_ID.to_owned(),
         pid: std::process::id(),
+        fabrics: Vec::new(),
     }
+}
+
+/// [`desc`] with the fabric that transport `t` announces, as the runtime
+/// fills it in.
+pub fn desc_on(t: &dyn Transport, rank: u32) -> PeerDesc {
+    let mut d = desc(rank);
+    if let Some(f) = t.fabric() {
+        d.fabrics.push((t.name().to_owned(), f));
+    }
+    d
 }
 
 /// Polls `f` until it returns `Some`, panicking after `timeout` with `what`.
@@ -108,7 +119,7 @@ fn phase1(
     from: u32,
     to: u32,
 ) -> (Box<dyn PendingSend>, Vec<u8>, Box<dyn PendingRecv>, Vec<u8>) {
-    let (s, r) = (desc(from), desc(to));
+    let (s, r) = (desc_on(ts, from), desc_on(tr, to));
     assert!(
         ts.can_connect(&s, &r) && tr.can_connect(&r, &s),
         "conformance: transport {} refuses to connect two ranks with host_id {HOST_ID:?} in one process",

@@ -38,6 +38,21 @@ pub struct PeerDesc {
     pub host_id: String,
     /// Operating-system process id.
     pub pid: u32,
+    /// Network fabrics the rank is attached to, as `(transport name, fabric
+    /// id)` from each transport's [`Transport::fabric`] (e.g. `("ib",
+    /// "ib:fe80000000000000")`); a network transport connects two ranks
+    /// only when both list the same fabric for it.
+    pub fabrics: Vec<(String, String)>,
+}
+
+impl PeerDesc {
+    /// The fabric id this rank announced for `transport`.
+    pub fn fabric(&self, transport: &str) -> Option<&str> {
+        self.fabrics
+            .iter()
+            .find(|(t, _)| t == transport)
+            .map(|(_, f)| f.as_str())
+    }
 }
 
 /// Memory of one slot, in the transport's [`MemKind`].
@@ -65,6 +80,12 @@ pub trait Transport: Send + Sync {
     fn name(&self) -> &'static str;
     /// Where this transport's slot memory lives.
     fn mem_kind(&self) -> MemKind;
+    /// The fabric this end is attached to (what [`PeerDesc::fabrics`]
+    /// carries to the other ranks), for transports that need a common
+    /// network (an InfiniBand subnet, say); `None` for the others.
+    fn fabric(&self) -> Option<String> {
+        None
+    }
     /// Whether this transport can connect `me` and `peer` (pure decision).
     fn can_connect(&self, me: &PeerDesc, peer: &PeerDesc) -> bool;
     /// Phase 1, receiving end of `peer → me`: allocate and describe.

@@ -1,0 +1,416 @@
+//! Wire formats: the connect-info blobs both ends publish through the
+//! bootstrap, and the 32-bit immediate that every RDMA WRITE WITH IMMEDIATE
+//! carries. Integers are little-endian; a blob has one exact length, so
+//! truncated, padded or foreign blobs are rejected, never half-parsed.
+
+/// `BRIB`: connect-info blobs.
+pub const BLOB_MAGIC: u32 = u32::from_le_bytes(*b"BRIB");
+/// Wire version; bump on any change of the formats in this module.
+pub const VERSION: u16 = 1;
+
+const ROLE_RECV: u8 = 1;
+const ROLE_SEND: u8 = 2;
+
+/// Largest slot (a slot is written by at most one RDMA write per QP; 8 MiB
+/// is below every HCA's message size limit, Soft-RoCE's included).
+pub const MAX_SLOT_BYTES: usize = 8 << 20;
+/// Most slots per connection (the immediate carries a 12-bit slot index).
+pub const MAX_SLOTS: usize = 4096;
+/// Most queue pairs per connection (the immediate carries the piece count in
+/// 4 bits, 1 to 16).
+pub const MAX_QPS: usize = 16;
+
+/// Why a blob was rejected.
+pub type ParseError = String;
+
+/// How the peer's port is addressed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Addr {
+    /// Local identifier (InfiniBand); 0 on RoCE.
+    pub lid: u16,
+    /// Global identifier (RoCE always; InfiniBand when routed).
+    pub gid: [u8; 16],
+    /// Link layer: true for Ethernet (RoCE), false for InfiniBand.
+    pub roce: bool,
+    /// Active MTU of the port, as the verbs enum (1 = 256 ... 5 = 4096).
+    pub mtu: u8,
+}
+
+/// One end's queue pairs and control buffer, common to both roles.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Endpoint {
+    /// Sending rank.
+    pub from: u32,
+    /// Receiving rank.
+    pub to: u32,
+    /// Port address.
+    pub addr: Addr,
+    /// Initial packet sequence number of every QP of this end (24 bits).
+    pub psn: u32,
+    /// QP numbers, one per QP of the connection (24 bits each).
+    pub qpns: Vec<u32>,
+    /// Control buffer: abort reasons are written here.
+    pub ctrl_addr: u64,
+    /// Remote key of the control buffer.
+    pub ctrl_rkey: u32,
+}
+
+/// The receiving end's blob: its endpoint plus the slot FIFO the sender
+/// writes into, and the link's geometry.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RecvInfo {
+    /// Queue pairs and control buffer.
+    pub ep: Endpoint,
+    /// Address of slot 0 of the FIFO.
+    pub fifo_addr: u64,
+    /// Remote key of the FIFO.
+    pub fifo_rkey: u32,
+    /// Bytes per slot.
+    pub slot_bytes: usize,
+    /// Slots.
+    pub slots: usize,
+}
+
+/// The sending end's blob.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SendInfo {
+    /// Queue pairs and control buffer.
+    pub ep: Endpoint,
+}
+
+struct Reader<'a> {
+    b: &'a [u8],
+}
+
+impl<'a> Reader<'a> {
+    fn take(&mut self, n: usize) -> Result<&'a [u8], ParseError> {
+        if self.b.len() < n {
+            return Err("truncated".into());
+        }
+        let (h, t) = self.b.split_at(n);
+        self.b = t;
+        Ok(h)
+    }
+    fn arr<const N: usize>(&mut self) -> Result<[u8; N], ParseError> {
+        let mut a = [0u8; N];
+        a.copy_from_slice(self.take(N)?);
+        Ok(a)
+    }
+    fn u8(&mut self) -> Result<u8, ParseError> {
+        Ok(self.arr::<1>()?[0])
+    }
+    fn u16(&mut self) -> Result<u16, ParseError> {
+        Ok(u16::from_le_bytes(self.arr()?))
+    }
+    fn u32(&mut self) -> Result<u32, ParseError> {
+        Ok(u32::from_le_bytes(self.arr()?))
+    }
+    fn u64(&mut self) -> Result<u64, ParseError> {
+        Ok(u64::from_le_bytes(self.arr()?))
+    }
+    fn end(&self) -> Result<(), ParseError> {
+        if self.b.is_empty() {
+            Ok(())
+        } else {
+            Err(format!("{} unexpected trailing bytes", self.b.len()))
+        }
+    }
+}
+
+/// Checks a slot geometry and QP count.
+pub fn check_geometry(slot_bytes: usize, slots: usize, qps: usize) -> Result<(), String> {
+    if !(64..=MAX_SLOT_BYTES).contains(&slot_bytes) || !slot_bytes.is_multiple_of(64) {
+        return Err(format!(
+            "slot size {slot_bytes} must be a multiple of 64 between 64 and {MAX_SLOT_BYTES}"
+        ));
+    }
+    if !(1..=MAX_SLOTS).contains(&slots) {
+        return Err(format!("{slots} slots: must be 1 to {MAX_SLOTS}"));
+    }
+    if !(1..=MAX_QPS).contains(&qps) {
+        return Err(format!(
+            "{qps} queue pairs per connection: must be 1 to {MAX_QPS}"
+        ));
+    }
+    Ok(())
+}
+
+impl Endpoint {
+    fn encode(&self, role: u8, v: &mut Vec<u8>) {
+        v.extend_from_slice(&BLOB_MAGIC.to_le_bytes());
+        v.extend_from_slice(&VERSION.to_le_bytes());
+        v.push(role);
+        v.extend_from_slice(&self.from.to_le_bytes());
+        v.extend_from_slice(&self.to.to_le_bytes());
+        v.extend_from_slice(&self.addr.lid.to_le_bytes());
+        v.extend_from_slice(&self.addr.gid);
+        v.push(u8::from(self.addr.roce));
+        v.push(self.addr.mtu);
+        v.extend_from_slice(&self.psn.to_le_bytes());
+        v.extend_from_slice(&self.ctrl_addr.to_le_bytes());
+        v.extend_from_slice(&self.ctrl_rkey.to_le_bytes());
+        v.push(self.qpns.len() as u8);
+        for q in &self.qpns {
+            v.extend_from_slice(&q.to_le_bytes());
+        }
+    }
+
+    fn decode(r: &mut Reader<'_>, role: u8) -> Result<Endpoint, ParseError> {
+        if r.u32()? != BLOB_MAGIC {
+            return Err("not a braid IB connect-info blob (bad magic)".into());
+        }
+        let v = r.u16()?;
+        if v != VERSION {
+            return Err(format!(
+                "connect-info version {v}, this build speaks {VERSION}: run the same braid build on every rank"
+            ));
+        }
+        let got = r.u8()?;
+        if got != role {
+            return Err(format!(
+                "connect-info of role {got}, expected {role} (blobs of the two ends swapped?)"
+            ));
+        }
+        let from = r.u32()?;
+        let to = r.u32()?;
+        let lid = r.u16()?;
+        let gid = r.arr::<16>()?;
+        let roce = match r.u8()? {
+            0 => false,
+            1 => true,
+            x => return Err(format!("link layer flag {x}")),
+        };
+        let mtu = r.u8()?;
+        if !(1..=5).contains(&mtu) {
+            return Err(format!("MTU code {mtu} (1 to 5 expected)"));
+        }
+        let psn = r.u32()?;
+        if psn >= 1 << 24 {
+            return Err(format!("PSN {psn:#x} wider than 24 bits"));
+        }
+        let ctrl_addr = r.u64()?;
+        let ctrl_rkey = r.u32()?;
+        let n = r.u8()? as usize;
+        if !(1..=MAX_QPS).contains(&n) {
+            return Err(format!("{n} queue pairs (1 to {MAX_QPS} expected)"));
+        }
+        let mut qpns = Vec::with_capacity(n);
+        for _ in 0..n {
+            let q = r.u32()?;
+            if q == 0 || q >= 1 << 24 {
+                return Err(format!("QP number {q:#x} out of range"));
+            }
+            qpns.push(q);
+        }
+        Ok(Endpoint {
+            from,
+            to,
+            addr: Addr {
+                lid,
+                gid,
+                roce,
+                mtu,
+            },
+            psn,
+            qpns,
+            ctrl_addr,
+            ctrl_rkey,
+        })
+    }
+}
+
+impl RecvInfo {
+    /// Serialises.
+    pub fn encode(&self) -> Vec<u8> {
+        let mut v = Vec::with_capacity(96);
+        self.ep.encode(ROLE_RECV, &mut v);
+        v.extend_from_slice(&self.fifo_addr.to_le_bytes());
+        v.extend_from_slice(&self.fifo_rkey.to_le_bytes());
+        v.extend_from_slice(&(self.slot_bytes as u32).to_le_bytes());
+        v.extend_from_slice(&(self.slots as u32).to_le_bytes());
+        v
+    }
+
+    /// Parses and validates.
+    pub fn decode(b: &[u8]) -> Result<RecvInfo, ParseError> {
+        let mut r = Reader { b };
+        let ep = Endpoint::decode(&mut r, ROLE_RECV)?;
+        let fifo_addr = r.u64()?;
+        let fifo_rkey = r.u32()?;
+        let slot_bytes = r.u32()? as usize;
+        let slots = r.u32()? as usize;
+        r.end()?;
+        check_geometry(slot_bytes, slots, ep.qpns.len())?;
+        Ok(RecvInfo {
+            ep,
+            fifo_addr,
+            fifo_rkey,
+            slot_bytes,
+            slots,
+        })
+    }
+}
+
+impl SendInfo {
+    /// Serialises.
+    pub fn encode(&self) -> Vec<u8> {
+        let mut v = Vec::with_capacity(80);
+        self.ep.encode(ROLE_SEND, &mut v);
+        v
+    }
+
+    /// Parses and validates.
+    pub fn decode(b: &[u8]) -> Result<SendInfo, ParseError> {
+        let mut r = Reader { b };
+        let ep = Endpoint::decode(&mut r, ROLE_SEND)?;
+        r.end()?;
+        Ok(SendInfo { ep })
+    }
+}
+
+/// What an immediate says. Layout: bits 28-31 the kind; for data, bits 0-11
+/// the slot index and bits 12-15 the number of pieces minus one; for
+/// credits, bits 0-27 the receiver's cumulative count of released slots
+/// modulo 2^28.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Imm {
+    /// A piece of the message in `slot`, which has `pieces` pieces.
+    Data { slot: u16, pieces: u8 },
+    /// The receiver released slots up to this count (mod 2^28).
+    Credit(u32),
+    /// The receiving end is connected (one per QP).
+    Ready,
+    /// The peer closed its end.
+    Close,
+    /// The peer aborted; the reason was written into the control buffer.
+    Abort,
+}
+
+const K_DATA: u32 = 0;
+const K_CREDIT: u32 = 1;
+const K_READY: u32 = 2;
+const K_CLOSE: u32 = 3;
+const K_ABORT: u32 = 4;
+/// Mask of a credit count.
+pub const CREDIT_MASK: u32 = (1 << 28) - 1;
+
+impl Imm {
+    /// The 32-bit value.
+    pub fn encode(self) -> u32 {
+        match self {
+            Imm::Data { slot, pieces } => {
+                (K_DATA << 28) | ((u32::from(pieces) - 1) & 0xf) << 12 | (u32::from(slot) & 0xfff)
+            }
+            Imm::Credit(c) => (K_CREDIT << 28) | (c & CREDIT_MASK),
+            Imm::Ready => K_READY << 28,
+            Imm::Close => K_CLOSE << 28,
+            Imm::Abort => K_ABORT << 28,
+        }
+    }
+
+    /// Parses a received immediate.
+    pub fn decode(v: u32) -> Result<Imm, ParseError> {
+        match v >> 28 {
+            K_DATA => Ok(Imm::Data {
+                slot: (v & 0xfff) as u16,
+                pieces: ((v >> 12) & 0xf) as u8 + 1,
+            }),
+            K_CREDIT => Ok(Imm::Credit(v & CREDIT_MASK)),
+            K_READY => Ok(Imm::Ready),
+            K_CLOSE => Ok(Imm::Close),
+            K_ABORT => Ok(Imm::Abort),
+            k => Err(format!("immediate of unknown kind {k} ({v:#010x})")),
+        }
+    }
+}
+
+/// Advances a full 64-bit counter by a 28-bit wrapped one.
+pub fn unwrap_credit(prev: u64, wrapped: u32) -> u64 {
+    let delta = wrapped.wrapping_sub(prev as u32) & CREDIT_MASK;
+    prev + u64::from(delta)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ep(from: u32, to: u32) -> Endpoint {
+        Endpoint {
+            from,
+            to,
+            addr: Addr {
+                lid: 7,
+                gid: [9; 16],
+                roce: true,
+                mtu: 5,
+            },
+            psn: 0xabcdef,
+            qpns: vec![17, 18, 19],
+            ctrl_addr: 0x7f00_1234_5000,
+            ctrl_rkey: 0x55aa,
+        }
+    }
+
+    #[test]
+    fn blobs_round_trip_and_reject_garbage() {
+        let ri = RecvInfo {
+            ep: ep(0, 1),
+            fifo_addr: 0x7f00_0000_0000,
+            fifo_rkey: 42,
+            slot_bytes: 512 * 1024,
+            slots: 8,
+        };
+        let b = ri.encode();
+        assert_eq!(RecvInfo::decode(&b).unwrap(), ri);
+        for n in 0..b.len() {
+            assert!(RecvInfo::decode(&b[..n]).is_err(), "prefix {n}");
+        }
+        let mut longer = b.clone();
+        longer.push(0);
+        assert!(RecvInfo::decode(&longer).is_err());
+        // Roles are not interchangeable.
+        let si = SendInfo { ep: ep(0, 1) };
+        let sb = si.encode();
+        assert_eq!(SendInfo::decode(&sb).unwrap(), si);
+        assert!(RecvInfo::decode(&sb).is_err());
+        assert!(SendInfo::decode(&b).is_err());
+        // Out-of-range fields.
+        let mut bad = ri.clone();
+        bad.slots = 0;
+        assert!(RecvInfo::decode(&bad.encode()).is_err());
+        let mut bad = ri.clone();
+        bad.ep.qpns = vec![1 << 24];
+        assert!(RecvInfo::decode(&bad.encode()).is_err());
+        let mut bad = ri;
+        bad.ep.addr.mtu = 9;
+        assert!(RecvInfo::decode(&bad.encode()).is_err());
+    }
+
+    #[test]
+    fn immediates_round_trip() {
+        for imm in [
+            Imm::Data {
+                slot: 4095,
+                pieces: 16,
+            },
+            Imm::Data { slot: 0, pieces: 1 },
+            Imm::Credit(CREDIT_MASK),
+            Imm::Credit(5),
+            Imm::Ready,
+            Imm::Close,
+            Imm::Abort,
+        ] {
+            assert_eq!(Imm::decode(imm.encode()).unwrap(), imm);
+        }
+        assert!(Imm::decode(0xf000_0000).is_err());
+    }
+
+    #[test]
+    fn credits_unwrap_across_the_28_bit_boundary() {
+        let prev = u64::from(CREDIT_MASK) - 1;
+        assert_eq!(unwrap_credit(prev, CREDIT_MASK), prev + 1);
+        assert_eq!(unwrap_credit(prev, 2), prev + 4);
+        assert_eq!(unwrap_credit(5, 5), 5);
+        assert_eq!(unwrap_credit(3 << 28, 1), (3 << 28) + 1);
+    }
+}

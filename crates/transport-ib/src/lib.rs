@@ -1,0 +1,351 @@
+//! InfiniBand / RoCE transport: reliable-connected queue pairs and RDMA
+//! WRITE WITH IMMEDIATE into the receiver's slot FIFO, on the `ibverbs`
+//! crate (and its `ibverbs-sys` FFI for what the safe API lacks; all of that
+//! in `verbs.rs`).
+//!
+//! # Building
+//!
+//! The data path is behind the cargo feature `verbs` (the runtime's feature
+//! `ib` turns it on). It links `libibverbs` at build time, and `ibverbs-sys`
+//! configures its vendored rdma-core with cmake and runs bindgen, so the
+//! build needs the Debian packages `libibverbs-dev cmake clang libclang-dev
+//! libnl-3-dev libnl-route-3-dev pkg-config python3` (see the README). A
+//! binary built with it needs `libibverbs1` at run time, and a provider
+//! (`ibverbs-providers`) to see devices. Without the feature the crate holds
+//! only the pure parts (configuration, device choice, wire formats) and
+//! [`IbTransport::new`] says IB is not built in.
+//!
+//! # How the seam maps to verbs
+//!
+//! Each directed connection sender → receiver is `BRAID_IB_QPS_PER_CONNECTION`
+//! RC queue pairs on each end, one completion queue with a completion
+//! channel per end, and one **progress thread** per end that polls it (it
+//! spins briefly, then sleeps on the channel, so idle links cost nothing).
+//!
+//! - **Set-up.** Phase 1 (`listen` / `prepare_send`) opens nothing new on
+//!   the wire: it creates the CQ and QPs, moves them to INIT, posts receive
+//!   requests, registers a small control buffer and, on the receiving end,
+//!   the slot FIFO (`slots × slot_bytes`, page-aligned, registered for
+//!   remote writes). The blobs carry magic, version, both ranks, LID, GID,
+//!   link layer, MTU, a random 24-bit PSN, the QP numbers, the control
+//!   buffer's address and rkey, and (receiver) the FIFO's address, rkey and
+//!   geometry. The sender's `connect` registers its staging slots (the ones
+//!   the engine fills) and moves its QPs to RTR and RTS; it waits for
+//!   nothing. The receiver's `connect` does the same, then sends a READY
+//!   notice (zero-length write with immediate) on every QP and waits until
+//!   the sender's HCA acknowledged them all: that proves the sender's QPs
+//!   exist and accept packets. A sender that never attaches makes it return
+//!   [`CoreError::Timeout`] at its deadline. Blobs are validated field by
+//!   field; garbage is an error, never a panic.
+//! - **Data.** Message `seq` lives in slot `seq % slots` on both ends. The
+//!   sender may use a slot once READY arrived on every QP and it holds a
+//!   credit (`committed − released < slots`). `commit` cuts the message in
+//!   pieces of at least 64 KiB (one piece below 128 KiB), at most one per
+//!   QP, piece `j` on QP `(seq + j) % qps`, and posts each as a signalled
+//!   RDMA WRITE WITH IMMEDIATE from the staging slot straight into the same
+//!   slot of the receiver's FIFO. The immediate says the slot and the number
+//!   of pieces; the receiver's progress thread counts pieces and bytes (the
+//!   completion's length) and publishes the slot's length with a release
+//!   store once all pieces landed, so `poll_peek` is one atomic load.
+//! - **Credits.** `release` posts a zero-length write with an immediate
+//!   holding the receiver's cumulative count of released slots (mod 2^28) on
+//!   QP 0; the sender's progress thread stores it, so `poll_acquire` and
+//!   `poll_drained` are atomic loads. Credits on one QP arrive in order.
+//! - **Failures.** Every send work request is signalled; a completion with
+//!   an error (retry exceeded when the peer's process died or the path is
+//!   gone, remote access error, ...) is recorded with the verbs status text,
+//!   number and vendor error, and every later call returns
+//!   [`CoreError::Peer`] naming the peer. The retry window is
+//!   4.096 µs × 2^`BRAID_IB_TIMEOUT` × (`BRAID_IB_RETRY_CNT` + 1). An end
+//!   that is being waited on (the engine calls `check_peer`) sends a
+//!   zero-length keep-alive write every 500 ms, so a dead peer is noticed
+//!   within that window even when no data flows. `abort(reason)` writes the
+//!   reason into the peer's control buffer with an ABORT immediate (the
+//!   peer reports [`CoreError::PeerAborted`] with it); dropping an end sends
+//!   a CLOSE notice ("closed its end"). A receiver still delivers slots that
+//!   arrived before a close.
+//! - **Direct (single-copy) transfers** are not offered (the trait
+//!   defaults): data is copied into a registered staging slot and written
+//!   by the HCA.
+//!
+//! # Choosing the device
+//!
+//! See [`probe`]: `BRAID_IB_HCA` (NCCL_IB_HCA syntax), active ports with
+//! link layer InfiniBand or Ethernet, the RoCE v2 IPv4 GID by default
+//! (`BRAID_IB_GID_INDEX`), the NIC on this process's NUMA node first. The
+//! port's *fabric* (`ib:<subnet prefix>` or `roce`) goes to every rank at
+//! start-up ([`Transport::fabric`]); IB connects two ranks when both have a
+//! port on the same fabric.
+//!
+//! # Environment
+//!
+//! | variable | meaning | default |
+//! | --- | --- | --- |
+//! | `BRAID_IB_HCA` | devices and ports to use (`mlx5_0:1,mlx5_1`, `^` excludes, `=` exact) | all |
+//! | `BRAID_IB_GID_INDEX` | GID index (RoCE) | RoCE v2 IPv4-mapped |
+//! | `BRAID_IB_QPS_PER_CONNECTION` | queue pairs per connection, 1–16 | 2 |
+//! | `BRAID_IB_TIMEOUT` | ACK timeout exponent: 4.096 µs × 2^n, 1–31 | 18 (≈1.07 s; with 6 retries a dead peer is reported within ≈7.5 s) |
+//! | `BRAID_IB_RETRY_CNT` | retries before a retry-exceeded error, 0–7 (7 means forever on Soft-RoCE) | 6 |
+//! | `BRAID_IB_SL`, `BRAID_IB_TC` | service level, traffic class | 0, 0 |
+//! | `BRAID_IB_SLOT_BYTES`, `BRAID_IB_SLOTS` | slot geometry per connection | 512 KiB × 8 |
+
+use braid_core::error::{CoreError, Result};
+
+pub mod info;
+pub mod probe;
+
+#[cfg(feature = "verbs")]
+mod link;
+#[cfg(feature = "verbs")]
+mod transport;
+#[cfg(feature = "verbs")]
+mod verbs;
+
+#[cfg(feature = "verbs")]
+pub use transport::{ports, IbTransport};
+
+/// The transport's name (`BRAID_TRANSPORT=ib`).
+pub const NAME: &str = "ib";
+
+/// Whether this build has the verbs data path.
+pub const BUILT_IN: bool = cfg!(feature = "verbs");
+
+/// Environment variable: devices and ports.
+pub const ENV_HCA: &str = "BRAID_IB_HCA";
+/// Environment variable: GID index.
+pub const ENV_GID_INDEX: &str = "BRAID_IB_GID_INDEX";
+/// Environment variable: QPs per connection.
+pub const ENV_QPS: &str = "BRAID_IB_QPS_PER_CONNECTION";
+/// Environment variable: ACK timeout exponent.
+pub const ENV_TIMEOUT: &str = "BRAID_IB_TIMEOUT";
+/// Environment variable: retry count.
+pub const ENV_RETRY_CNT: &str = "BRAID_IB_RETRY_CNT";
+/// Environment variable: service level.
+pub const ENV_SL: &str = "BRAID_IB_SL";
+/// Environment variable: traffic class.
+pub const ENV_TC: &str = "BRAID_IB_TC";
+/// Environment variable: bytes per slot.
+pub const ENV_SLOT_BYTES: &str = "BRAID_IB_SLOT_BYTES";
+/// Environment variable: slots per connection.
+pub const ENV_SLOTS: &str = "BRAID_IB_SLOTS";
+
+/// Configuration of an IB transport.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct IbConfig {
+    /// `BRAID_IB_HCA`.
+    pub hca: Option<String>,
+    /// `BRAID_IB_GID_INDEX`.
+    pub gid_index: Option<u32>,
+    /// Queue pairs per connection.
+    pub qps: usize,
+    /// ACK timeout exponent.
+    pub timeout: u8,
+    /// Retry count.
+    pub retry_cnt: u8,
+    /// Service level.
+    pub sl: u8,
+    /// Traffic class.
+    pub tc: u8,
+    /// Bytes per slot (of the connections this end receives on).
+    pub slot_bytes: usize,
+    /// Slots per connection.
+    pub slots: usize,
+    /// Device names, nearest first (from a topology planner); overrides
+    /// the NUMA rule.
+    pub nearest: Vec<String>,
+}
+
+impl Default for IbConfig {
+    fn default() -> Self {
+        IbConfig {
+            hca: None,
+            gid_index: None,
+            qps: 2,
+            timeout: 18,
+            // Not 7: Soft-RoCE (rdma_rxe) takes 7 to mean "retry forever",
+            // and a dead peer would never be reported.
+            retry_cnt: 6,
+            sl: 0,
+            tc: 0,
+            slot_bytes: 512 * 1024,
+            slots: 8,
+            nearest: Vec::new(),
+        }
+    }
+}
+
+impl IbConfig {
+    /// Defaults overridden by `BRAID_IB_*`; an error names a variable that
+    /// is set but invalid.
+    pub fn from_env() -> Result<IbConfig> {
+        IbConfig::from_lookup(|k| std::env::var(k).ok())
+    }
+
+    /// Like [`IbConfig::from_env`] with a custom lookup (tests).
+    pub fn from_lookup(get: impl Fn(&str) -> Option<String>) -> Result<IbConfig> {
+        let var = |k: &str| {
+            get(k)
+                .map(|s| s.trim().to_owned())
+                .filter(|s| !s.is_empty())
+        };
+        fn num<T: std::str::FromStr>(k: &str, v: Option<String>, d: T) -> Result<T> {
+            match v {
+                None => Ok(d),
+                Some(s) => s.parse().map_err(|_| {
+                    CoreError::InvalidArgument(format!("{k}={s:?} is not a valid number"))
+                }),
+            }
+        }
+        let d = IbConfig::default();
+        let c = IbConfig {
+            hca: var(ENV_HCA),
+            gid_index: match var(ENV_GID_INDEX) {
+                None => None,
+                Some(s) => Some(num(ENV_GID_INDEX, Some(s), 0u32)?),
+            },
+            qps: num(ENV_QPS, var(ENV_QPS), d.qps)?,
+            timeout: num(ENV_TIMEOUT, var(ENV_TIMEOUT), d.timeout)?,
+            retry_cnt: num(ENV_RETRY_CNT, var(ENV_RETRY_CNT), d.retry_cnt)?,
+            sl: num(ENV_SL, var(ENV_SL), d.sl)?,
+            tc: num(ENV_TC, var(ENV_TC), d.tc)?,
+            slot_bytes: num(ENV_SLOT_BYTES, var(ENV_SLOT_BYTES), d.slot_bytes)?,
+            slots: num(ENV_SLOTS, var(ENV_SLOTS), d.slots)?,
+            nearest: Vec::new(),
+        };
+        c.validate()?;
+        Ok(c)
+    }
+
+    /// Checks ranges; the error names the variable.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |m: String| Err(CoreError::InvalidArgument(m));
+        if let Err(e) = info::check_geometry(self.slot_bytes, self.slots, self.qps) {
+            return bad(format!(
+                "IB transport: {e} ({ENV_SLOT_BYTES}, {ENV_SLOTS}, {ENV_QPS})"
+            ));
+        }
+        if !(1..=31).contains(&self.timeout) {
+            return bad(format!("{ENV_TIMEOUT}={}: must be 1 to 31", self.timeout));
+        }
+        if self.retry_cnt > 7 {
+            return bad(format!(
+                "{ENV_RETRY_CNT}={}: must be 0 to 7",
+                self.retry_cnt
+            ));
+        }
+        if self.sl > 15 {
+            return bad(format!("{ENV_SL}={}: must be 0 to 15", self.sl));
+        }
+        if let Some(h) = &self.hca {
+            probe::HcaSpec::parse(h)
+                .map_err(|e| CoreError::InvalidArgument(format!("{ENV_HCA}={h:?}: {e}")))?;
+        }
+        Ok(())
+    }
+
+    /// Slot geometry of the connections this end receives on.
+    pub fn with_geometry(mut self, slot_bytes: usize, slots: usize) -> Self {
+        self.slot_bytes = slot_bytes;
+        self.slots = slots;
+        self
+    }
+
+    /// Queue pairs per connection.
+    pub fn with_qps(mut self, qps: usize) -> Self {
+        self.qps = qps;
+        self
+    }
+
+    /// ACK timeout exponent and retry count.
+    pub fn with_timeout(mut self, timeout: u8, retry_cnt: u8) -> Self {
+        self.timeout = timeout;
+        self.retry_cnt = retry_cnt;
+        self
+    }
+
+    /// Device names, nearest first.
+    pub fn with_nearest(mut self, devices: Vec<String>) -> Self {
+        self.nearest = devices;
+        self
+    }
+
+    /// The retry window: how long a dead peer may go unnoticed while data
+    /// is outstanding.
+    pub fn retry_window(&self) -> std::time::Duration {
+        let one = 4.096e-6 * f64::from(1u32 << self.timeout);
+        std::time::Duration::from_secs_f64(one * f64::from(self.retry_cnt + 1))
+    }
+}
+
+/// Without the `verbs` feature: the transport exists as a name only.
+#[cfg(not(feature = "verbs"))]
+#[derive(Debug)]
+pub struct IbTransport(());
+
+#[cfg(not(feature = "verbs"))]
+impl IbTransport {
+    /// Always [`CoreError::Unavailable`]: this build has no verbs.
+    pub fn new(_cfg: IbConfig) -> Result<IbTransport> {
+        Err(CoreError::Unavailable {
+            transport: NAME,
+            reason: "IB support is not built in (build braid with `--features ib`)".into(),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    fn cfg(pairs: &[(&str, &str)]) -> Result<IbConfig> {
+        let m: HashMap<String, String> = pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        IbConfig::from_lookup(|k| m.get(k).cloned())
+    }
+
+    #[test]
+    fn environment_is_parsed_and_checked() {
+        assert_eq!(cfg(&[]).unwrap(), IbConfig::default());
+        let c = cfg(&[
+            (ENV_QPS, "4"),
+            (ENV_TIMEOUT, "14"),
+            (ENV_RETRY_CNT, "3"),
+            (ENV_GID_INDEX, "1"),
+            (ENV_HCA, "^mlx5_1"),
+        ])
+        .unwrap();
+        assert_eq!(
+            (c.qps, c.timeout, c.retry_cnt, c.gid_index),
+            (4, 14, 3, Some(1))
+        );
+        for (k, v) in [
+            (ENV_QPS, "0"),
+            (ENV_QPS, "17"),
+            (ENV_TIMEOUT, "0"),
+            (ENV_TIMEOUT, "x"),
+            (ENV_RETRY_CNT, "8"),
+            (ENV_SLOTS, "0"),
+            (ENV_SLOT_BYTES, "100"),
+            (ENV_HCA, "mlx5_0:x"),
+        ] {
+            let e = cfg(&[(k, v)]).unwrap_err().to_string();
+            assert!(e.contains(k), "{k}={v}: {e}");
+        }
+    }
+
+    #[test]
+    fn retry_window_follows_the_verbs_formula() {
+        let w = IbConfig::default().with_timeout(14, 7).retry_window();
+        assert!((w.as_secs_f64() - 8.0 * 4.096e-6 * 16384.0).abs() < 1e-6);
+    }
+
+    #[cfg(not(feature = "verbs"))]
+    #[test]
+    fn without_verbs_ib_says_it_is_not_built_in() {
+        let e = IbTransport::new(IbConfig::default()).unwrap_err();
+        assert!(e.to_string().contains("not built in"), "{e}");
+    }
+}

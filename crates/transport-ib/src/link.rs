@@ -1,0 +1,856 @@
+//! One connected end of a directed link: queue pairs, registered memory,
+//! the progress thread, and the seam's `SendChannel` / `RecvChannel`.
+//! Safe code over `verbs.rs`; the protocol is described in the crate docs.
+
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use braid_core::error::{CoreError, Result};
+use braid_core::transport::{RecvChannel, SendChannel, SlotBuf};
+use braid_core::types::MemKind;
+
+use crate::info::{unwrap_credit, Imm, CREDIT_MASK};
+use crate::verbs::{self, Cq, Mr, Qp, Wc};
+use crate::NAME;
+
+/// Bytes of the control buffer's incoming half (abort reasons land here);
+/// the outgoing half is the source of this end's own abort reason.
+pub const REASON_BYTES: usize = 512;
+/// Pieces of a message are at least this long (smaller messages travel
+/// whole on one QP; consecutive ones rotate over the QPs).
+pub const STRIPE_MIN: usize = 64 * 1024;
+/// How often an idle end that is being waited on checks that its peer is
+/// alive (a zero-length RDMA WRITE that the peer's HCA must acknowledge).
+pub const KEEPALIVE_EVERY: Duration = Duration::from_millis(500);
+
+const OP_RECV: u64 = 1;
+const OP_DATA: u64 = 2;
+const OP_CREDIT: u64 = 3;
+const OP_READY: u64 = 4;
+const OP_CLOSE: u64 = 5;
+const OP_ABORT: u64 = 6;
+const OP_KEEPALIVE: u64 = 7;
+
+fn wr_id(op: u64, qp: usize, aux: u64) -> u64 {
+    (op << 56) | ((qp as u64 & 0xff) << 48) | (aux & 0xffff_ffff_ffff)
+}
+
+fn op_name(op: u64) -> &'static str {
+    match op {
+        OP_RECV => "receive",
+        OP_DATA => "RDMA write of data",
+        OP_CREDIT => "RDMA write of a credit",
+        OP_READY => "RDMA write of the connect handshake",
+        OP_CLOSE => "RDMA write of the close notice",
+        OP_ABORT => "RDMA write of the abort notice",
+        OP_KEEPALIVE => "keep-alive RDMA write",
+        _ => "work request",
+    }
+}
+
+/// Why a link failed.
+#[derive(Clone, Debug)]
+enum Failure {
+    Verbs(String),
+    PeerAborted(String),
+    Protocol(String),
+}
+
+/// State shared by an end's owner (the engine's thread) and its progress
+/// thread.
+pub struct Shared {
+    /// Queue pairs: declared first, so they are destroyed before the
+    /// registered memory below.
+    qps: Vec<Qp>,
+    cq: Arc<Cq>,
+    ctrl: Arc<Mr>,
+    peer: u32,
+    remote_ctrl_addr: u64,
+    remote_ctrl_rkey: u32,
+    max_send: u32,
+    slots: usize,
+    /// Sender: the receiver's count of released slots.
+    released: AtomicU64,
+    /// Sender: READY notices received (one per QP).
+    ready_in: AtomicU32,
+    /// Receiver: READY notices acknowledged by the sender's HCA.
+    ready_acked: AtomicU32,
+    /// Receiver: per slot, the message length + 1 once every piece landed.
+    slot_len: Vec<AtomicU64>,
+    /// Send work requests in flight, per QP.
+    outstanding: Vec<AtomicU32>,
+    peer_closed: AtomicBool,
+    notice_done: AtomicBool,
+    keepalive_inflight: AtomicBool,
+    failed: AtomicBool,
+    failure: Mutex<Option<Failure>>,
+    stop: AtomicBool,
+    /// Completion polling state: whoever holds the lock polls (the
+    /// progress thread, or the engine's thread inline from the `poll_*`
+    /// calls, so progress never waits for a thread to be scheduled when
+    /// the CPUs are busy).
+    poller: Mutex<Poller>,
+}
+
+/// Buffers for polling, and the receiver's per-slot piece counts.
+struct Poller {
+    buf: Vec<ibverbs::ibv_wc>,
+    wcs: Vec<Wc>,
+    /// Receiver: pieces and bytes seen so far per slot.
+    got: Vec<(u8, u64)>,
+}
+
+impl std::fmt::Debug for Shared {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Shared")
+            .field("peer", &self.peer)
+            .field("qps", &self.qps.len())
+            .finish()
+    }
+}
+
+/// What phase 1 built for one end.
+pub struct Parts {
+    pub qps: Vec<Qp>,
+    pub cq: Arc<Cq>,
+    pub ctrl: Arc<Mr>,
+    pub max_send: u32,
+}
+
+impl Shared {
+    fn new(
+        parts: Parts,
+        peer: u32,
+        remote_ctrl_addr: u64,
+        remote_ctrl_rkey: u32,
+        slots: usize,
+    ) -> Arc<Shared> {
+        let n = parts.qps.len();
+        Arc::new(Shared {
+            qps: parts.qps,
+            cq: parts.cq,
+            ctrl: parts.ctrl,
+            peer,
+            remote_ctrl_addr,
+            remote_ctrl_rkey,
+            max_send: parts.max_send,
+            slots,
+            released: AtomicU64::new(0),
+            ready_in: AtomicU32::new(0),
+            ready_acked: AtomicU32::new(0),
+            slot_len: (0..slots).map(|_| AtomicU64::new(0)).collect(),
+            outstanding: (0..n).map(|_| AtomicU32::new(0)).collect(),
+            peer_closed: AtomicBool::new(false),
+            notice_done: AtomicBool::new(false),
+            keepalive_inflight: AtomicBool::new(false),
+            failed: AtomicBool::new(false),
+            failure: Mutex::new(None),
+            stop: AtomicBool::new(false),
+            poller: Mutex::new(Poller {
+                buf: vec![ibverbs::ibv_wc::default(); 32],
+                wcs: Vec::with_capacity(32),
+                got: vec![(0, 0); slots],
+            }),
+        })
+    }
+
+    fn fail(&self, f: Failure) {
+        let mut g = self.failure.lock().unwrap_or_else(|p| p.into_inner());
+        if g.is_none() {
+            tracing::debug!(peer = self.peer, "IB link failed: {f:?}");
+            *g = Some(f);
+            self.failed.store(true, Ordering::Release);
+        }
+    }
+
+    fn error(&self) -> Option<CoreError> {
+        if !self.failed.load(Ordering::Acquire) {
+            return None;
+        }
+        let g = self.failure.lock().unwrap_or_else(|p| p.into_inner());
+        Some(match g.clone()? {
+            Failure::Verbs(what) => CoreError::Peer {
+                transport: NAME,
+                peer: self.peer,
+                what,
+                source: None,
+            },
+            Failure::PeerAborted(reason) => CoreError::PeerAborted {
+                transport: NAME,
+                peer: self.peer,
+                reason,
+            },
+            Failure::Protocol(detail) => CoreError::Protocol {
+                peer: self.peer,
+                detail,
+            },
+        })
+    }
+
+    fn closed_err(&self) -> CoreError {
+        CoreError::PeerAborted {
+            transport: NAME,
+            peer: self.peer,
+            reason: "closed its end".into(),
+        }
+    }
+
+    /// Posts a write on QP `q` (counted against its send queue).
+    fn post(
+        &self,
+        q: usize,
+        op: u64,
+        aux: u64,
+        local: Option<(&Arc<Mr>, usize, usize)>,
+        (addr, rkey): (u64, u32),
+        imm: Option<Imm>,
+    ) -> Result<()> {
+        self.outstanding[q].fetch_add(1, Ordering::AcqRel);
+        let r = self.qps[q].post_write(wr_id(op, q, aux), local, addr, rkey, imm.map(Imm::encode));
+        if let Err(e) = r {
+            self.outstanding[q].fetch_sub(1, Ordering::AcqRel);
+            let what = format!("posting an {} on QP {q}: {e}", op_name(op));
+            self.fail(Failure::Verbs(what.clone()));
+            return Err(CoreError::Peer {
+                transport: NAME,
+                peer: self.peer,
+                what,
+                source: Some(Box::new(e)),
+            });
+        }
+        Ok(())
+    }
+
+    fn has_room(&self, q: usize, extra: u32) -> bool {
+        self.outstanding[q].load(Ordering::Acquire) + extra < self.max_send
+    }
+
+    /// A zero-length write with a notice immediate to the peer's control
+    /// buffer.
+    fn notice(&self, q: usize, op: u64, imm: Imm) -> Result<()> {
+        self.post(
+            q,
+            op,
+            0,
+            None,
+            (self.remote_ctrl_addr, self.remote_ctrl_rkey),
+            Some(imm),
+        )
+    }
+
+    /// Liveness: a zero-length plain write now and then, whose
+    /// acknowledgement proves the peer's QP is still there. A dead peer
+    /// shows up as a retry-exceeded completion.
+    fn keepalive(&self, last: &mut Instant) {
+        if self.failed.load(Ordering::Acquire)
+            || self.peer_closed.load(Ordering::Acquire)
+            || self.keepalive_inflight.load(Ordering::Acquire)
+            || last.elapsed() < KEEPALIVE_EVERY
+            || !self.has_room(0, 2)
+        {
+            return;
+        }
+        *last = Instant::now();
+        self.keepalive_inflight.store(true, Ordering::Release);
+        if self
+            .post(
+                0,
+                OP_KEEPALIVE,
+                0,
+                None,
+                (self.remote_ctrl_addr, self.remote_ctrl_rkey),
+                None,
+            )
+            .is_err()
+        {
+            self.keepalive_inflight.store(false, Ordering::Release);
+        }
+    }
+
+    /// Sends a close or abort notice and waits a little for it to be
+    /// acknowledged (best effort).
+    fn final_notice(&self, abort_reason: Option<&str>, wait: Duration) {
+        if self.failed.load(Ordering::Acquire) || self.peer_closed.load(Ordering::Acquire) {
+            return;
+        }
+        self.notice_done.store(false, Ordering::Release);
+        let r = match abort_reason {
+            Some(reason) => {
+                let mut b = reason.as_bytes().to_vec();
+                b.truncate(REASON_BYTES);
+                if !self.ctrl.write_at(REASON_BYTES, &b) {
+                    return;
+                }
+                self.post(
+                    0,
+                    OP_ABORT,
+                    0,
+                    Some((&self.ctrl, REASON_BYTES, b.len())),
+                    (self.remote_ctrl_addr, self.remote_ctrl_rkey),
+                    Some(Imm::Abort),
+                )
+            }
+            None => self.notice(0, OP_CLOSE, Imm::Close),
+        };
+        if r.is_err() {
+            return;
+        }
+        let end = Instant::now() + wait;
+        while !self.notice_done.load(Ordering::Acquire)
+            && !self.failed.load(Ordering::Acquire)
+            && Instant::now() < end
+        {
+            if self.progress_once() == 0 {
+                std::thread::sleep(Duration::from_micros(200));
+            }
+        }
+    }
+}
+
+impl Shared {
+    /// Polls the CQ once and handles what it returns, unless another
+    /// thread is polling right now. Returns the number of completions.
+    fn progress_once(&self) -> usize {
+        let Ok(mut p) = self.poller.try_lock() else {
+            return 0;
+        };
+        let p = &mut *p;
+        if let Err(e) = self.cq.poll(&mut p.buf, &mut p.wcs) {
+            self.fail(Failure::Verbs(format!("polling the completion queue: {e}")));
+            return 0;
+        }
+        for wc in p.wcs.iter().copied() {
+            handle(self, wc, &mut p.got);
+        }
+        p.wcs.len()
+    }
+}
+
+/// The progress thread: polls the CQ, spins briefly when idle, then sleeps
+/// on the completion channel (so idle links cost no CPU).
+fn progress(sh: Arc<Shared>) {
+    let mut idle = 0u32;
+    while !sh.stop.load(Ordering::Acquire) {
+        if sh.progress_once() > 0 {
+            idle = 0;
+            continue;
+        }
+        idle += 1;
+        if idle < 50 {
+            std::thread::yield_now();
+            continue;
+        }
+        if sh.cq.arm().is_err() {
+            std::thread::sleep(Duration::from_millis(1));
+            continue;
+        }
+        // Completions that raced with arming are handled first.
+        if sh.progress_once() == 0 {
+            let _ = sh.cq.wait(Duration::from_millis(20));
+        }
+    }
+}
+
+fn handle(sh: &Shared, wc: Wc, got: &mut [(u8, u64)]) {
+    tracing::trace!(peer = sh.peer, "IB completion {wc:?}");
+    let op = wc.wr_id >> 56;
+    let q = ((wc.wr_id >> 48) & 0xff) as usize;
+    let stopping = sh.stop.load(Ordering::Acquire);
+    if let Some((status, vendor)) = wc.error {
+        if op != OP_RECV {
+            if let Some(o) = sh.outstanding.get(q) {
+                o.fetch_sub(1, Ordering::AcqRel);
+            }
+        }
+        // Flushes follow the first error (or our own teardown).
+        if status == verbs::WC_WR_FLUSH_ERR && (stopping || sh.failed.load(Ordering::Acquire)) {
+            return;
+        }
+        let hint = if status == verbs::WC_RETRY_EXC_ERR {
+            ": the peer's HCA stopped acknowledging (the peer process died, its link is down, \
+             or it is unreachable); see BRAID_IB_TIMEOUT and BRAID_IB_RETRY_CNT"
+        } else {
+            ""
+        };
+        sh.fail(Failure::Verbs(format!(
+            "{} on QP {q} failed: {} (verbs status {status}, vendor error {vendor:#x}){hint}",
+            op_name(op),
+            verbs::status_str(status),
+        )));
+        return;
+    }
+    if op != OP_RECV {
+        if let Some(o) = sh.outstanding.get(q) {
+            o.fetch_sub(1, Ordering::AcqRel);
+        }
+        match op {
+            OP_READY => {
+                sh.ready_acked.fetch_add(1, Ordering::AcqRel);
+            }
+            OP_KEEPALIVE => sh.keepalive_inflight.store(false, Ordering::Release),
+            OP_CLOSE | OP_ABORT => sh.notice_done.store(true, Ordering::Release),
+            _ => {}
+        }
+        return;
+    }
+    // A receive consumed by a write with immediate: put it back first.
+    if !stopping {
+        if let Some(qp) = sh.qps.get(q) {
+            if let Err(e) = qp.post_recv(wr_id(OP_RECV, q, 0)) {
+                sh.fail(Failure::Verbs(format!(
+                    "re-posting a receive on QP {q}: {e}"
+                )));
+                return;
+            }
+        }
+    }
+    let Some(imm) = wc.imm else {
+        sh.fail(Failure::Protocol(
+            "a receive completed without an immediate".into(),
+        ));
+        return;
+    };
+    match Imm::decode(imm) {
+        Ok(Imm::Data { slot, pieces }) => {
+            let s = slot as usize;
+            let Some(g) = got.get_mut(s) else {
+                sh.fail(Failure::Protocol(format!(
+                    "data for slot {s} of {}",
+                    sh.slots
+                )));
+                return;
+            };
+            g.0 += 1;
+            g.1 += u64::from(wc.byte_len);
+            if g.0 == pieces {
+                sh.slot_len[s].store(g.1 + 1, Ordering::Release);
+                *g = (0, 0);
+            } else if g.0 > pieces {
+                sh.fail(Failure::Protocol(format!(
+                    "slot {s}: more pieces than the {pieces} announced"
+                )));
+            }
+        }
+        Ok(Imm::Credit(c)) => {
+            let prev = sh.released.load(Ordering::Acquire);
+            sh.released.store(unwrap_credit(prev, c), Ordering::Release);
+        }
+        Ok(Imm::Ready) => {
+            sh.ready_in.fetch_add(1, Ordering::AcqRel);
+        }
+        Ok(Imm::Close) => sh.peer_closed.store(true, Ordering::Release),
+        Ok(Imm::Abort) => {
+            let b = sh.ctrl.read_at(0, (wc.byte_len as usize).min(REASON_BYTES));
+            sh.fail(Failure::PeerAborted(
+                String::from_utf8_lossy(&b).into_owned(),
+            ));
+        }
+        Err(e) => sh.fail(Failure::Protocol(e)),
+    }
+}
+
+/// Starts an end: its progress thread runs until the end is dropped.
+fn start(sh: &Arc<Shared>, what: &str) -> Result<JoinHandle<()>> {
+    let s2 = sh.clone();
+    std::thread::Builder::new()
+        .name(format!("braid-ib-{what}{}", sh.peer))
+        .spawn(move || progress(s2))
+        .map_err(|e| CoreError::Unavailable {
+            transport: NAME,
+            reason: format!("cannot start the IB progress thread: {e}"),
+        })
+}
+
+fn stop(sh: &Shared, thread: &mut Option<JoinHandle<()>>) {
+    sh.stop.store(true, Ordering::Release);
+    for qp in &sh.qps {
+        qp.to_error();
+    }
+    if let Some(t) = thread.take() {
+        let _ = t.join();
+    }
+}
+
+/// Where the receiver's FIFO is.
+#[derive(Clone, Copy, Debug)]
+pub struct RemoteFifo {
+    pub addr: u64,
+    pub rkey: u32,
+    pub slot_bytes: usize,
+    pub slots: usize,
+}
+
+/// The sending end.
+pub struct IbSend {
+    sh: Arc<Shared>,
+    thread: Option<JoinHandle<()>>,
+    staging: Arc<Mr>,
+    fifo: RemoteFifo,
+    committed: u64,
+    aborted: bool,
+    last_keepalive: Instant,
+}
+
+impl std::fmt::Debug for IbSend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("IbSend")
+            .field("peer", &self.sh.peer)
+            .field("committed", &self.committed)
+            .finish()
+    }
+}
+
+impl IbSend {
+    /// Wraps connected parts: `staging` holds the slots the engine fills.
+    pub fn start(
+        parts: Parts,
+        peer: u32,
+        remote_ctrl: (u64, u32),
+        staging: Arc<Mr>,
+        fifo: RemoteFifo,
+    ) -> Result<IbSend> {
+        let sh = Shared::new(parts, peer, remote_ctrl.0, remote_ctrl.1, fifo.slots);
+        let thread = Some(start(&sh, "send")?);
+        Ok(IbSend {
+            sh,
+            thread,
+            staging,
+            fifo,
+            committed: 0,
+            aborted: false,
+            last_keepalive: Instant::now(),
+        })
+    }
+
+    fn check(&self) -> Result<()> {
+        if let Some(e) = self.sh.error() {
+            return Err(e);
+        }
+        if self.aborted {
+            return Err(CoreError::Aborted("this end aborted the link".into()));
+        }
+        if self.sh.peer_closed.load(Ordering::Acquire) {
+            return Err(self.sh.closed_err());
+        }
+        Ok(())
+    }
+
+    fn credit(&self) -> bool {
+        self.committed - self.sh.released.load(Ordering::Acquire) < self.fifo.slots as u64
+    }
+
+    fn pieces(&self, len: usize) -> (usize, usize) {
+        let nqps = self.sh.qps.len();
+        let want = if len < 2 * STRIPE_MIN {
+            1
+        } else {
+            nqps.min(len.div_ceil(STRIPE_MIN))
+        };
+        let piece = len.div_ceil(want).div_ceil(4096) * 4096;
+        let n = if len == 0 { 1 } else { len.div_ceil(piece) };
+        (n, piece.max(1))
+    }
+}
+
+impl SendChannel for IbSend {
+    fn peer(&self) -> u32 {
+        self.sh.peer
+    }
+    fn transport(&self) -> &'static str {
+        NAME
+    }
+    fn mem_kind(&self) -> MemKind {
+        MemKind::Host
+    }
+    fn slot_bytes(&self) -> usize {
+        self.fifo.slot_bytes
+    }
+    fn slots(&self) -> usize {
+        self.fifo.slots
+    }
+
+    fn poll_acquire(&mut self) -> Result<Option<SlotBuf>> {
+        self.sh.progress_once();
+        self.check()?;
+        // The receiver says READY on every QP once its QPs accept writes.
+        if (self.sh.ready_in.load(Ordering::Acquire) as usize) < self.sh.qps.len() {
+            return Ok(None);
+        }
+        if !self.credit() {
+            return Ok(None);
+        }
+        let (n, _) = self.pieces(self.fifo.slot_bytes);
+        let nq = self.sh.qps.len();
+        if (0..n.min(nq)).any(|j| !self.sh.has_room((self.committed as usize + j) % nq, 3)) {
+            return Ok(None);
+        }
+        let s = (self.committed % self.fifo.slots as u64) as usize;
+        Ok(Some(SlotBuf {
+            ptr: self.staging.ptr().wrapping_add(s * self.fifo.slot_bytes),
+            cap: self.fifo.slot_bytes,
+        }))
+    }
+
+    fn commit(&mut self, len: usize) -> Result<()> {
+        self.check()?;
+        if len > self.fifo.slot_bytes {
+            return Err(CoreError::InvalidArgument(format!(
+                "commit of {len} bytes into a {}-byte IB slot (link to rank {})",
+                self.fifo.slot_bytes, self.sh.peer
+            )));
+        }
+        if !self.credit() {
+            return Err(CoreError::InvalidArgument(format!(
+                "commit without a free slot on the IB link to rank {}",
+                self.sh.peer
+            )));
+        }
+        let sb = self.fifo.slot_bytes;
+        let s = (self.committed % self.fifo.slots as u64) as usize;
+        let (n, piece) = self.pieces(len);
+        let nq = self.sh.qps.len();
+        for j in 0..n {
+            let q = (self.committed as usize + j) % nq;
+            let off = j * piece;
+            let plen = piece.min(len - off.min(len));
+            let at = s * sb + off;
+            self.sh.post(
+                q,
+                OP_DATA,
+                self.committed,
+                Some((&self.staging, at, plen)),
+                (self.fifo.addr + at as u64, self.fifo.rkey),
+                Some(Imm::Data {
+                    slot: s as u16,
+                    pieces: n as u8,
+                }),
+            )?;
+        }
+        self.committed += 1;
+        Ok(())
+    }
+
+    fn poll_drained(&mut self) -> Result<bool> {
+        self.sh.progress_once();
+        self.check()?;
+        Ok(self.sh.released.load(Ordering::Acquire) == self.committed)
+    }
+
+    fn check_peer(&mut self) -> Result<()> {
+        self.sh.progress_once();
+        self.check()?;
+        self.sh.keepalive(&mut self.last_keepalive);
+        Ok(())
+    }
+
+    fn abort(&mut self, reason: &str) {
+        if !self.aborted {
+            self.sh
+                .final_notice(Some(reason), Duration::from_millis(50));
+            self.aborted = true;
+        }
+    }
+}
+
+impl Drop for IbSend {
+    fn drop(&mut self) {
+        if !self.aborted {
+            self.sh.final_notice(None, Duration::from_millis(100));
+        }
+        stop(&self.sh, &mut self.thread);
+    }
+}
+
+/// The receiving end.
+pub struct IbRecv {
+    sh: Arc<Shared>,
+    thread: Option<JoinHandle<()>>,
+    fifo: Arc<Mr>,
+    slot_bytes: usize,
+    head: u64,
+    credit_pending: bool,
+    aborted: bool,
+    last_keepalive: Instant,
+}
+
+impl std::fmt::Debug for IbRecv {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("IbRecv")
+            .field("peer", &self.sh.peer)
+            .field("head", &self.head)
+            .finish()
+    }
+}
+
+/// How a receiving end's connect ended.
+pub enum RecvStart {
+    /// Connected.
+    Ready(Box<IbRecv>),
+    /// The sender's QPs did not answer by the deadline (the verbs error, if
+    /// one came, for the log).
+    NoSender(Option<String>),
+    /// Something else failed.
+    Failed(CoreError),
+}
+
+impl IbRecv {
+    /// Starts the progress thread, says READY on every QP and waits until
+    /// the sender's HCA acknowledged all of them, or `deadline`.
+    pub fn start(
+        parts: Parts,
+        peer: u32,
+        remote_ctrl: (u64, u32),
+        fifo: Arc<Mr>,
+        slot_bytes: usize,
+        slots: usize,
+        deadline: Instant,
+    ) -> RecvStart {
+        let sh = Shared::new(parts, peer, remote_ctrl.0, remote_ctrl.1, slots);
+        let thread = match start(&sh, "recv") {
+            Ok(t) => Some(t),
+            Err(e) => return RecvStart::Failed(e),
+        };
+        let mut me = IbRecv {
+            sh,
+            thread,
+            fifo,
+            slot_bytes,
+            head: 0,
+            credit_pending: false,
+            aborted: false,
+            last_keepalive: Instant::now(),
+        };
+        for q in 0..me.sh.qps.len() {
+            if let Err(e) = me.sh.notice(q, OP_READY, Imm::Ready) {
+                return RecvStart::Failed(e);
+            }
+        }
+        let n = me.sh.qps.len() as u32;
+        loop {
+            me.sh.progress_once();
+            if me.sh.ready_acked.load(Ordering::Acquire) >= n {
+                return RecvStart::Ready(Box::new(me));
+            }
+            if me.sh.failed.load(Ordering::Acquire) {
+                let why = me.sh.error().map(|e| e.to_string());
+                // The sender may still come: the contract lets a receiver
+                // wait until its deadline, and then it is a timeout.
+                let left = deadline.saturating_duration_since(Instant::now());
+                std::thread::sleep(left);
+                me.aborted = true;
+                return RecvStart::NoSender(why);
+            }
+            if Instant::now() >= deadline {
+                me.aborted = true;
+                return RecvStart::NoSender(None);
+            }
+            std::thread::sleep(Duration::from_micros(500));
+        }
+    }
+
+    fn check(&self) -> Result<()> {
+        if let Some(e) = self.sh.error() {
+            return Err(e);
+        }
+        if self.aborted {
+            return Err(CoreError::Aborted("this end aborted the link".into()));
+        }
+        if self.sh.peer_closed.load(Ordering::Acquire) {
+            return Err(self.sh.closed_err());
+        }
+        Ok(())
+    }
+
+    fn flush_credit(&mut self) -> Result<()> {
+        if !self.credit_pending || !self.sh.has_room(0, 3) {
+            return Ok(());
+        }
+        self.credit_pending = false;
+        self.sh.notice(
+            0,
+            OP_CREDIT,
+            Imm::Credit((self.head & u64::from(CREDIT_MASK)) as u32),
+        )
+    }
+}
+
+impl RecvChannel for IbRecv {
+    fn peer(&self) -> u32 {
+        self.sh.peer
+    }
+    fn transport(&self) -> &'static str {
+        NAME
+    }
+    fn mem_kind(&self) -> MemKind {
+        MemKind::Host
+    }
+    fn slot_bytes(&self) -> usize {
+        self.slot_bytes
+    }
+
+    fn poll_peek(&mut self) -> Result<Option<(SlotBuf, usize)>> {
+        let s = (self.head % self.sh.slots as u64) as usize;
+        let mut v = self.sh.slot_len[s].load(Ordering::Acquire);
+        if v == 0 {
+            self.sh.progress_once();
+            v = self.sh.slot_len[s].load(Ordering::Acquire);
+        }
+        if v != 0 && !self.aborted {
+            return Ok(Some((
+                SlotBuf {
+                    ptr: self.fifo.ptr().wrapping_add(s * self.slot_bytes),
+                    cap: self.slot_bytes,
+                },
+                (v - 1) as usize,
+            )));
+        }
+        self.check()?;
+        self.flush_credit()?;
+        Ok(None)
+    }
+
+    fn release(&mut self) -> Result<()> {
+        let s = (self.head % self.sh.slots as u64) as usize;
+        if self.sh.slot_len[s].swap(0, Ordering::AcqRel) == 0 {
+            return Err(CoreError::InvalidArgument(format!(
+                "release without a peeked slot on the IB link from rank {}",
+                self.sh.peer
+            )));
+        }
+        self.head += 1;
+        self.credit_pending = true;
+        if self.sh.error().is_some() || self.aborted {
+            return Ok(());
+        }
+        // The credit goes at once (the seam's contract: a release gives the
+        // sender its slot back without further calls on this end).
+        self.flush_credit()
+    }
+
+    fn check_peer(&mut self) -> Result<()> {
+        self.sh.progress_once();
+        self.check()?;
+        self.flush_credit()?;
+        self.sh.keepalive(&mut self.last_keepalive);
+        Ok(())
+    }
+
+    fn abort(&mut self, reason: &str) {
+        if !self.aborted {
+            self.sh
+                .final_notice(Some(reason), Duration::from_millis(50));
+            self.aborted = true;
+        }
+    }
+}
+
+impl Drop for IbRecv {
+    fn drop(&mut self) {
+        if !self.aborted {
+            self.sh.final_notice(None, Duration::from_millis(100));
+        }
+        stop(&self.sh, &mut self.thread);
+    }
+}
