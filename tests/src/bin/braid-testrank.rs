@@ -1,6 +1,9 @@
 //! One rank of the multi-process test suite. The test process hosts the
 //! bootstrap root and starts N of these with
-//! `braid-testrank SUITE ID RANK NRANKS [ARGS...]`.
+//! `braid-testrank SUITE ID RANK NRANKS [ARGS...]`. With ID `env` the rank
+//! joins through the launcher environment instead (`BRAID_UNIQUE_ID`,
+//! `BRAID_RANK`, `BRAID_NRANKS`, ...; RANK and NRANKS are then ignored):
+//! that is how ranks in separate RDMA guests meet (scripts/rdma-tests.sh).
 //!
 //! Suites:
 //! - `matrix SIZES`: every collective × datatype × op × size, in place and
@@ -355,28 +358,34 @@ fn main() -> ExitCode {
         return ExitCode::from(2);
     }
     let parse = |s: &str| s.parse::<u32>().ok();
-    let (Ok(id), Some(rank), Some(nranks)) = (
-        args[2].parse::<UniqueId>(),
-        parse(&args[3]),
-        parse(&args[4]),
-    ) else {
-        eprintln!("bad arguments: {:?}", &args[1..]);
-        return ExitCode::from(2);
-    };
-    let config = match Config::from_env() {
-        Ok(c) => c,
-        Err(e) => {
-            eprintln!("error: {e}");
+    let joined = if args[2] == "env" {
+        Communicator::from_env()
+    } else {
+        let (Ok(id), Some(rank), Some(nranks)) = (
+            args[2].parse::<UniqueId>(),
+            parse(&args[3]),
+            parse(&args[4]),
+        ) else {
+            eprintln!("bad arguments: {:?}", &args[1..]);
             return ExitCode::from(2);
-        }
+        };
+        let config = match Config::from_env() {
+            Ok(c) => c,
+            Err(e) => {
+                eprintln!("error: {e}");
+                return ExitCode::from(2);
+            }
+        };
+        Communicator::init(&id, rank, nranks, &config)
     };
-    let comm = match Communicator::init(&id, rank, nranks, &config) {
+    let comm = match joined {
         Ok(c) => c,
         Err(e) => {
             println!("error: init: {e}");
             return ExitCode::from(4);
         }
     };
+    let (rank, nranks) = (comm.rank(), comm.nranks());
     // One line the multi-host tests read: the transport to each peer.
     println!("rank {rank} transports: {}", comm.transports().join(","));
     let extra: Vec<usize> = args[5..].iter().filter_map(|s| s.parse().ok()).collect();

@@ -1,0 +1,145 @@
+#!/usr/bin/env bash
+# Runs inside the Soft-RoCE guests of ../shared/rdma-vm/run (called by
+# scripts/rdma-tests.sh and scripts/ib-bench.sh, not by hand):
+#
+#   rdma-guest.sh one PROBE CONFORMANCE IBTESTS   one guest: the IB probe, the
+#                                                 transport conformance suite,
+#                                                 tests/ib.rs (ranks forced onto IB)
+#   rdma-guest.sh two TESTRANK                    two guests: every collective on
+#                                                 2+2 ranks (shm inside a guest, IB
+#                                                 across), then a rank killed
+#                                                 mid-collective across guests
+#   rdma-guest.sh bench PERF SIZE                 two guests: ib_write_bw, then
+#                                                 braid-perf AllReduce at SIZE, then
+#                                                 ib_write_bw again
+#
+# Ranks in different guests meet through BRAID_UNIQUE_ID at node 0
+# (10.77.0.1); RDMA_TEST_SECRET (32 hex digits) comes from the host.
+set -uo pipefail
+
+node=${RDMA_VM_NODE:-0}
+say() { echo "== [node$node] $*"; }
+die() {
+    echo "!! [node$node] RDMA TEST FAILED: $*"
+    exit 1
+}
+
+# Common settings: a dead peer shows up within about 0.6 s of silence
+# (4.096 us * 2^14 = 67 ms, 7 tries); the guests run emulated, so waits
+# are generous; more ranks than vCPUs, so waiting ranks yield at once.
+export BRAID_IB_TIMEOUT=14 BRAID_IB_RETRY_CNT=6 BRAID_SPIN=0 BRAID_TIMEOUT=120
+
+one() {
+    local probe=$1 conf=$2 ibtests=$3
+    say "IB probe"
+    "$probe" || die "the IB probe found no usable RDMA port"
+    say "transport conformance suite over IB (3 geometries)"
+    "$conf" --test-threads 1 || die "conformance suite over IB"
+    say "collectives with 3 ranks forced onto IB (tests/ib.rs)"
+    "$ibtests" --test-threads 1 || die "tests/ib.rs"
+    say "one guest: all passed"
+}
+
+# Waits for every pid given; false if any failed.
+wait_all() {
+    local ok=0
+    for p in "$@"; do
+        wait "$p" || ok=1
+    done
+    return $ok
+}
+
+two() {
+    local tr=$1
+    [ -n "${RDMA_TEST_SECRET:-}" ] || die "RDMA_TEST_SECRET is not set"
+    export BRAID_HOST_ID=rdma-node$node
+    local sizes="0 1 7 1023 70001"
+
+    say "matrix: every collective on 4 ranks, 2 per guest"
+    export BRAID_UNIQUE_ID=10.77.0.1:29611/$RDMA_TEST_SECRET BRAID_NRANKS=4
+    local pids=() mine
+    if [ "$node" = 0 ]; then mine="0 1"; else mine="2 3"; fi
+    for r in $mine; do
+        BRAID_RANK=$r "$tr" matrix env 0 0 $sizes >/tmp/matrix.$r 2>&1 &
+        pids+=($!)
+    done
+    local ok=0
+    wait_all "${pids[@]}" || ok=1
+    for r in $mine; do cat /tmp/matrix.$r; done
+    [ $ok = 0 ] || die "matrix across two guests"
+    # Peers in the other guest are reached over IB, peers in this one
+    # over shared memory.
+    for r in $mine; do
+        local want
+        case $r in
+        0) want="self,shm,ib,ib" ;;
+        1) want="shm,self,ib,ib" ;;
+        2) want="ib,ib,self,shm" ;;
+        3) want="ib,ib,shm,self" ;;
+        esac
+        grep -q "rank $r transports: $want\$" /tmp/matrix.$r ||
+            die "rank $r: expected transports $want (IB across guests, shm inside)"
+    done
+
+    say "a rank killed mid-collective in the other guest: an error naming it, no hang"
+    export BRAID_UNIQUE_ID=10.77.0.1:29612/$RDMA_TEST_SECRET BRAID_NRANKS=2 BRAID_TIMEOUT=60
+    if [ "$node" = 0 ]; then
+        BRAID_RANK=0 "$tr" loop env 0 0 1000000 65536 >/tmp/kill.0 2>&1 &
+        local pid=$! t0 t1 code
+        for _ in $(seq 600); do grep -q ready /tmp/kill.0 && break; sleep 0.2; done
+        t0=$(date +%s)
+        wait $pid
+        code=$?
+        t1=$(date +%s)
+        cat /tmp/kill.0
+        [ $code = 3 ] || die "rank 0 exited with $code, expected 3 (a failed AllReduce)"
+        grep -q "rank 1" /tmp/kill.0 || die "rank 0's error does not name rank 1"
+        say "rank 0 failed $((t1 - t0)) s after its first AllReduce (rank 1 killed about 2 s in; BRAID_TIMEOUT=60)"
+        [ $((t1 - t0)) -lt 50 ] || die "rank 0 took $((t1 - t0)) s: it waited for the timeout instead of noticing"
+    else
+        BRAID_RANK=1 "$tr" loop env 0 0 1000000 65536 >/tmp/kill.1 2>&1 &
+        local pid=$!
+        for _ in $(seq 600); do grep -q ready /tmp/kill.1 && break; sleep 0.2; done
+        grep -q ready /tmp/kill.1 || die "rank 1 never got ready: $(cat /tmp/kill.1)"
+        sleep 2
+        kill -9 $pid
+        say "killed rank 1"
+        wait $pid 2>/dev/null
+    fi
+    say "two guests: all passed"
+}
+
+bench() {
+    local perf=$1 size=$2 peer=${RDMA_VM_PEER:-}
+    export BRAID_HOST_ID=rdma-node$node
+    # perftest's client gives up at once if the server is not listening yet.
+    wbw() {
+        if [ "$node" = 0 ]; then
+            ib_write_bw -d rxe0 -x 1 -s 1048576 -D 6 "$@"
+        else
+            for _ in $(seq 30); do
+                ib_write_bw -d rxe0 -x 1 -s 1048576 -D 6 "$@" "$peer" && return 0
+                sleep 1
+            done
+            return 1
+        fi
+    }
+    say "ib_write_bw (RC RDMA WRITE, 1 MiB messages, 6 s), one direction"
+    wbw || die "ib_write_bw"
+    say "ib_write_bw, both directions at once (-b: the sum of both)"
+    wbw -b || die "ib_write_bw -b"
+    say "braid-perf AllReduce over IB, $size, 2 ranks (one per guest)"
+    export BRAID_UNIQUE_ID=10.77.0.1:29613/$RDMA_TEST_SECRET BRAID_NRANKS=2 BRAID_RANK=$node
+    "$perf" all_reduce -b "$size" -e "$size" -n 5 -w 1 -c 1 || die "braid-perf"
+    say "ib_write_bw again, one direction"
+    wbw || die "ib_write_bw"
+}
+
+cmd=${1:-}
+shift || true
+case $cmd in
+one) one "$@" ;;
+two) two "$@" ;;
+bench) bench "$@" ;;
+*) die "usage: rdma-guest.sh one|two|bench ..." ;;
+esac

@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# The RDMA tests, for real: builds braid with the IB transport and runs, inside
+# the Soft-RoCE guests of ../shared/rdma-vm/run (see its README):
+#   1. one guest: the IB probe, the transport conformance suite over IB,
+#      and tests/ib.rs (3 ranks forced onto IB: every collective, Send/Recv,
+#      a rank killed mid-collective);
+#   2. two guests (two hosts): every collective on 2+2 ranks (shared memory
+#      inside a guest, IB across, chosen by braid), then a rank killed in
+#      the other guest mid-collective.
+# Exits non-zero, loudly, if a guest cannot be started or a test fails.
+# Called by .ci/run; run it by hand the same way: scripts/rdma-tests.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export CARGO_TERM_COLOR=never
+
+loud() {
+    echo
+    echo "!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!"
+    echo "!!! RDMA TESTS FAILED: $*"
+    echo "!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!"
+    exit 1
+}
+
+VM=${RDMA_VM_RUN:-../shared/rdma-vm/run}
+[ -x "$VM" ] || loud "the guest harness $VM is missing or not executable: cannot run RDMA code here"
+
+scripts/rdma-deps.sh || loud "cannot install the IB build dependencies"
+
+echo "== rdma: building the test binaries with the IB transport"
+exe() { # cargo's "Executable <target> (<path>)" lines -> the path for <target>
+    sed -n "s|^ *Executable $1 (\(.*\))\$|\1|p" | tail -1
+}
+out=$(cargo test -p braid-transport-ib --features verbs --no-run 2>&1) || { echo "$out"; loud "build"; }
+conf=$(echo "$out" | exe tests/conformance.rs)
+out=$(cargo test -p braid-tests --features ib --test ib --no-run 2>&1) || { echo "$out"; loud "build"; }
+ibtests=$(echo "$out" | exe tests/ib.rs)
+cargo build -q -p braid-transport-ib --features verbs --example ib-probe || loud "build"
+probe=target/debug/examples/ib-probe
+testrank=target/debug/braid-testrank
+for f in "$conf" "$ibtests" "$probe" "$testrank"; do
+    [ -n "$f" ] && [ -x "$f" ] || loud "test binary not found after the build: '$f'"
+done
+
+echo "== rdma: this machine (no RDMA expected on the CI host)"
+"$probe" || true
+
+run_vm() { # run_vm WHAT ARGS...: the harness's exit code, explained
+    local what=$1 rc=0
+    shift
+    local t0=$SECONDS
+    "$VM" "$@" || rc=$?
+    echo "== rdma: $what: exit code $rc after $((SECONDS - t0)) s"
+    case $rc in
+    0) ;;
+    124) loud "$what: a guest did not boot or the command timed out (exit 124)" ;;
+    125) loud "$what: the guest VM or its harness failed (exit 125); see the kernel messages above" ;;
+    *) loud "$what: tests failed (exit $rc)" ;;
+    esac
+}
+
+start=$SECONDS
+echo "== rdma: one guest"
+run_vm "one guest" --timeout 900 -- scripts/rdma-guest.sh one "$probe" "$conf" "$ibtests"
+echo "== rdma: two guests"
+RDMA_TEST_SECRET=$(od -An -tx1 -N16 /dev/urandom | tr -d ' \n')
+export RDMA_TEST_SECRET
+run_vm "two guests" --nodes 2 --timeout 900 -- scripts/rdma-guest.sh two "$testrank"
+echo "== rdma: all RDMA tests passed in $((SECONDS - start)) s of guest time"

@@ -1,0 +1,127 @@
+//! Multi-process tests with every link forced onto the IB transport
+//! (`BRAID_TRANSPORT=ib`): several ranks in one host, which would otherwise
+//! use shared memory. They need an RDMA device and run inside
+//! `../shared/rdma-vm/run` (Soft-RoCE): `scripts/rdma-tests.sh` builds them
+//! with `--features ib` and runs them there; without a device they fail,
+//! saying so. The tests across two guests are in that script.
+#![cfg(feature = "ib")]
+
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Mutex, MutexGuard};
+use std::time::Duration;
+
+use braid::{Communicator, RootServer, UniqueId};
+use braid_tests::ranks::{assert_all_ok, fault_run, wait_all};
+
+static SERIAL: Mutex<()> = Mutex::new(());
+
+fn serial() -> MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn root() -> (UniqueId, RootServer) {
+    Communicator::unique_id(SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 0)).expect("root")
+}
+
+/// Small sizes: the guests emulate their CPU, so a collective costs
+/// milliseconds (70001 f64 elements span two 512 KiB slots).
+const SIZES: [&str; 5] = ["0", "1", "7", "1023", "70001"];
+
+fn spawn(suite: &str, id: &UniqueId, rank: u32, n: u32, args: &[&str], timeout_s: u32) -> Child {
+    Command::new(env!("CARGO_BIN_EXE_braid-testrank"))
+        .arg(suite)
+        .arg(id.to_string())
+        .arg(rank.to_string())
+        .arg(n.to_string())
+        .args(args)
+        .env("BRAID_TRANSPORT", "ib")
+        .env("BRAID_TIMEOUT", timeout_s.to_string())
+        // A dead peer is reported within about 0.6 s (67 ms x 7 tries).
+        .env("BRAID_IB_TIMEOUT", "14")
+        .env("BRAID_IB_RETRY_CNT", "6")
+        .env("BRAID_SPIN", "0")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("spawn braid-testrank")
+}
+
+fn run(suite: &str, n: u32, args: &[&str]) -> Vec<(Option<i32>, String)> {
+    let (id, _root) = root();
+    let kids = (0..n).map(|r| spawn(suite, &id, r, n, args, 120)).collect();
+    wait_all(kids, Duration::from_secs(600))
+}
+
+fn assert_ib_everywhere(res: &[(Option<i32>, String)]) {
+    for (r, (_, out)) in res.iter().enumerate() {
+        let line = out
+            .lines()
+            .find(|l| l.contains("transports:"))
+            .unwrap_or_else(|| panic!("rank {r} printed no transports line:\n{out}"));
+        let t = line.split("transports:").nth(1).unwrap_or("").trim();
+        assert!(
+            t.split(',').all(|x| x == "ib" || x == "self"),
+            "rank {r} did not use IB for every peer: {line}"
+        );
+    }
+}
+
+/// Every collective, datatype and operator, in place and out of place, on
+/// three ranks whose links are all IB.
+#[test]
+fn ib_matrix_3_ranks() {
+    let _g = serial();
+    let res = run("matrix", 3, &SIZES);
+    for (_, out) in &res {
+        print!("{out}");
+    }
+    assert_all_ok("matrix over IB with 3 ranks", &res);
+    assert_ib_everywhere(&res);
+}
+
+/// Send/Recv and groups over IB.
+#[test]
+fn ib_point_to_point_and_groups() {
+    let _g = serial();
+    let res = run("p2p", 3, &[]);
+    assert_all_ok("p2p over IB with 3 ranks", &res);
+    assert_ib_everywhere(&res);
+}
+
+/// kill -9 one rank in the middle of a long series of AllReduces: every
+/// other rank returns an error that names it, well before BRAID_TIMEOUT.
+#[test]
+fn ib_killed_rank_gives_errors_not_hangs() {
+    let _g = serial();
+    let n = 3u32;
+    let victim = 1u32;
+    let timeout_s = 60;
+    let (id, _root) = root();
+    let kids: Vec<Child> = (0..n)
+        .map(|r| spawn("loop", &id, r, n, &["1000000", "65536"], timeout_s))
+        .collect();
+    let out = fault_run(
+        kids,
+        |k| {
+            let _ = k[victim as usize].kill();
+        },
+        Duration::from_secs(timeout_s as u64 + 30),
+    );
+    for (r, (code, text)) in out.ranks.iter().enumerate() {
+        if r as u32 == victim {
+            continue;
+        }
+        println!("rank {r}: {text}");
+        assert_eq!(*code, Some(3), "rank {r} should fail its AllReduce: {text}");
+        assert!(
+            text.contains("rank 1"),
+            "rank {r} does not name the dead rank: {text}"
+        );
+    }
+    assert!(
+        out.elapsed < Duration::from_secs(timeout_s as u64),
+        "survivors took {:?}; they should notice the dead peer before the timeout",
+        out.elapsed
+    );
+}
