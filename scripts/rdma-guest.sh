@@ -128,9 +128,13 @@ bench() {
     wbw || die "ib_write_bw"
     say "ib_write_bw, both directions at once (-b: the sum of both)"
     wbw -b || die "ib_write_bw -b"
-    say "braid-perf AllReduce over IB, $size, 2 ranks (one per guest)"
-    export BRAID_UNIQUE_ID=10.77.0.1:29613/$RDMA_TEST_SECRET BRAID_NRANKS=2 BRAID_RANK=$node
-    "$perf" all_reduce -b "$size" -e "$size" -n 5 -w 1 -c 1 || die "braid-perf"
+    export BRAID_NRANKS=2 BRAID_RANK=$node
+    say "braid-perf AllReduce over IB, $size, 2 ranks (one per guest), BRAID_SPIN=0"
+    BRAID_UNIQUE_ID=10.77.0.1:29613/$RDMA_TEST_SECRET \
+        "$perf" all_reduce -b "$size" -e "$size" -n 5 -w 1 -c 1 || die "braid-perf"
+    say "braid-perf AllReduce over IB, $size, 2 ranks (one per guest), default spinning"
+    BRAID_UNIQUE_ID=10.77.0.1:29614/$RDMA_TEST_SECRET BRAID_SPIN=2000 \
+        "$perf" all_reduce -b "$size" -e "$size" -n 5 -w 1 -c 1 || die "braid-perf"
     say "ib_write_bw again, one direction"
     wbw || die "ib_write_bw"
 }

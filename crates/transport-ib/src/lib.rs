@@ -83,7 +83,7 @@
 //! | --- | --- | --- |
 //! | `BRAID_IB_HCA` | devices and ports to use (`mlx5_0:1,mlx5_1`, `^` excludes, `=` exact) | all |
 //! | `BRAID_IB_GID_INDEX` | GID index (RoCE) | RoCE v2 IPv4-mapped |
-//! | `BRAID_IB_QPS_PER_CONNECTION` | queue pairs per connection, 1–16 | 2 |
+//! | `BRAID_IB_QPS_PER_CONNECTION` | queue pairs per connection, 1–16 | 1 |
 //! | `BRAID_IB_TIMEOUT` | ACK timeout exponent: 4.096 µs × 2^n, 1–31 | 18 (≈1.07 s; with 6 retries a dead peer is reported within ≈7.5 s) |
 //! | `BRAID_IB_RETRY_CNT` | retries before a retry-exceeded error, 0–7 (7 means forever on Soft-RoCE) | 6 |
 //! | `BRAID_IB_SL`, `BRAID_IB_TC` | service level, traffic class | 0, 0 |
@@ -160,7 +160,11 @@ impl Default for IbConfig {
         IbConfig {
             hca: None,
             gid_index: None,
-            qps: 2,
+            // NCCL's default too. More QPs stripe each slot (tested in one
+            // guest), but between two Soft-RoCE guests, sustained streaming
+            // over 2 QPs ended in "remote invalid request" completions (see
+            // the README); 1 QP did not.
+            qps: 1,
             timeout: 18,
             // Not 7: Soft-RoCE (rdma_rxe) takes 7 to mean "retry forever",
             // and a dead peer would never be reported.

@@ -12,7 +12,7 @@ use braid_core::transport::{
 use braid_core::types::MemKind;
 
 use crate::info::{Endpoint, RecvInfo, SendInfo};
-use crate::link::{IbRecv, IbSend, Parts, RecvStart, RemoteFifo, REASON_BYTES};
+use crate::link::{IbRecv, IbSend, Parts, RecvStart, RemoteFifo, CTRL_BYTES};
 use crate::probe::{self, Chosen, HcaSpec, PortDesc};
 use crate::verbs::{Cq, Device, Mr, Qp, QpParams};
 use crate::{IbConfig, NAME};
@@ -103,7 +103,7 @@ impl IbTransport {
     /// the control buffer.
     fn phase1(&self, slots: usize) -> Result<(Parts, u32)> {
         let nq = self.cfg.qps;
-        let max_send = (2 * slots + 16) as u32;
+        let max_send = (4 * slots + 16) as u32;
         let max_recv = (slots + 8) as u32;
         let cq = Cq::new(&self.dev, nq * (max_send + max_recv) as usize + 16)
             .map_err(|e| self.unavailable("creating a completion queue", e))?;
@@ -119,7 +119,7 @@ impl IbTransport {
             }
             qps.push(qp);
         }
-        let ctrl = Mr::alloc(&self.dev, 2 * REASON_BYTES, true)
+        let ctrl = Mr::alloc(&self.dev, CTRL_BYTES, true)
             .map_err(|e| self.unavailable("registering the control buffer", e))?;
         let mut r = [0u8; 4];
         getrandom::getrandom(&mut r).map_err(|e| CoreError::Unavailable {
