@@ -188,6 +188,73 @@ fn unreadable_topology_file_is_an_error() {
     }
 }
 
+/// `BRAID_DUMP_SIGNAL=USR1`: the signal makes a rank print what each of its
+/// communicators is doing. Rank 2 joins an AllReduce late; a dump taken
+/// meanwhile shows rank 0 inside AllReduce #0 waiting for a peer, and rank 2
+/// idle; a stall past `BRAID_STALL_WARN` is logged at WARN too.
+#[test]
+fn dump_signal_shows_who_waits_for_whom() {
+    use std::io::Read;
+    let _g = serial();
+    let (id, _root) = root();
+    let mut kids: Vec<Child> = (0..3)
+        .map(|r| {
+            Command::new(env!("CARGO_BIN_EXE_braid-testrank"))
+                .args(["late", &id.to_string(), &r.to_string(), "3", "3000"])
+                .env("BRAID_TIMEOUT", "60")
+                .env("BRAID_DUMP_SIGNAL", "USR1")
+                .env("BRAID_DEBUG", "WARN")
+                .env("BRAID_STALL_WARN", "0.5")
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .expect("spawn")
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(1500));
+    for k in &kids {
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(k.id() as i32),
+            nix::sys::signal::Signal::SIGUSR1,
+        );
+    }
+    let errs: Vec<_> = kids
+        .iter_mut()
+        .map(|k| {
+            let mut e = k.stderr.take().expect("stderr");
+            std::thread::spawn(move || {
+                let mut s = String::new();
+                let _ = e.read_to_string(&mut s);
+                s
+            })
+        })
+        .collect();
+    let res = wait_all(kids, Duration::from_secs(60));
+    let errs: Vec<String> = errs
+        .into_iter()
+        .map(|h| h.join().unwrap_or_default())
+        .collect();
+    assert_all_ok("late rank", &res);
+    print!("{}{}", errs[0], errs[2]);
+    assert!(
+        errs[0].contains("rank 0/3")
+            && errs[0].contains("AllReduce #0 running")
+            && errs[0].contains("waiting"),
+        "rank 0's dump:\n{}",
+        errs[0]
+    );
+    assert!(
+        errs[2].contains("rank 2/3") && errs[2].contains("idle after 0"),
+        "rank 2's dump:\n{}",
+        errs[2]
+    );
+    assert!(
+        errs[0].contains("stalled"),
+        "rank 0 logged no stall:\n{}",
+        errs[0]
+    );
+}
+
 #[test]
 fn bad_input_is_rejected_before_anything_is_sent() {
     let _g = serial();

@@ -39,7 +39,7 @@
 use std::collections::BTreeMap;
 use std::fmt;
 use std::io::{self, Read, Write};
-use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::net::{IpAddr, Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::os::fd::AsFd;
 use std::os::unix::net::UnixStream;
 use std::str::FromStr;
@@ -1442,6 +1442,13 @@ impl Bootstrap {
     /// The timeout of every round.
     pub fn timeout(&self) -> Duration {
         self.timeout
+    }
+
+    /// The local address of this rank's connection to the root: an address
+    /// the other ranks can reach this host at, as they reach the root.
+    pub fn local_ip(&self) -> Option<IpAddr> {
+        let st = self.state.lock().ok()?;
+        st.stream.local_addr().ok().map(|a| a.ip())
     }
 
     /// Every rank contributes `data`; all get all contributions in rank order.

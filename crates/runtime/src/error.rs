@@ -27,8 +27,9 @@ pub enum Error {
     #[error("bootstrap: {0}")]
     Bootstrap(String),
 
-    /// A collective or point-to-point operation failed.
-    #[error("rank {rank}: {op} #{seq} failed: {source}")]
+    /// A collective or point-to-point operation failed. The communicator is
+    /// unusable afterwards (its peers may be anywhere in the operation).
+    #[error("rank {rank}: {op} #{seq} failed: {source}; this communicator is no longer usable: drop it and create a new one (or split the survivors off a healthy one)")]
     Operation {
         rank: u32,
         op: String,

@@ -20,6 +20,7 @@ pub mod engine;
 pub mod env;
 pub mod error;
 pub mod fingerprint;
+pub mod progress;
 pub mod select;
 pub mod stream;
 pub mod topology;
@@ -29,6 +30,7 @@ pub use braid_core::plan::Collective;
 pub use braid_core::types::{bf16, f16, DataType, Element, RedOp};
 pub use comm::{Communicator, Config, Group};
 pub use error::{Error, Result};
+pub use progress::dump as dump_pending;
 pub use stream::{Handle, Stream};
 
 /// Install a `tracing` subscriber filtered by `BRAID_DEBUG` (`WARN`, `INFO`,
@@ -55,6 +57,7 @@ pub fn init_logging() {
         let _ = tracing_subscriber::fmt()
             .with_env_filter(filter)
             .with_writer(std::io::stderr)
+            .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
             .with_target(false)
             .try_init();
     });
