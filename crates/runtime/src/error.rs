@@ -41,6 +41,10 @@ pub enum Error {
     #[error(transparent)]
     Core(#[from] CoreError),
 
+    /// The CUDA layer failed, or CUDA is unavailable ("CUDA unavailable: ...").
+    #[error(transparent)]
+    Cuda(#[from] braid_cuda::CudaError),
+
     /// The communicator was aborted or broken by an earlier error.
     #[error("communicator is no longer usable: {0}")]
     Unusable(String),

@@ -16,6 +16,7 @@
 
 pub mod bootstrap;
 pub mod comm;
+pub mod cuda;
 pub mod engine;
 pub mod env;
 pub mod error;
@@ -27,6 +28,7 @@ pub use bootstrap::{RootServer, UniqueId};
 pub use braid_core::plan::Collective;
 pub use braid_core::types::{bf16, f16, DataType, Element, RedOp};
 pub use comm::{Communicator, Config, Group};
+pub use cuda::CudaComm;
 pub use error::{Error, Result};
 pub use stream::{Handle, Stream};
 
