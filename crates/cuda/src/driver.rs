@@ -920,6 +920,39 @@ impl Drop for Kernels {
     }
 }
 
+/// Device-to-device copy bandwidth of `dev` in GB/s (10^9 bytes copied per
+/// second): `iters` copies of `bytes` between two fresh buffers on one
+/// stream, timed with events after one warm-up copy.
+pub fn d2d_copy_bandwidth(dev: &Arc<Device>, bytes: usize, iters: u32) -> Result<f64> {
+    let bytes = bytes.max(1);
+    let iters = iters.max(1);
+    let a = DeviceBuffer::alloc(dev, bytes)?;
+    let b = DeviceBuffer::alloc(dev, bytes)?;
+    let s = Stream::new(dev)?;
+    let (e0, e1) = (Event::new(dev, true)?, Event::new(dev, true)?);
+    // SAFETY: both buffers hold `bytes` bytes, live until the stream is
+    // synchronised below, and do not overlap.
+    unsafe {
+        s.memset(a.ptr(), 0x5a, bytes)?;
+        s.copy_dtod(b.ptr(), a.ptr(), bytes)?;
+    }
+    s.record(&e0)?;
+    for i in 0..iters {
+        let (src, dst) = if i % 2 == 0 { (&a, &b) } else { (&b, &a) };
+        // SAFETY: as above.
+        unsafe { s.copy_dtod(dst.ptr(), src.ptr(), bytes)? };
+    }
+    s.record(&e1)?;
+    s.synchronize()?;
+    let ms = f64::from(e1.elapsed_ms(&e0)?);
+    if ms <= 0.0 {
+        return Err(CudaError::InvalidArgument(
+            "the copies took no measurable time".into(),
+        ));
+    }
+    Ok(bytes as f64 * f64::from(iters) / (ms * 1e-3) / 1e9)
+}
+
 /// Register `len` bytes of host memory at `ptr` as pinned (page-locked,
 /// usable by every context) so that copies to and from it run at full
 /// speed. Returns a guard that unregisters on drop.

@@ -23,7 +23,8 @@ pub mod select;
 
 pub use driver::link;
 pub use driver::{
-    probe, Device, DeviceBuffer, Event, HostFlag, IpcMapping, Kernels, ProbeInfo, Stream,
+    d2d_copy_bandwidth, probe, Device, DeviceBuffer, Event, HostFlag, IpcMapping, Kernels,
+    ProbeInfo, Stream,
 };
 pub use error::{CudaError, Result};
 pub use select::{GpuLink, P2pPolicy};

@@ -179,11 +179,11 @@ impl CudaComm {
         let host = crate::select::host_id();
         // Round 1: who has CUDA, and the host of each rank (local ranks).
         let probe = braid_cuda::probe();
-        let why = probe
-            .as_ref()
-            .err()
-            .map(|e| e.to_string())
-            .unwrap_or_default();
+        let why = match &probe {
+            Err(braid_cuda::CudaError::Unavailable(why)) => why.clone(),
+            Err(e) => e.to_string(),
+            Ok(_) => String::new(),
+        };
         let all = comm.allgather_bytes(&encode_gpu(&host, "", probe.is_ok(), &why))?;
         let facts: Vec<_> = all
             .iter()
@@ -192,7 +192,7 @@ impl CudaComm {
             .collect::<Result<_>>()?;
         if let Some((r, (_, _, _, why))) = facts.iter().enumerate().find(|(_, f)| !f.0) {
             return Err(Error::Cuda(braid_cuda::CudaError::Unavailable(format!(
-                "rank {r} cannot use CUDA ({why})"
+                "rank {r} cannot use CUDA: {why}"
             ))));
         }
         let info = probe?;
@@ -1021,7 +1021,7 @@ mod tests {
             let e = h.join().expect("no panic").expect_err("no CUDA here");
             let s = e.to_string();
             assert!(
-                s.starts_with("CUDA unavailable: rank 0 cannot use CUDA ("),
+                s.starts_with("CUDA unavailable: rank 0 cannot use CUDA: "),
                 "{s}"
             );
         }
