@@ -129,6 +129,65 @@ fn point_to_point_and_groups() {
     assert_all_ok("p2p with 3 ranks, single copy", &res);
 }
 
+/// `BRAID_TOPO_FILE` replaces detection: with the 8-GPU server's file the
+/// planner sees that host's InfiniBand ports (this VM has none), and the
+/// collectives still run over shm.
+#[test]
+fn topology_file_replaces_detection() {
+    let _g = serial();
+    let file = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../crates/core/tests/fixtures/topo/nvswitch8.xml"
+    );
+    let res = run_suite_env(
+        "matrix",
+        3,
+        &["1", "1023"],
+        Duration::from_secs(120),
+        &[("BRAID_TOPO_FILE", file)],
+    );
+    assert_all_ok("3 ranks with BRAID_TOPO_FILE", &res);
+    for (r, (_, out)) in res.iter().enumerate() {
+        assert!(
+            out.contains("nic: mlx5_"),
+            "rank {r} did not use the file:\n{out}"
+        );
+        assert!(out.contains("transports: "), "{out}");
+        let line = out
+            .lines()
+            .find(|l| l.contains("transports: "))
+            .unwrap_or("");
+        assert!(!line.contains("socket"), "rank {r}: {line}");
+    }
+    // Without the file, this VM's detected model has no RDMA port.
+    let res = run_suite("matrix", 2, &["1"], Duration::from_secs(120));
+    assert_all_ok("2 ranks, detected topology", &res);
+    for (_, out) in &res {
+        assert!(!out.contains("nic: mlx5_"), "{out}");
+    }
+}
+
+/// A topology file that cannot be read is an error on every rank, naming the
+/// file; nothing falls back to detection silently.
+#[test]
+fn unreadable_topology_file_is_an_error() {
+    let _g = serial();
+    let res = run_suite_env(
+        "matrix",
+        2,
+        &["1"],
+        Duration::from_secs(120),
+        &[("BRAID_TOPO_FILE", "/nonexistent/braid-topo.xml")],
+    );
+    for (r, (code, out)) in res.iter().enumerate() {
+        assert_eq!(*code, Some(4), "rank {r}: {out}");
+        assert!(
+            out.contains("topology") && out.contains("/nonexistent/braid-topo.xml"),
+            "rank {r}: {out}"
+        );
+    }
+}
+
 #[test]
 fn bad_input_is_rejected_before_anything_is_sent() {
     let _g = serial();

@@ -18,6 +18,7 @@ use crate::env::{timeout_from_env, LaunchInfo};
 use crate::error::{Error, Result};
 use crate::fingerprint::Headers;
 use crate::select::{self, TransportTable};
+use crate::topology;
 
 /// Options for creating a communicator.
 #[derive(Clone, Debug)]
@@ -62,6 +63,7 @@ struct Shared {
     state: Mutex<State>,
     bootstrap: Mutex<Bootstrap>,
     transports: Vec<&'static str>,
+    topo_plan: braid_core::topo::Plan,
     _root: Option<RootServer>,
 }
 
@@ -244,9 +246,8 @@ impl Communicator {
             .collect::<Result<_>>()?;
 
         let table = TransportTable::from_env(boot.root_addr())?;
-        let choice = table.select_all(&me, &peers)?;
-        let ring = select::ring_by_host(&peers);
-        info!(rank, ring = ?ring, "braid: ring order (ranks of one host adjacent)");
+        let placement = topology::place(&boot, &me, &peers, &table)?;
+        let (choice, ring, topo_plan) = (placement.choice, placement.ring, placement.plan);
 
         // Phase 1: allocate both ends of every link, collect connect-info.
         let p = nranks as usize;
@@ -363,6 +364,7 @@ impl Communicator {
                 }),
                 bootstrap: Mutex::new(boot),
                 transports,
+                topo_plan,
                 _root: root,
             }),
         })
@@ -386,6 +388,13 @@ impl Communicator {
     /// The transport used to reach each rank (`"self"` for this rank).
     pub fn transports(&self) -> &[&'static str] {
         &self.shared.transports
+    }
+
+    /// The topology plan this communicator was built from: the transport of
+    /// every rank pair and the ring of every channel (the engine runs
+    /// channel 0's ring).
+    pub fn topology_plan(&self) -> &braid_core::topo::Plan {
+        &self.shared.topo_plan
     }
 
     /// Make every pending and later operation fail promptly. Callable from any

@@ -45,6 +45,10 @@ pub enum Error {
     #[error(transparent)]
     Cuda(#[from] braid_cuda::CudaError),
 
+    /// A topology file or the topology plan is unusable.
+    #[error("topology: {0}")]
+    Topology(#[from] braid_core::topo::TopoError),
+
     /// The communicator was aborted or broken by an earlier error.
     #[error("communicator is no longer usable: {0}")]
     Unusable(String),

@@ -23,6 +23,7 @@ pub mod error;
 pub mod fingerprint;
 pub mod select;
 pub mod stream;
+pub mod topology;
 
 pub use bootstrap::{RootServer, UniqueId};
 pub use braid_core::plan::Collective;

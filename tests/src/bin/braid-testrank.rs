@@ -379,6 +379,12 @@ fn main() -> ExitCode {
     };
     // One line the multi-host tests read: the transport to each peer.
     println!("rank {rank} transports: {}", comm.transports().join(","));
+    let plan = comm.topology_plan();
+    println!(
+        "rank {rank} ring: {:?} nic: {}",
+        comm.ring(),
+        plan.nearest_nic[rank as usize].as_deref().unwrap_or("-")
+    );
     let extra: Vec<usize> = args[5..].iter().filter_map(|s| s.parse().ok()).collect();
     match args[1].as_str() {
         "matrix" => {
