@@ -560,6 +560,22 @@ impl Communicator {
         self.lock().ok().and_then(|st| st.broken.clone())
     }
 
+    /// Every rank contributes `data` through the bootstrap; all get all
+    /// contributions in rank order (set-up of device communicators).
+    pub(crate) fn allgather_bytes(&self, data: &[u8]) -> Result<Vec<Vec<u8>>> {
+        self.shared
+            .bootstrap
+            .lock()
+            .map_err(|_| Error::Unusable("a thread panicked while holding the bootstrap".into()))?
+            .allgather(data)
+    }
+
+    /// Plan parameters other than the piece size: (waiting policy, AllReduce
+    /// recursive-doubling threshold).
+    pub(crate) fn plan_knobs(&self) -> (WaitPolicy, usize) {
+        (self.shared.policy, self.shared.small_allreduce)
+    }
+
     /// Synchronise all ranks through the bootstrap (slow path; for set-up and
     /// tests, not for hot loops).
     pub fn barrier(&self) -> Result<()> {
@@ -1060,7 +1076,7 @@ fn decode_peer(b: &[u8], from: u32) -> Result<PeerDesc> {
     Ok(PeerDesc { rank, host_id, pid })
 }
 
-fn encode_blobs(blobs: &[(Vec<u8>, Vec<u8>)]) -> Vec<u8> {
+pub(crate) fn encode_blobs(blobs: &[(Vec<u8>, Vec<u8>)]) -> Vec<u8> {
     let mut v = Vec::new();
     for (a, b) in blobs {
         for x in [a, b] {
@@ -1071,7 +1087,7 @@ fn encode_blobs(blobs: &[(Vec<u8>, Vec<u8>)]) -> Vec<u8> {
     v
 }
 
-fn decode_blobs(b: &[u8], p: usize, from: u32) -> Result<Vec<(Vec<u8>, Vec<u8>)>> {
+pub(crate) fn decode_blobs(b: &[u8], p: usize, from: u32) -> Result<Vec<(Vec<u8>, Vec<u8>)>> {
     let bad = || Error::Bootstrap(format!("rank {from} sent malformed connect-info"));
     let mut out = Vec::with_capacity(p);
     let mut at = 0usize;

@@ -42,6 +42,10 @@ pub enum Error {
     #[error(transparent)]
     Core(#[from] CoreError),
 
+    /// The CUDA layer failed, or CUDA is unavailable ("CUDA unavailable: ...").
+    #[error(transparent)]
+    Cuda(#[from] braid_cuda::CudaError),
+
     /// A topology file or the topology plan is unusable.
     #[error("topology: {0}")]
     Topology(#[from] braid_core::topo::TopoError),

@@ -16,6 +16,7 @@
 
 pub mod bootstrap;
 pub mod comm;
+pub mod cuda;
 pub mod engine;
 pub mod env;
 pub mod error;
@@ -28,7 +29,9 @@ pub mod topology;
 pub use bootstrap::{RootServer, UniqueId};
 pub use braid_core::plan::Collective;
 pub use braid_core::types::{bf16, f16, DataType, Element, RedOp};
+pub use braid_cuda;
 pub use comm::{Communicator, Config, Group};
+pub use cuda::CudaComm;
 pub use error::{Error, Result};
 pub use progress::dump as dump_pending;
 pub use stream::{Handle, Stream};
