@@ -348,65 +348,6 @@ fn badinput(comm: &Communicator) -> Result<(), String> {
     Ok(())
 }
 
-/// Round `i` of the mixed series: every collective in turn, sizes varying
-/// from a few elements to a few hundred KiB, results checked.
-fn mixed(comm: &Communicator, iters: usize) -> Result<(), String> {
-    let p = comm.nranks() as usize;
-    let r = comm.rank();
-    for i in 0..iters {
-        let n = 1 + (i * 7919) % 40_000;
-        let e = |e: braid::Error| e.to_string();
-        match i % 7 {
-            0 => {
-                let mut a = vec![1u32; n];
-                comm.all_reduce_in_place(&mut a, RedOp::Sum).map_err(e)?;
-                if a.iter().any(|&x| x != p as u32) {
-                    return Err(format!("round {i}: wrong AllReduce result"));
-                }
-            }
-            1 => {
-                let mut g = vec![0u32; n * p];
-                comm.all_gather(&vec![r; n], &mut g).map_err(e)?;
-                if (0..p).any(|q| g[q * n] != q as u32) {
-                    return Err(format!("round {i}: wrong AllGather result"));
-                }
-            }
-            2 => {
-                let mut b = vec![r as u8; n];
-                comm.broadcast(&mut b, (i % p) as u32).map_err(e)?;
-            }
-            3 => {
-                let mut out = vec![0f32; n];
-                comm.reduce_scatter(&vec![1.0f32; n * p], &mut out, RedOp::Max)
-                    .map_err(e)?;
-            }
-            4 => {
-                let mut out = vec![0u64; n * p];
-                comm.all_to_all(&vec![r as u64; n * p], &mut out)
-                    .map_err(e)?;
-            }
-            5 => {
-                let mut out = vec![0i32; n];
-                comm.reduce(&vec![1i32; n], &mut out, RedOp::Sum, 0)
-                    .map_err(e)?;
-            }
-            _ => {
-                let out = vec![r; n];
-                let mut inc = vec![0u32; n];
-                let (next, prev) = ((r + 1) % p as u32, (r + p as u32 - 1) % p as u32);
-                let mut g = comm.group();
-                g.send(&out, next);
-                g.recv(&mut inc, prev);
-                g.run().map_err(e)?;
-            }
-        }
-        if i == 6 {
-            println!("ready");
-        }
-    }
-    Ok(())
-}
-
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().collect();
     if args.len() < 5 {
@@ -469,7 +410,11 @@ fn main() -> ExitCode {
             // A long series of mixed collectives (fault tests): prints
             // "ready" once the first round completed.
             let iters = extra.first().copied().unwrap_or(1000);
-            if let Err(e) = mixed(&comm, iters) {
+            if let Err(e) = braid_tests::workload::mixed(&comm, iters, |i| {
+                if i == 6 {
+                    println!("ready");
+                }
+            }) {
                 println!("error: {e}");
                 return ExitCode::from(3);
             }
