@@ -9,6 +9,7 @@ use braid::{Communicator, Config, Error, RedOp, Stream};
 fn config(secs: f64) -> Config {
     Config {
         timeout: Duration::from_secs_f64(secs),
+        abort: None,
     }
 }
 
@@ -348,4 +349,33 @@ fn aborted_parent_cannot_split_and_abort_reaches_splits() {
             assert!(e.contains("rank 0"), "rank 1 must name rank 0: {e}");
         }
     }
+}
+
+/// Communicator creation is abortable: rank 0 waits in the rendezvous for a
+/// rank 1 that never comes; setting the config's abort flag ends the wait
+/// within well under a second, long before the 60 s timeout.
+#[test]
+fn init_is_abortable() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+    let (id, root) =
+        Communicator::unique_id(SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 0)).expect("root");
+    let flag = Arc::new(AtomicBool::new(false));
+    let cfg = config(60.0).with_abort(flag.clone());
+    let t = std::thread::spawn(move || {
+        let start = Instant::now();
+        let r = Communicator::init_hosting(&id, root, 0, 2, &cfg);
+        (r.map(|_| ()), start.elapsed())
+    });
+    std::thread::sleep(Duration::from_millis(300));
+    let set = Instant::now();
+    flag.store(true, Ordering::SeqCst);
+    let (res, _) = t.join().expect("init thread");
+    let after = set.elapsed();
+    let e = res.expect_err("init must fail once aborted").to_string();
+    assert!(e.contains("aborted"), "{e}");
+    assert!(
+        after < Duration::from_secs(5),
+        "init took {after:?} to notice the abort"
+    );
 }

@@ -43,7 +43,8 @@ use std::net::{IpAddr, Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::os::fd::AsFd;
 use std::os::unix::net::UnixStream;
 use std::str::FromStr;
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -1106,6 +1107,7 @@ pub struct Bootstrap {
     nranks: u32,
     root: SocketAddr,
     timeout: Duration,
+    abort: Option<Arc<AtomicBool>>,
     state: Mutex<ClientState>,
 }
 
@@ -1121,10 +1123,22 @@ struct Wire<'a> {
     stream: &'a mut TcpStream,
     root: SocketAddr,
     timeout: Duration,
+    /// Set from another thread to give up (init abort); polled every 50 ms.
+    abort: Option<&'a AtomicBool>,
+}
+
+/// How often a blocked read looks at the abort flag.
+const ABORT_POLL: Duration = Duration::from_millis(50);
+
+fn aborted_error() -> io::Error {
+    io::Error::other("aborted by the caller")
 }
 
 impl Wire<'_> {
     fn io_error(&self, e: io::Error, what: &str) -> Error {
+        if self.abort.is_some_and(|a| a.load(Ordering::Relaxed)) {
+            return Error::Unusable(format!("aborted by the caller while {what}"));
+        }
         match e.kind() {
             io::ErrorKind::TimedOut | io::ErrorKind::WouldBlock => Error::Bootstrap(format!(
                 "no answer from the bootstrap root at {} within {} while {what}",
@@ -1151,7 +1165,15 @@ impl Wire<'_> {
             let Some(left) = remaining(deadline) else {
                 return Err(io::ErrorKind::TimedOut.into());
             };
-            self.stream.set_read_timeout(Some(left))?;
+            if self.abort.is_some_and(|a| a.load(Ordering::Relaxed)) {
+                return Err(aborted_error());
+            }
+            let slice = if self.abort.is_some() {
+                left.min(ABORT_POLL)
+            } else {
+                left
+            };
+            self.stream.set_read_timeout(Some(slice))?;
             match self.stream.read(&mut buf[off..]) {
                 Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
                 Ok(n) => off += n,
@@ -1287,9 +1309,19 @@ impl Wire<'_> {
     }
 }
 
-fn connect_retry(addr: SocketAddr, timeout: Duration, deadline: Instant) -> Result<TcpStream> {
+fn connect_retry(
+    addr: SocketAddr,
+    timeout: Duration,
+    deadline: Instant,
+    abort: Option<&AtomicBool>,
+) -> Result<TcpStream> {
     let mut backoff = Duration::from_millis(10);
     loop {
+        if abort.is_some_and(|a| a.load(Ordering::Relaxed)) {
+            return Err(Error::Unusable(
+                "communicator creation aborted by the caller".into(),
+            ));
+        }
         let left = remaining(deadline).unwrap_or(Duration::ZERO);
         let err = if left.is_zero() {
             io::Error::new(io::ErrorKind::TimedOut, "deadline reached")
@@ -1329,6 +1361,19 @@ impl Bootstrap {
         payload: &[u8],
         timeout: Duration,
     ) -> Result<(Bootstrap, Vec<Vec<u8>>)> {
+        Self::connect_abortable(id, rank, nranks, payload, timeout, None)
+    }
+
+    /// [`Bootstrap::connect`] that gives up within about 50 ms once `abort`
+    /// is set (from any thread), here and in every later round.
+    pub fn connect_abortable(
+        id: &UniqueId,
+        rank: u32,
+        nranks: u32,
+        payload: &[u8],
+        timeout: Duration,
+        abort: Option<Arc<AtomicBool>>,
+    ) -> Result<(Bootstrap, Vec<Vec<u8>>)> {
         if nranks == 0 || nranks > MAX_RANKS {
             return Err(Error::InvalidArgument(format!(
                 "nranks={nranks} is out of range (1..={MAX_RANKS})"
@@ -1350,7 +1395,7 @@ impl Bootstrap {
         let start = Instant::now();
         let deadline = start + timeout;
         let root = id.addr;
-        let mut stream = connect_retry(root, timeout, deadline)?;
+        let mut stream = connect_retry(root, timeout, deadline, abort.as_deref())?;
         stream.set_nodelay(true).map_err(|e| Error::BootstrapIo {
             what: format!(
                 "cannot set TCP_NODELAY on the connection to the bootstrap root at {root}"
@@ -1361,6 +1406,7 @@ impl Bootstrap {
             stream: &mut stream,
             root,
             timeout,
+            abort: abort.as_deref(),
         };
 
         // 1. challenge
@@ -1414,6 +1460,7 @@ impl Bootstrap {
                 nranks,
                 root,
                 timeout,
+                abort,
                 state: Mutex::new(ClientState {
                     stream,
                     round: 0,
@@ -1471,6 +1518,7 @@ impl Bootstrap {
                 stream: &mut st.stream,
                 root: self.root,
                 timeout: self.timeout,
+                abort: self.abort.as_deref(),
             };
             let deadline = Instant::now() + self.timeout;
             let what = format!(
@@ -1780,6 +1828,7 @@ mod tests {
             stream: &mut s,
             root: id.addr,
             timeout: t,
+            abort: None,
         };
         let dl = Instant::now() + t;
         let (_, body) = w.read_frame(dl, "test").unwrap();

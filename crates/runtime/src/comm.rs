@@ -29,6 +29,13 @@ pub struct Config {
     /// Bound on every wait without progress (bootstrap, connection set-up,
     /// operations). Default: `BRAID_TIMEOUT` or 120 s.
     pub timeout: Duration,
+    /// Abort flag: setting it (from any thread) makes communicator creation
+    /// give up within about 50 ms while it waits in the rendezvous or a
+    /// bootstrap round (link set-up waits stay bounded by `timeout`), and,
+    /// once created, works as [`Communicator::abort`]. Communicators created
+    /// with one flag share it: setting it aborts all of them (the threads of
+    /// [`Communicator::init_threads`], say). `None`: a flag of its own.
+    pub abort: Option<Arc<AtomicBool>>,
 }
 
 impl Config {
@@ -36,7 +43,14 @@ impl Config {
     pub fn from_env() -> Result<Config> {
         Ok(Config {
             timeout: timeout_from_env()?,
+            abort: None,
         })
+    }
+
+    /// This configuration with an abort flag (see [`Config::abort`]).
+    pub fn with_abort(mut self, flag: Arc<AtomicBool>) -> Config {
+        self.abort = Some(flag);
+        self
     }
 }
 
@@ -62,7 +76,7 @@ struct Shared {
     direct_min: usize,
     check_headers: bool,
     policy: WaitPolicy,
-    abort: AtomicBool,
+    abort: Arc<AtomicBool>,
     state: Mutex<State>,
     bootstrap: Mutex<Bootstrap>,
     transports: Vec<&'static str>,
@@ -255,7 +269,18 @@ impl Communicator {
             host_id: select::host_id(),
             pid: std::process::id(),
         };
-        let (boot, infos) = Bootstrap::connect(id, rank, nranks, &encode_peer(&me), timeout)?;
+        let abort = config
+            .abort
+            .clone()
+            .unwrap_or_else(|| Arc::new(AtomicBool::new(false)));
+        let (boot, infos) = Bootstrap::connect_abortable(
+            id,
+            rank,
+            nranks,
+            &encode_peer(&me),
+            timeout,
+            Some(abort.clone()),
+        )?;
         let peers: Vec<PeerDesc> = infos
             .iter()
             .enumerate()
@@ -368,7 +393,7 @@ impl Communicator {
                     spin: spin_budget(&me, &peers),
                     stall_warn: progress::stall_warn(timeout),
                 },
-                abort: AtomicBool::new(false),
+                abort,
                 state: Mutex::new(State {
                     chans,
                     seq: 0,
@@ -542,7 +567,10 @@ impl Communicator {
             size = members.len(),
             "braid: split"
         );
-        let config = Config { timeout };
+        let config = Config {
+            timeout,
+            abort: None,
+        };
         let child = Self::init_inner(&id, new_rank, members.len() as u32, &config, root)?;
         if let Ok(mut kids) = sh.children.lock() {
             kids.retain(|w| w.strong_count() > 0);

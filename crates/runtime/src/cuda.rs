@@ -1011,6 +1011,7 @@ mod tests {
         }
         let cfg = crate::Config {
             timeout: Duration::from_secs(20),
+            abort: None,
         };
         let comms = Communicator::init_threads(3, &cfg).expect("host communicator");
         let hs: Vec<_> = comms
