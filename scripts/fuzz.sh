@@ -13,7 +13,9 @@
 #
 # Environment: FUZZ_RSS_MB (default 1536) and FUZZ_MALLOC_MB (default 128)
 # are libFuzzer's -rss_limit_mb and -malloc_limit_mb, so one unbounded
-# allocation is a failure; FUZZ_TIMEOUT (default 10) is seconds per input.
+# allocation is a failure; FUZZ_TIMEOUT (default 10) is seconds per input;
+# FUZZ_TARGET_DIR (default fuzz/target) is where the targets are built (CI
+# keeps it outside its fresh clone, so that later runs build incrementally).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -26,6 +28,9 @@ fi
 rss=${FUZZ_RSS_MB:-1536}
 malloc=${FUZZ_MALLOC_MB:-128}
 per_input=${FUZZ_TIMEOUT:-10}
+target_dir=${FUZZ_TARGET_DIR:-fuzz/target}
+mkdir -p "$target_dir"
+target_dir=$(cd "$target_dir" && pwd)
 
 # cargo fuzz passes nightly-only flags (-Zsanitizer=address); a stable
 # toolchain accepts them with RUSTC_BOOTSTRAP=1.
@@ -37,7 +42,7 @@ if ! cargo fuzz --version >/dev/null 2>&1; then
     cargo install cargo-fuzz --locked --debug --quiet
 fi
 
-mapfile -t all < <(sed -n 's/^name = "\(.*\)"$/\1/p' fuzz/Cargo.toml | grep -v '^braid-fuzz$')
+mapfile -t all < <(cd fuzz/fuzz_targets && ls -- *.rs | sed 's/\.rs$//')
 if [ $# -gt 0 ]; then targets=("$@"); else targets=("${all[@]}"); fi
 for t in "${targets[@]}"; do
     if [ ! -d "fuzz/corpus/$t" ]; then
@@ -50,12 +55,14 @@ echo "== building ${#targets[@]} fuzz targets"
 start=$(date +%s)
 # --debug-assertions: overflow checks too, so arithmetic on lengths from the wire is checked.
 if [ ${#targets[@]} -eq ${#all[@]} ]; then
-    cargo fuzz build --debug-assertions
+    cargo fuzz build --debug-assertions --target-dir "$target_dir"
 else
-    for t in "${targets[@]}"; do cargo fuzz build --debug-assertions "$t"; done
+    for t in "${targets[@]}"; do
+        cargo fuzz build --debug-assertions --target-dir "$target_dir" "$t"
+    done
 fi
 host=$(rustc -vV | sed -n 's/^host: //p')
-bindir="fuzz/target/$host/release"
+bindir="$target_dir/$host/release"
 for t in "${targets[@]}"; do
     if [ ! -x "$bindir/$t" ]; then
         echo "fuzz target $t did not build" >&2

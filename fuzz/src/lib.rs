@@ -425,7 +425,8 @@ pub fn socket_info(data: &[u8]) {
     }
 }
 
-const SLOT_SIZES: [usize; 4] = [64, 4096, 8192, 256 << 10];
+// The largest is enough for two stripes of 64 KiB.
+const SLOT_SIZES: [usize; 4] = [64, 4096, 8192, 128 << 10];
 
 /// The socket transport's stream readers: data sockets (frame headers,
 /// striping, credits) and the control socket.

@@ -2394,6 +2394,165 @@ mod tests {
         server.join().unwrap();
     }
 
+    /// A stranger that connects and reads the root's challenge.
+    fn stranger(id: &UniqueId, t: Duration) -> (TcpStream, [u8; NONCE_LEN]) {
+        let mut s = TcpStream::connect(id.addr).unwrap();
+        let mut w = Wire {
+            stream: &mut s,
+            root: id.addr,
+            timeout: t,
+        };
+        let (kind, body) = w.read_frame(Instant::now() + t, "test").unwrap();
+        let nonce = parse_challenge(kind, &body).unwrap();
+        (s, nonce)
+    }
+
+    /// Reads what the root says to a stranger: its error message, or
+    /// "EOF" when it closes without one. Fails if nothing comes within `t`.
+    fn root_verdict(s: &mut TcpStream, id: &UniqueId, t: Duration) -> String {
+        let mut w = Wire {
+            stream: s,
+            root: id.addr,
+            timeout: t,
+        };
+        match w.read_raw_frame(Instant::now() + t, "test") {
+            Ok((K_ERROR, body)) => String::from_utf8_lossy(&body).into_owned(),
+            Ok((kind, _)) => panic!("the root answered a stranger with a frame of kind {kind}"),
+            Err(e) => {
+                let e = e.to_string();
+                assert!(e.contains("closed the connection"), "{e}");
+                "EOF".into()
+            }
+        }
+    }
+
+    #[test]
+    fn strangers_are_refused_early_and_ranks_still_join() {
+        let t = Duration::from_secs(10);
+        let (id, server) = root(t);
+        let quick = Duration::from_secs(3);
+
+        // A wrong secret in a hello that announces the largest frame: the
+        // root answers after the hello's fixed part, without waiting for
+        // (or buffering) the 16 MiB it announced.
+        let (mut a, _) = stranger(&id, t);
+        let fixed = HelloFixed {
+            rank: 0,
+            nranks: 3,
+            cnonce: [7; NONCE_LEN],
+            mac: [0; MAC_LEN],
+        };
+        a.write_all(&hello_header(MAX_PAYLOAD)).unwrap();
+        a.write_all(&fixed.encode()).unwrap();
+        let start = Instant::now();
+        let v = root_verdict(&mut a, &id, quick);
+        assert!(v.contains("secret did not match"), "{v}");
+        assert!(
+            start.elapsed() < Duration::from_secs(2),
+            "{:?}",
+            start.elapsed()
+        );
+
+        // The right secret, but the hello is cut short and the stranger
+        // leaves: it never counts as rank 1.
+        let (mut b, nonce) = stranger(&id, t);
+        let hello = fuzzing::hello_frame(&id.secret, &nonce, &[9; NONCE_LEN], 1, 3, &[1; 100]);
+        b.write_all(&hello[..hello.len() - 10]).unwrap();
+        b.shutdown(Shutdown::Write).unwrap();
+        assert_eq!(root_verdict(&mut b, &id, quick), "EOF");
+
+        // Another protocol version is told so.
+        let (mut c, _) = stranger(&id, t);
+        let mut v2 = hello_header(0).to_vec();
+        v2.extend_from_slice(&fixed.encode());
+        v2[5 + 11] = 2;
+        c.write_all(&v2).unwrap();
+        let v = root_verdict(&mut c, &id, quick);
+        assert!(
+            v.contains("version mismatch") && v.contains("this rank v2"),
+            "{v}"
+        );
+
+        // An empty frame, a frame of another kind, a hello too short to be
+        // one: dropped without an answer.
+        for junk in [
+            vec![0, 0, 0, 0],
+            frame_header(K_DATA, 3)
+                .iter()
+                .chain(&[1, 2, 3])
+                .copied()
+                .collect(),
+            {
+                let mut v = frame_header(K_HELLO, 40).to_vec();
+                v.extend_from_slice(&fixed.encode()[..40]);
+                v
+            },
+        ] {
+            let (mut d, _) = stranger(&id, t);
+            d.write_all(&junk).unwrap();
+            assert_eq!(root_verdict(&mut d, &id, quick), "EOF", "{junk:?}");
+        }
+
+        // The real ranks, rank 1 included, still join and work.
+        let hs: Vec<_> = (0..3u32)
+            .map(|r| {
+                std::thread::spawn(move || -> Result<Vec<Vec<u8>>> {
+                    let (b, all) = Bootstrap::connect(&id, r, 3, &[r as u8], t)?;
+                    assert_eq!(all, vec![vec![0], vec![1], vec![2]]);
+                    b.allgather(&[r as u8 + 10])
+                })
+            })
+            .collect();
+        for h in hs {
+            assert_eq!(
+                h.join().unwrap().unwrap(),
+                vec![vec![10], vec![11], vec![12]]
+            );
+        }
+        server.join().unwrap();
+    }
+
+    /// The root's early check agrees with the check of the complete hello
+    /// on every prefix of valid and broken hellos.
+    #[test]
+    fn hello_prefix_agrees_with_the_complete_hello() {
+        let secret = [3u8; 16];
+        let rnonce = [4u8; NONCE_LEN];
+        let good = fuzzing::hello_frame(&secret, &rnonce, &[5; NONCE_LEN], 2, 4, b"payload");
+        let mut bad_magic = good.clone();
+        bad_magic[5] ^= 1;
+        let mut v9 = good.clone();
+        v9[5 + 11] = 9;
+        for (frame, want) in [
+            (&good, None),
+            (&bad_magic, Some(HelloError::Magic)),
+            (&v9, Some(HelloError::Version(9))),
+        ] {
+            for k in 0..frame.len() {
+                match hello_prefix(&frame[..k]) {
+                    Ok(None) => assert!(k < HELLO_PREFIX, "undecided at {k}"),
+                    Ok(Some(h)) => {
+                        assert!(want.is_none() && k >= HELLO_PREFIX);
+                        assert!(h.proves(&secret, &rnonce));
+                        assert!(!h.proves(&[0; 16], &rnonce));
+                    }
+                    Err(e) => assert_eq!(Some(e), want, "at {k}"),
+                }
+            }
+            let full = parse_hello(frame[4], &frame[5..]);
+            match &want {
+                None => assert_eq!(full.unwrap().1, b"payload"),
+                Some(e) => assert_eq!(full.unwrap_err(), *e),
+            }
+        }
+        let mut huge = good.clone();
+        huge[..4].copy_from_slice(&((MAX_FRAME + 1) as u32).to_be_bytes());
+        assert_eq!(
+            hello_prefix(&huge[..4]),
+            Err(HelloError::Length(MAX_FRAME + 1))
+        );
+    }
+
     #[test]
     fn rank_leaving_mid_allgather_is_named() {
         let t = Duration::from_secs(5);
