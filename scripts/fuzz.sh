@@ -101,7 +101,7 @@ for t in "${targets[@]}"; do
         tail -n 60 "$log"
         for a in "fuzz/artifacts/$t/"*; do
             [ -e "$a" ] || continue
-            echo "---- reproduce: RUSTC_BOOTSTRAP=1 cargo fuzz run --debug-assertions $t $a  (run in fuzz/)"
+            echo "---- reproduce (from the repository root): RUSTC_BOOTSTRAP=1 cargo fuzz run --debug-assertions $t $a"
         done
     fi
     rows+=("$(printf '%-22s %12s %8s  %s' "$t" "$runs" "$took" "$result")")

@@ -585,10 +585,13 @@ pub fn slurm_hostlist(data: &[u8]) {
 
 // ------------------------------------------------------------------ seeds
 
+/// One seed: its file name and bytes.
+pub type Seed = (String, Vec<u8>);
+
 /// The seed corpus: for every target, named inputs made by braid's own
 /// encoders (`tests/corpus.rs` writes and checks `corpus/<target>/`).
-pub fn seeds() -> Vec<(&'static str, Vec<(String, Vec<u8>)>)> {
-    let named = |v: Vec<Vec<u8>>| -> Vec<(String, Vec<u8>)> {
+pub fn seeds() -> Vec<(&'static str, Vec<Seed>)> {
+    let named = |v: Vec<Vec<u8>>| -> Vec<Seed> {
         v.into_iter()
             .enumerate()
             .map(|(i, b)| (format!("seed-{i:02}"), b))
