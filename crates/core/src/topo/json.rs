@@ -94,7 +94,7 @@ mod tests {
     use super::*;
     use crate::topo::xml;
 
-    /// Found by the `topo_json` fuzz target: a CPU id near `u32::MAX` was
+    /// Found reading the decoder, confirmed with the `topo_json` fuzz target: a CPU id near `u32::MAX` was
     /// accepted, and exporting the model as XML (`to_mask`) then allocated
     /// 512 MiB for one word per 32 CPUs.
     #[test]
