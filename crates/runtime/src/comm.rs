@@ -1133,3 +1133,41 @@ pub(crate) fn decode_blobs(b: &[u8], p: usize, from: u32) -> Result<Vec<(Vec<u8>
     }
     Ok(out)
 }
+
+/// The rendezvous payloads' decoders over plain bytes, for the fuzz targets
+/// in `fuzz/`. Not part of the API.
+#[doc(hidden)]
+pub mod fuzzing {
+    use super::*;
+
+    /// Decodes slot `from` of the rendezvous: `(rank, pid, host id)`.
+    pub fn decode_peer(b: &[u8], from: u32) -> std::result::Result<(u32, u32, String), String> {
+        super::decode_peer(b, from)
+            .map(|p| (p.rank, p.pid, p.host_id))
+            .map_err(|e| e.to_string())
+    }
+
+    /// Encodes a rank's description as it joins.
+    pub fn encode_peer(rank: u32, pid: u32, host_id: &str) -> Vec<u8> {
+        super::encode_peer(&PeerDesc {
+            rank,
+            host_id: host_id.to_string(),
+            pid,
+        })
+    }
+
+    /// Decodes rank `from`'s connect-info for `p` ranks.
+    #[allow(clippy::type_complexity)]
+    pub fn decode_blobs(
+        b: &[u8],
+        p: usize,
+        from: u32,
+    ) -> std::result::Result<Vec<(Vec<u8>, Vec<u8>)>, String> {
+        super::decode_blobs(b, p, from).map_err(|e| e.to_string())
+    }
+
+    /// Encodes a rank's connect-info blobs.
+    pub fn encode_blobs(blobs: &[(Vec<u8>, Vec<u8>)]) -> Vec<u8> {
+        super::encode_blobs(blobs)
+    }
+}
