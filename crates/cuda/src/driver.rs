@@ -103,6 +103,62 @@ fn probe_uncached() -> std::result::Result<ProbeInfo, String> {
     })
 }
 
+/// What the driver says about a device, without creating a context.
+struct DeviceFacts {
+    dev: sys::CUdevice,
+    name: String,
+    bus_id: String,
+    cc: (i32, i32),
+}
+
+fn device_facts(ordinal: u32) -> Result<DeviceFacts> {
+    let dev = cu::device::get(ordinal as i32).map_err(|e| driver_err("cuDeviceGet", e))?;
+    let name = cu::device::get_name(dev).unwrap_or_else(|_| "unknown GPU".into());
+    let mut buf = [0 as std::ffi::c_char; 32];
+    // SAFETY: the buffer holds 32 chars, as passed.
+    check("cuDeviceGetPCIBusId", unsafe {
+        sys::cuDeviceGetPCIBusId(buf.as_mut_ptr(), buf.len() as i32, dev).result()
+    })?;
+    // SAFETY: the driver wrote a NUL-terminated string into `buf`.
+    let bus_id = unsafe { std::ffi::CStr::from_ptr(buf.as_ptr()) }
+        .to_string_lossy()
+        .to_ascii_lowercase();
+    // SAFETY: `dev` came from cuDeviceGet.
+    let major = unsafe {
+        cu::device::get_attribute(
+            dev,
+            sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR,
+        )
+    }
+    .map_err(|e| driver_err("cuDeviceGetAttribute", e))?;
+    // SAFETY: as above.
+    let minor = unsafe {
+        cu::device::get_attribute(
+            dev,
+            sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR,
+        )
+    }
+    .map_err(|e| driver_err("cuDeviceGetAttribute", e))?;
+    Ok(DeviceFacts {
+        dev,
+        name,
+        bus_id,
+        cc: (major, minor),
+    })
+}
+
+/// Every visible GPU as (ordinal, PCI bus id in lower case, compute
+/// capability × 10, name), from the driver alone (no context is created).
+pub fn list_gpus() -> Result<Vec<(u32, String, u32, String)>> {
+    let info = probe()?;
+    (0..info.devices)
+        .map(|o| {
+            let f = device_facts(o)?;
+            Ok((o, f.bus_id, (f.cc.0 * 10 + f.cc.1).max(0) as u32, f.name))
+        })
+        .collect()
+}
+
 /// One GPU with its primary context. Cheap to share (`Arc`).
 #[derive(Debug)]
 pub struct Device {
@@ -130,38 +186,14 @@ impl Device {
                 info.devices
             )));
         }
-        let dev = cu::device::get(ordinal as i32).map_err(|e| driver_err("cuDeviceGet", e))?;
+        let facts = device_facts(ordinal)?;
+        let dev = facts.dev;
         // SAFETY: `dev` came from cuDeviceGet.
         let ctx = unsafe { cu::primary_ctx::retain(dev) }
             .map_err(|e| driver_err("cuDevicePrimaryCtxRetain", e))?;
         // SAFETY: `ctx` is the context just retained.
         check("cuCtxSetCurrent", unsafe { cu::ctx::set_current(ctx) })?;
-        let name = cu::device::get_name(dev).unwrap_or_else(|_| "unknown GPU".into());
-        let mut buf = [0 as std::ffi::c_char; 32];
-        // SAFETY: the buffer holds 32 chars, as passed.
-        check("cuDeviceGetPCIBusId", unsafe {
-            sys::cuDeviceGetPCIBusId(buf.as_mut_ptr(), buf.len() as i32, dev).result()
-        })?;
-        // SAFETY: the driver wrote a NUL-terminated string into `buf`.
-        let bus_id = unsafe { std::ffi::CStr::from_ptr(buf.as_ptr()) }
-            .to_string_lossy()
-            .to_ascii_lowercase();
-        // SAFETY: `dev` came from cuDeviceGet.
-        let major = unsafe {
-            cu::device::get_attribute(
-                dev,
-                sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR,
-            )
-        }
-        .map_err(|e| driver_err("cuDeviceGetAttribute", e))?;
-        // SAFETY: as above.
-        let minor = unsafe {
-            cu::device::get_attribute(
-                dev,
-                sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR,
-            )
-        }
-        .map_err(|e| driver_err("cuDeviceGetAttribute", e))?;
+        let (name, bus_id, (major, minor)) = (facts.name, facts.bus_id, facts.cc);
         Ok(Arc::new(Device {
             ordinal,
             dev,

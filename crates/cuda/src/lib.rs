@@ -29,6 +29,51 @@ pub use driver::{
 pub use error::{CudaError, Result};
 pub use select::{GpuLink, P2pPolicy};
 
+/// GPUs for topology detection, from the CUDA driver (no context is
+/// created): bus id, device ordinal and compute capability. Without CUDA it
+/// reports no GPUs (not an error), as the topology contract asks. NVLinks
+/// need NVML, which braid does not load yet: with this provider GPUs are
+/// joined by their PCIe paths only (a `BRAID_TOPO_FILE` carries NVLinks).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct CudaGpus;
+
+impl braid_core::topo::GpuProvider for CudaGpus {
+    fn name(&self) -> String {
+        match probe() {
+            Ok(i) => format!(
+                "CUDA driver {}.{} (no NVML: NVLinks unknown)",
+                i.driver_version / 1000,
+                i.driver_version % 1000 / 10
+            ),
+            Err(e) => format!("CUDA driver ({e})"),
+        }
+    }
+
+    fn gpus(
+        &self,
+    ) -> std::result::Result<Vec<braid_core::topo::sysfs::DetectedGpu>, braid_core::topo::TopoError>
+    {
+        let list = match driver::list_gpus() {
+            Ok(l) => l,
+            Err(CudaError::Unavailable(_)) => return Ok(Vec::new()),
+            Err(e) => return Err(braid_core::topo::TopoError::Invalid(e.to_string())),
+        };
+        Ok(list
+            .into_iter()
+            .map(
+                |(ordinal, busid, sm, _name)| braid_core::topo::sysfs::DetectedGpu {
+                    busid,
+                    gpu: braid_core::topo::Gpu {
+                        dev: Some(ordinal),
+                        sm: Some(sm),
+                        ..Default::default()
+                    },
+                },
+            )
+            .collect())
+    }
+}
+
 /// The device this rank should use: `BRAID_CUDA_DEVICE` if set, else the
 /// local rank modulo the number of devices.
 pub fn device_for_rank(local_rank: u32, devices: u32) -> Result<u32> {
@@ -52,6 +97,28 @@ fn device_from(var: Option<String>, local_rank: u32, devices: u32) -> Result<u32
             Ok(d)
         }
         None => Ok(local_rank % devices),
+    }
+}
+
+#[cfg(test)]
+mod provider_tests {
+    use super::*;
+    use braid_core::topo::GpuProvider;
+
+    /// Without CUDA (this machine, or BRAID_CUDA_DISABLE) the provider
+    /// reports no GPUs and says why in its name, never an error.
+    #[test]
+    fn no_cuda_means_no_gpus() {
+        if probe().is_ok() {
+            println!("skipping: CUDA is present here");
+            return;
+        }
+        assert!(CudaGpus.gpus().unwrap().is_empty());
+        assert!(
+            CudaGpus.name().contains("CUDA driver ("),
+            "{}",
+            CudaGpus.name()
+        );
     }
 }
 

@@ -3,7 +3,8 @@
 //!
 //! 1. Each rank loads its host's topology: the file named by
 //!    `BRAID_TOPO_FILE` when set (an unreadable or malformed file is an
-//!    error: the user asked for it), else sysfs detection under `/` (a host
+//!    error: the user asked for it), else sysfs detection under `/` with
+//!    GPUs from the CUDA driver when present (a host
 //!    whose sysfs cannot be read gets a one-NUMA-node model and a warning).
 //! 2. One bootstrap round carries, per rank, the transports its table holds
 //!    and the NUMA node it is bound to; the first rank of each host adds its
@@ -20,8 +21,7 @@ use std::collections::BTreeSet;
 use std::path::Path;
 
 use braid_core::topo::{
-    self, xml, Cluster, Cpu, CpuSet, NoGpus, Plan, RankPlace, System, Topology, Transport,
-    TransportPolicy,
+    self, xml, Cluster, Cpu, CpuSet, Plan, RankPlace, System, Topology, Transport, TransportPolicy,
 };
 use braid_core::transport::PeerDesc;
 use tracing::{info, warn};
@@ -44,7 +44,7 @@ pub struct Placement {
 /// This host's model and where it came from.
 fn local_system() -> Result<(System, String)> {
     let env = |k: &str| std::env::var(k).ok();
-    match topo::load_host(env, Path::new("/"), &NoGpus) {
+    match topo::load_host(env, Path::new("/"), &braid_cuda::CudaGpus) {
         Ok((sys, topo::Source::File(f), _)) => Ok((sys, format!("file {f}"))),
         Ok((sys, topo::Source::Detected(root), notes)) => {
             for n in notes {
