@@ -2,3 +2,4 @@
 
 pub mod netns;
 pub mod ranks;
+pub mod workload;

@@ -129,6 +129,132 @@ fn point_to_point_and_groups() {
     assert_all_ok("p2p with 3 ranks, single copy", &res);
 }
 
+/// `BRAID_TOPO_FILE` replaces detection: with the 8-GPU server's file the
+/// planner sees that host's InfiniBand ports (this VM has none), and the
+/// collectives still run over shm.
+#[test]
+fn topology_file_replaces_detection() {
+    let _g = serial();
+    let file = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../crates/core/tests/fixtures/topo/nvswitch8.xml"
+    );
+    let res = run_suite_env(
+        "matrix",
+        3,
+        &["1", "1023"],
+        Duration::from_secs(120),
+        &[("BRAID_TOPO_FILE", file)],
+    );
+    assert_all_ok("3 ranks with BRAID_TOPO_FILE", &res);
+    for (r, (_, out)) in res.iter().enumerate() {
+        assert!(
+            out.contains("nic: mlx5_"),
+            "rank {r} did not use the file:\n{out}"
+        );
+        assert!(out.contains("transports: "), "{out}");
+        let line = out
+            .lines()
+            .find(|l| l.contains("transports: "))
+            .unwrap_or("");
+        assert!(!line.contains("socket"), "rank {r}: {line}");
+    }
+    // Without the file, this VM's detected model has no RDMA port.
+    let res = run_suite("matrix", 2, &["1"], Duration::from_secs(120));
+    assert_all_ok("2 ranks, detected topology", &res);
+    for (_, out) in &res {
+        assert!(!out.contains("nic: mlx5_"), "{out}");
+    }
+}
+
+/// A topology file that cannot be read is an error on every rank, naming the
+/// file; nothing falls back to detection silently.
+#[test]
+fn unreadable_topology_file_is_an_error() {
+    let _g = serial();
+    let res = run_suite_env(
+        "matrix",
+        2,
+        &["1"],
+        Duration::from_secs(120),
+        &[("BRAID_TOPO_FILE", "/nonexistent/braid-topo.xml")],
+    );
+    for (r, (code, out)) in res.iter().enumerate() {
+        assert_eq!(*code, Some(4), "rank {r}: {out}");
+        assert!(
+            out.contains("topology") && out.contains("/nonexistent/braid-topo.xml"),
+            "rank {r}: {out}"
+        );
+    }
+}
+
+/// `BRAID_DUMP_SIGNAL=USR1`: the signal makes a rank print what each of its
+/// communicators is doing. Rank 2 joins an AllReduce late; a dump taken
+/// meanwhile shows rank 0 inside AllReduce #0 waiting for a peer, and rank 2
+/// idle; a stall past `BRAID_STALL_WARN` is logged at WARN too.
+#[test]
+fn dump_signal_shows_who_waits_for_whom() {
+    use std::io::Read;
+    let _g = serial();
+    let (id, _root) = root();
+    let mut kids: Vec<Child> = (0..3)
+        .map(|r| {
+            Command::new(env!("CARGO_BIN_EXE_braid-testrank"))
+                .args(["late", &id.to_string(), &r.to_string(), "3", "3000"])
+                .env("BRAID_TIMEOUT", "60")
+                .env("BRAID_DUMP_SIGNAL", "USR1")
+                .env("BRAID_DEBUG", "WARN")
+                .env("BRAID_STALL_WARN", "0.5")
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .expect("spawn")
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(1500));
+    for k in &kids {
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(k.id() as i32),
+            nix::sys::signal::Signal::SIGUSR1,
+        );
+    }
+    let errs: Vec<_> = kids
+        .iter_mut()
+        .map(|k| {
+            let mut e = k.stderr.take().expect("stderr");
+            std::thread::spawn(move || {
+                let mut s = String::new();
+                let _ = e.read_to_string(&mut s);
+                s
+            })
+        })
+        .collect();
+    let res = wait_all(kids, Duration::from_secs(60));
+    let errs: Vec<String> = errs
+        .into_iter()
+        .map(|h| h.join().unwrap_or_default())
+        .collect();
+    assert_all_ok("late rank", &res);
+    print!("{}{}", errs[0], errs[2]);
+    assert!(
+        errs[0].contains("rank 0/3")
+            && errs[0].contains("AllReduce #0 running")
+            && errs[0].contains("waiting"),
+        "rank 0's dump:\n{}",
+        errs[0]
+    );
+    assert!(
+        errs[2].contains("rank 2/3") && errs[2].contains("idle after 0"),
+        "rank 2's dump:\n{}",
+        errs[2]
+    );
+    assert!(
+        errs[0].contains("stalled"),
+        "rank 0 logged no stall:\n{}",
+        errs[0]
+    );
+}
+
 #[test]
 fn bad_input_is_rejected_before_anything_is_sent() {
     let _g = serial();

@@ -9,6 +9,7 @@ use braid::{Communicator, Config, Error, RedOp, Stream};
 fn config(secs: f64) -> Config {
     Config {
         timeout: Duration::from_secs_f64(secs),
+        abort: None,
     }
 }
 
@@ -237,4 +238,144 @@ fn one_rank_communicator_copies() {
     let mut g = vec![0u8; 4];
     c.all_gather(&[1, 2, 3, 4], &mut g).unwrap();
     assert_eq!(g, vec![1, 2, 3, 4]);
+}
+
+/// Hang localisation: while rank 0 waits in an AllReduce that rank 1 has not
+/// joined, its progress record (and the process-wide dump) names the
+/// operation, its sequence number, the peer and the transport; once rank 1
+/// joins, both finish and the record goes back to idle.
+#[test]
+fn pending_operation_names_the_peer_it_waits_for() {
+    let mut comms = Communicator::init_threads(2, &config(30.0)).expect("init");
+    let c1 = comms.pop().expect("rank 1");
+    let c0 = comms.pop().expect("rank 0");
+    let watch = c0.clone();
+    let t0 = std::thread::spawn(move || {
+        let mut a = vec![1.0f32; 1000];
+        c0.all_reduce_in_place(&mut a, RedOp::Sum).unwrap();
+        c0.all_reduce_in_place(&mut a, RedOp::Sum).unwrap();
+        a[0]
+    });
+    // Rank 1 takes part in the first operation only after a while.
+    let mut a = vec![1.0f32; 1000];
+    c1.all_reduce_in_place(&mut a, RedOp::Sum).unwrap();
+    let start = Instant::now();
+    let line = loop {
+        let snap = watch.pending();
+        if let Some(w) = snap.running.as_ref().and_then(|r| r.waiting.as_ref()) {
+            assert_eq!(w.peer, 1);
+            let r = snap.running.as_ref().unwrap();
+            assert_eq!((r.op, r.seq), ("AllReduce", 1));
+            break braid::dump_pending();
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(20),
+            "rank 0 never waited: {snap:?}"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    assert!(
+        line.contains("rank 0/2")
+            && line.contains("AllReduce #1")
+            && line.contains("from rank 1 over"),
+        "{line}"
+    );
+    c1.all_reduce_in_place(&mut a, RedOp::Sum).unwrap();
+    assert_eq!(t0.join().unwrap(), 4.0);
+    let snap = watch.pending();
+    assert!(snap.running.is_none() && snap.finished == 2, "{snap:?}");
+}
+
+/// `split(color, key)`: ranks of one color form a communicator ordered by key;
+/// `None` takes no part. The children run collectives on their own, survive
+/// the parent, and `abort_with_splits` reaches them; an aborted parent cannot
+/// be split.
+#[test]
+fn split_by_color_and_key() {
+    let out = on_ranks(5, 30.0, |c| {
+        let r = c.rank();
+        // Rank 4 stays out; evens and odds split, ordered by descending rank.
+        let color = (r != 4).then_some(r % 2);
+        let child = c.split(color, 100 - r).expect("split");
+        let mut sum = None;
+        if let Some(child) = &child {
+            let mut v = vec![r as u64 + 1; 1000];
+            child
+                .all_reduce_in_place(&mut v, RedOp::Sum)
+                .expect("child allreduce");
+            sum = Some(v[0]);
+        }
+        // The parent still works after the split.
+        let mut p = vec![1u32; 10];
+        c.all_reduce_in_place(&mut p, RedOp::Sum)
+            .expect("parent allreduce");
+        assert_eq!(p[0], 5);
+        (r, child.map(|ch| (ch.rank(), ch.nranks())), sum)
+    });
+    for (r, place, sum) in out {
+        match r {
+            // Evens 0, 2: keys 100, 98 → rank 2 first.
+            0 => assert_eq!((place, sum), (Some((1, 2)), Some(1 + 3))),
+            2 => assert_eq!((place, sum), (Some((0, 2)), Some(1 + 3))),
+            1 => assert_eq!((place, sum), (Some((1, 2)), Some(2 + 4))),
+            3 => assert_eq!((place, sum), (Some((0, 2)), Some(2 + 4))),
+            _ => assert_eq!((place, sum), (None, None)),
+        }
+    }
+}
+
+#[test]
+fn aborted_parent_cannot_split_and_abort_reaches_splits() {
+    let out = on_ranks(2, 30.0, |c| {
+        let child = c.split(Some(0), 0).expect("split").expect("member");
+        c.barrier().expect("barrier");
+        if c.rank() == 0 {
+            c.abort_with_splits();
+            let e = c
+                .split(Some(0), 0)
+                .expect_err("split of an aborted communicator");
+            assert!(e.to_string().contains("cannot split an aborted"), "{e}");
+        }
+        // Rank 0's child is aborted; rank 1's child sees rank 0 leave.
+        let mut v = vec![1.0f32; 100];
+        let res = child.all_reduce_in_place(&mut v, RedOp::Sum);
+        (c.rank(), res.map_err(|e| e.to_string()))
+    });
+    for (r, res) in out {
+        let e = res.expect_err("child operation after abort_with_splits");
+        if r == 0 {
+            assert!(e.contains("abort"), "rank 0: {e}");
+        } else {
+            assert!(e.contains("rank 0"), "rank 1 must name rank 0: {e}");
+        }
+    }
+}
+
+/// Communicator creation is abortable: rank 0 waits in the rendezvous for a
+/// rank 1 that never comes; setting the config's abort flag ends the wait
+/// within well under a second, long before the 60 s timeout.
+#[test]
+fn init_is_abortable() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+    let (id, root) =
+        Communicator::unique_id(SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 0)).expect("root");
+    let flag = Arc::new(AtomicBool::new(false));
+    let cfg = config(60.0).with_abort(flag.clone());
+    let t = std::thread::spawn(move || {
+        let start = Instant::now();
+        let r = Communicator::init_hosting(&id, root, 0, 2, &cfg);
+        (r.map(|_| ()), start.elapsed())
+    });
+    std::thread::sleep(Duration::from_millis(300));
+    let set = Instant::now();
+    flag.store(true, Ordering::SeqCst);
+    let (res, _) = t.join().expect("init thread");
+    let after = set.elapsed();
+    let e = res.expect_err("init must fail once aborted").to_string();
+    assert!(e.contains("aborted"), "{e}");
+    assert!(
+        after < Duration::from_secs(5),
+        "init took {after:?} to notice the abort"
+    );
 }

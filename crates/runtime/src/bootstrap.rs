@@ -39,11 +39,12 @@
 use std::collections::BTreeMap;
 use std::fmt;
 use std::io::{self, Read, Write};
-use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::net::{IpAddr, Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::os::fd::AsFd;
 use std::os::unix::net::UnixStream;
 use std::str::FromStr;
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -388,6 +389,43 @@ fn close_gently(stream: TcpStream) {
     }
 }
 
+/// The root's `CHALLENGE` frame.
+fn challenge_frame(nonce: &[u8; NONCE_LEN]) -> Vec<u8> {
+    let mut v = frame_header(K_CHALLENGE, 8 + 4 + NONCE_LEN).to_vec();
+    v.extend_from_slice(&MAGIC);
+    v.extend_from_slice(&VERSION.to_be_bytes());
+    v.extend_from_slice(nonce);
+    v
+}
+
+/// The root's `ACCEPT` frame with its proof.
+fn accept_frame(proof: &[u8; MAC_LEN]) -> Vec<u8> {
+    let mut v = frame_header(K_ACCEPT, MAC_LEN).to_vec();
+    v.extend_from_slice(proof);
+    v
+}
+
+/// Frame header and fixed fields of a `DATA` frame; `len` bytes of data follow.
+fn data_header(round: u64, src: u32, len: usize) -> Vec<u8> {
+    let mut v = frame_header(K_DATA, 12 + len).to_vec();
+    v.extend_from_slice(&round.to_be_bytes());
+    v.extend_from_slice(&src.to_be_bytes());
+    v
+}
+
+/// Frame header and round of a `CONTRIB` frame; `len` bytes of data follow.
+fn contrib_header(round: u64, len: usize) -> Vec<u8> {
+    let mut v = frame_header(K_CONTRIB, 8 + len).to_vec();
+    v.extend_from_slice(&round.to_be_bytes());
+    v
+}
+
+/// Frame header of a `HELLO` frame whose payload has `payload_len` bytes;
+/// the fixed part ([`HelloFixed::encode`]) and the payload follow.
+fn hello_header(payload_len: usize) -> [u8; 5] {
+    frame_header(K_HELLO, HELLO_FIXED + payload_len)
+}
+
 fn error_frame_bytes(msg: &str) -> Vec<u8> {
     let mut m = msg.as_bytes();
     if m.len() > 64 << 10 {
@@ -396,6 +434,220 @@ fn error_frame_bytes(msg: &str) -> Vec<u8> {
     let mut v = frame_header(K_ERROR, m.len()).to_vec();
     v.extend_from_slice(m);
     v
+}
+
+// ---------------------------------------------------------------------------
+// Message decoders (pure: the root and the client call them on what arrived,
+// and the fuzz targets call them on anything)
+
+/// Bytes of a hello's fixed part: magic, version, rank, nranks, the client's
+/// nonce and its MAC. The payload follows.
+const HELLO_FIXED: usize = 8 + 4 + 4 + 4 + NONCE_LEN + MAC_LEN;
+/// Bytes of a connection's first frame the root reads before it has checked
+/// the proof of the secret: length, kind and the hello's fixed part. A
+/// stranger cannot make the root buffer more than this.
+const HELLO_PREFIX: usize = 5 + HELLO_FIXED;
+
+/// Why a hello was refused before its proof was checked.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) enum HelloError {
+    /// A frame length of 0 or over [`MAX_FRAME`].
+    Length(usize),
+    /// Another kind of frame, or too short to be one.
+    NotHello,
+    /// The magic is not braid's.
+    Magic,
+    /// Another protocol version (the rank should be told).
+    Version(u32),
+    /// Shorter than a hello's fixed part.
+    Truncated,
+}
+
+/// The fixed part of a hello.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct HelloFixed {
+    pub rank: u32,
+    pub nranks: u32,
+    pub cnonce: [u8; NONCE_LEN],
+    pub mac: [u8; MAC_LEN],
+}
+
+impl HelloFixed {
+    /// Whether the MAC proves the secret for the root's `nonce`.
+    pub fn proves(&self, secret: &[u8; 16], root_nonce: &[u8; NONCE_LEN]) -> bool {
+        let expect = client_mac(secret, root_nonce, &self.cnonce, self.rank, self.nranks);
+        ct_eq(&self.mac, &expect)
+    }
+
+    /// The hello's fixed part on the wire (the payload follows it).
+    pub fn encode(&self) -> Vec<u8> {
+        let mut v = Vec::with_capacity(HELLO_FIXED);
+        v.extend_from_slice(&MAGIC);
+        v.extend_from_slice(&VERSION.to_be_bytes());
+        v.extend_from_slice(&self.rank.to_be_bytes());
+        v.extend_from_slice(&self.nranks.to_be_bytes());
+        v.extend_from_slice(&self.cnonce);
+        v.extend_from_slice(&self.mac);
+        v
+    }
+}
+
+/// Decodes what is known of a hello: `kind` and the announced body length
+/// `body_len` of its frame and the first bytes of its body, `avail` (at most
+/// `body_len`). `Ok(None)`: not enough bytes yet to decide. Checks go in the
+/// order in which their bytes arrive, so a prefix is refused exactly when
+/// the whole frame would be.
+fn hello_fixed(
+    kind: u8,
+    body_len: usize,
+    avail: &[u8],
+) -> std::result::Result<Option<HelloFixed>, HelloError> {
+    if kind != K_HELLO || body_len < 12 {
+        return Err(HelloError::NotHello);
+    }
+    let Some(head) = avail.get(..12) else {
+        return Ok(None);
+    };
+    if head[..8] != MAGIC {
+        return Err(HelloError::Magic);
+    }
+    let version = be_u32(head, 8).unwrap_or(0);
+    if version != VERSION {
+        return Err(HelloError::Version(version));
+    }
+    if body_len < HELLO_FIXED {
+        return Err(HelloError::Truncated);
+    }
+    let Some(b) = avail.get(..HELLO_FIXED) else {
+        return Ok(None);
+    };
+    let (Some(rank), Some(nranks)) = (be_u32(b, 12), be_u32(b, 16)) else {
+        return Err(HelloError::Truncated);
+    };
+    let mut cnonce = [0u8; NONCE_LEN];
+    cnonce.copy_from_slice(&b[20..20 + NONCE_LEN]);
+    let mut mac = [0u8; MAC_LEN];
+    mac.copy_from_slice(&b[20 + NONCE_LEN..HELLO_FIXED]);
+    Ok(Some(HelloFixed {
+        rank,
+        nranks,
+        cnonce,
+        mac,
+    }))
+}
+
+/// Decodes the start of a connection's byte stream as a hello frame, as far
+/// as the bytes go (at most [`HELLO_PREFIX`] of them matter).
+pub(crate) fn hello_prefix(buf: &[u8]) -> std::result::Result<Option<HelloFixed>, HelloError> {
+    let Some(n) = be_u32(buf, 0) else {
+        return Ok(None);
+    };
+    let n = n as usize;
+    if n == 0 || n > MAX_FRAME {
+        return Err(HelloError::Length(n));
+    }
+    let Some(&kind) = buf.get(4) else {
+        return Ok(None);
+    };
+    let end = buf.len().min(4 + n);
+    hello_fixed(kind, n - 1, &buf[5..end])
+}
+
+/// Decodes a complete hello frame: its fixed part and the payload.
+pub(crate) fn parse_hello(
+    kind: u8,
+    body: &[u8],
+) -> std::result::Result<(HelloFixed, &[u8]), HelloError> {
+    match hello_fixed(kind, body.len(), body)? {
+        Some(h) => Ok((h, &body[HELLO_FIXED..])),
+        // Unreachable: all `body.len()` bytes are there.
+        None => Err(HelloError::Truncated),
+    }
+}
+
+/// Decodes a `CONTRIB` body: `(round, data)`.
+pub(crate) fn parse_contrib(body: &[u8]) -> Option<(u64, &[u8])> {
+    Some((be_u64(body, 0)?, body.get(8..)?))
+}
+
+/// Why the root's challenge was refused.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) enum ChallengeError {
+    /// Not a braid challenge.
+    NotBraid,
+    /// A braid root of another protocol version.
+    Version(u32),
+}
+
+/// Decodes the root's challenge: its nonce.
+pub(crate) fn parse_challenge(
+    kind: u8,
+    body: &[u8],
+) -> std::result::Result<[u8; NONCE_LEN], ChallengeError> {
+    if kind != K_CHALLENGE || body.len() != 8 + 4 + NONCE_LEN || body[..8] != MAGIC {
+        return Err(ChallengeError::NotBraid);
+    }
+    let version = be_u32(body, 8).unwrap_or(0);
+    if version != VERSION {
+        return Err(ChallengeError::Version(version));
+    }
+    let mut nonce = [0u8; NONCE_LEN];
+    nonce.copy_from_slice(&body[12..]);
+    Ok(nonce)
+}
+
+/// Checks one `DATA` frame of round `round` that must come from rank `want`;
+/// returns its data, or what arrived instead.
+pub(crate) fn parse_data(
+    kind: u8,
+    body: &[u8],
+    round: u64,
+    want: u32,
+) -> std::result::Result<&[u8], String> {
+    let (Some(r), Some(src)) = (be_u64(body, 0), be_u32(body, 8)) else {
+        return Err("a truncated data message".into());
+    };
+    if kind != K_DATA || r != round || src != want {
+        return Err(format!(
+            "kind {kind} round {r} rank {src}, expected round {round} rank {want}"
+        ));
+    }
+    Ok(&body[12..])
+}
+
+/// Why a frame could not be read.
+#[derive(Debug)]
+pub(crate) enum FrameError {
+    /// The stream failed (or ended).
+    Io(io::Error),
+    /// A length of 0 or over [`MAX_FRAME`].
+    Length(usize),
+}
+
+/// Reads one frame `(kind, body)` with `read_exact`. The length is checked
+/// before anything is allocated, and the body is read in chunks of at most
+/// [`READ_CHUNK`], so a peer that announces a large frame and sends less
+/// costs at most what it sent.
+pub(crate) fn read_frame_with(
+    mut read_exact: impl FnMut(&mut [u8]) -> io::Result<()>,
+) -> std::result::Result<(u8, Vec<u8>), FrameError> {
+    let mut len = [0u8; 4];
+    read_exact(&mut len).map_err(FrameError::Io)?;
+    let n = u32::from_be_bytes(len) as usize;
+    if n == 0 || n > MAX_FRAME {
+        return Err(FrameError::Length(n));
+    }
+    let mut kind = [0u8; 1];
+    read_exact(&mut kind).map_err(FrameError::Io)?;
+    let n = n - 1;
+    let mut body = Vec::with_capacity(n.min(READ_CHUNK));
+    let mut chunk = vec![0u8; n.min(READ_CHUNK)];
+    while body.len() < n {
+        let k = (n - body.len()).min(chunk.len());
+        read_exact(&mut chunk[..k]).map_err(FrameError::Io)?;
+        body.extend_from_slice(&chunk[..k]);
+    }
+    Ok((kind[0], body))
 }
 
 // ---------------------------------------------------------------------------
@@ -579,6 +831,9 @@ struct Pending {
     nonce: [u8; NONCE_LEN],
     deadline: Instant,
     rbuf: FrameBuf,
+    /// The hello's fixed part proved the secret. Until then the root reads
+    /// no more than [`HELLO_PREFIX`] bytes from the connection.
+    proven: bool,
 }
 
 struct RankConn {
@@ -794,18 +1049,15 @@ impl Root {
         stream.set_nonblocking(true)?;
         stream.set_nodelay(true)?;
         let nonce: [u8; NONCE_LEN] = random_bytes().map_err(io::Error::other)?;
-        let mut body = Vec::with_capacity(8 + 4 + NONCE_LEN);
-        body.extend_from_slice(&MAGIC);
-        body.extend_from_slice(&VERSION.to_be_bytes());
-        body.extend_from_slice(&nonce);
-        let hdr = frame_header(K_CHALLENGE, body.len());
-        write_all_nb(&stream, &[&hdr, &body], Instant::now() + self.timeout)?;
+        let frame = challenge_frame(&nonce);
+        write_all_nb(&stream, &[&frame], Instant::now() + self.timeout)?;
         self.pending.push(Pending {
             stream,
             peer,
             nonce,
             deadline: Instant::now() + self.timeout,
             rbuf: FrameBuf::default(),
+            proven: false,
         });
         Ok(())
     }
@@ -821,7 +1073,15 @@ impl Root {
         }
         self.pending = all;
         for mut p in taken {
-            match p.rbuf.fill(&p.stream, &mut self.chunk) {
+            // Before the proof of the secret, read only up to the end of the
+            // hello's fixed part: a stranger costs the root a few bytes, not
+            // a frame of up to MAX_FRAME.
+            let limit = if p.proven {
+                self.chunk.len()
+            } else {
+                HELLO_PREFIX.saturating_sub(p.rbuf.buf.len()).max(1)
+            };
+            match p.rbuf.fill(&p.stream, &mut self.chunk[..limit]) {
                 Ok(Fill::Data) => {}
                 Ok(Fill::Nothing) => {
                     self.pending.push(p);
@@ -834,6 +1094,23 @@ impl Root {
                 Err(e) => {
                     tracing::warn!(root = %self.addr, peer = %p.peer, "bootstrap handshake read failed: {e}");
                     continue;
+                }
+            }
+            if !p.proven {
+                match hello_prefix(&p.rbuf.buf) {
+                    Ok(None) => {
+                        self.pending.push(p);
+                        continue;
+                    }
+                    Ok(Some(h)) if h.proves(&self.secret, &p.nonce) => p.proven = true,
+                    Ok(Some(h)) => {
+                        self.reject_wrong_secret(p, h.rank);
+                        continue;
+                    }
+                    Err(e) => {
+                        self.reject_hello(p, e);
+                        continue;
+                    }
                 }
             }
             match p.rbuf.next_frame() {
@@ -866,48 +1143,58 @@ impl Root {
         close_gently(p.stream);
     }
 
+    /// Drops a connection whose hello was not a braid hello of this version.
+    fn reject_hello(&self, p: Pending, e: HelloError) {
+        match e {
+            HelloError::Length(n) => self.reject(
+                p,
+                &format!("frame of {n} bytes (the limit is {MAX_FRAME} bytes)"),
+                None,
+            ),
+            HelloError::NotHello => self.reject(p, "not a braid bootstrap hello", None),
+            HelloError::Magic => self.reject(p, "wrong magic (not a braid bootstrap client)", None),
+            HelloError::Version(version) => {
+                let msg = format!(
+                    "bootstrap protocol version mismatch: the root at {} speaks v{VERSION}, this rank v{version}; \
+                     all ranks must run the same braid version",
+                    self.addr
+                );
+                self.reject(p, &msg, Some(&msg));
+            }
+            HelloError::Truncated => self.reject(p, "truncated hello", None),
+        }
+    }
+
+    /// Drops a connection that did not prove the secret, telling it why.
+    fn reject_wrong_secret(&self, p: Pending, rank: u32) {
+        let why = format!("a client claiming rank {rank} did not prove the secret");
+        let tell = format!(
+            "the secret did not match: the bootstrap root at {} does not accept this rank's \
+             secret; check that every rank uses the same UniqueId (BRAID_UNIQUE_ID or BRAID_SECRET)",
+            self.addr
+        );
+        self.reject(p, &why, Some(&tell));
+    }
+
     fn handle_hello(&mut self, p: Pending, kind: u8, body: Vec<u8>) -> Step {
-        const FIXED: usize = 8 + 4 + 4 + 4 + NONCE_LEN + MAC_LEN;
-        if kind != K_HELLO || body.len() < 12 {
-            self.reject(p, "not a braid bootstrap hello", None);
-            return Ok(());
-        }
-        if body[..8] != MAGIC {
-            self.reject(p, "wrong magic (not a braid bootstrap client)", None);
-            return Ok(());
-        }
-        let version = be_u32(&body, 8).unwrap_or(0);
-        if version != VERSION {
-            let msg = format!(
-                "bootstrap protocol version mismatch: the root at {} speaks v{VERSION}, this rank v{version}; \
-                 all ranks must run the same braid version",
-                self.addr
-            );
-            self.reject(p, &msg, Some(&msg));
-            return Ok(());
-        }
-        if body.len() < FIXED {
-            self.reject(p, "truncated hello", None);
-            return Ok(());
-        }
-        let (Some(rank), Some(nranks)) = (be_u32(&body, 12), be_u32(&body, 16)) else {
-            self.reject(p, "truncated hello", None);
-            return Ok(());
+        let (fixed, payload) = match parse_hello(kind, &body) {
+            Ok(h) => h,
+            Err(e) => {
+                self.reject_hello(p, e);
+                return Ok(());
+            }
         };
-        let cnonce = &body[20..20 + NONCE_LEN];
-        let mac = &body[20 + NONCE_LEN..FIXED];
-        let expect = client_mac(&self.secret, &p.nonce, cnonce, rank, nranks);
-        if !ct_eq(mac, &expect) {
-            let why = format!("a client claiming rank {rank} did not prove the secret");
-            let tell = format!(
-                "the secret did not match: the bootstrap root at {} does not accept this rank's \
-                 secret; check that every rank uses the same UniqueId (BRAID_UNIQUE_ID or BRAID_SECRET)",
-                self.addr
-            );
-            self.reject(p, &why, Some(&tell));
+        if !fixed.proves(&self.secret, &p.nonce) {
+            self.reject_wrong_secret(p, fixed.rank);
             return Ok(());
         }
-        let payload = body[FIXED..].to_vec();
+        let HelloFixed {
+            rank,
+            nranks,
+            cnonce,
+            ..
+        } = fixed;
+        let payload = payload.to_vec();
 
         if self.round > 0 {
             let msg = format!(
@@ -944,9 +1231,8 @@ impl Root {
             return Err(self.abort_with(msg, Some(p.stream)));
         }
 
-        let proof = root_mac(&self.secret, cnonce, &p.nonce, rank);
-        let hdr = frame_header(K_ACCEPT, proof.len());
-        if let Err(e) = write_all_nb(&p.stream, &[&hdr, &proof], Instant::now() + self.timeout) {
+        let accept = accept_frame(&root_mac(&self.secret, &cnonce, &p.nonce, rank));
+        if let Err(e) = write_all_nb(&p.stream, &[&accept], Instant::now() + self.timeout) {
             tracing::warn!(root = %self.addr, peer = %p.peer, "rank {rank} vanished during its handshake: {e}");
             return Ok(());
         }
@@ -1001,7 +1287,7 @@ impl Root {
             let msg = format!("rank {rank} sent an unexpected bootstrap message (kind {kind})");
             return Err(self.abort(msg));
         }
-        let Some(round) = be_u64(&body, 0) else {
+        let Some((round, data)) = parse_contrib(&body) else {
             let msg = format!("rank {rank} sent a truncated bootstrap contribution");
             return Err(self.abort(msg));
         };
@@ -1019,7 +1305,7 @@ impl Root {
         if self.contribs.is_empty() {
             self.round_deadline = Some(Instant::now() + self.timeout);
         }
-        self.contribs.insert(rank, body[8..].to_vec());
+        self.contribs.insert(rank, data.to_vec());
         if self.contribs.len() == self.ranks.len() {
             self.complete_round()?;
         }
@@ -1034,9 +1320,7 @@ impl Root {
         for (&r, conn) in &self.ranks {
             let deadline = Instant::now() + self.timeout;
             for (&src, data) in &contribs {
-                let mut hdr = frame_header(K_DATA, 12 + data.len()).to_vec();
-                hdr.extend_from_slice(&round.to_be_bytes());
-                hdr.extend_from_slice(&src.to_be_bytes());
+                let hdr = data_header(round, src, data.len());
                 if let Err(e) = write_all_nb(&conn.stream, &[&hdr, data], deadline) {
                     failed = Some((r, e));
                     break;
@@ -1106,6 +1390,7 @@ pub struct Bootstrap {
     nranks: u32,
     root: SocketAddr,
     timeout: Duration,
+    abort: Option<Arc<AtomicBool>>,
     state: Mutex<ClientState>,
 }
 
@@ -1121,10 +1406,22 @@ struct Wire<'a> {
     stream: &'a mut TcpStream,
     root: SocketAddr,
     timeout: Duration,
+    /// Set from another thread to give up (init abort); polled every 50 ms.
+    abort: Option<&'a AtomicBool>,
+}
+
+/// How often a blocked read looks at the abort flag.
+const ABORT_POLL: Duration = Duration::from_millis(50);
+
+fn aborted_error() -> io::Error {
+    io::Error::other("aborted by the caller")
 }
 
 impl Wire<'_> {
     fn io_error(&self, e: io::Error, what: &str) -> Error {
+        if self.abort.is_some_and(|a| a.load(Ordering::Relaxed)) {
+            return Error::Unusable(format!("aborted by the caller while {what}"));
+        }
         match e.kind() {
             io::ErrorKind::TimedOut | io::ErrorKind::WouldBlock => Error::Bootstrap(format!(
                 "no answer from the bootstrap root at {} within {} while {what}",
@@ -1151,7 +1448,15 @@ impl Wire<'_> {
             let Some(left) = remaining(deadline) else {
                 return Err(io::ErrorKind::TimedOut.into());
             };
-            self.stream.set_read_timeout(Some(left))?;
+            if self.abort.is_some_and(|a| a.load(Ordering::Relaxed)) {
+                return Err(aborted_error());
+            }
+            let slice = if self.abort.is_some() {
+                left.min(ABORT_POLL)
+            } else {
+                left
+            };
+            self.stream.set_read_timeout(Some(slice))?;
             match self.stream.read(&mut buf[off..]) {
                 Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
                 Ok(n) => off += n,
@@ -1229,27 +1534,15 @@ impl Wire<'_> {
     }
 
     fn read_raw_frame(&mut self, deadline: Instant, what: &str) -> Result<(u8, Vec<u8>)> {
-        let mut len = [0u8; 4];
-        self.read_exact(&mut len, deadline)
-            .map_err(|e| self.io_error(e, what))?;
-        let n = u32::from_be_bytes(len) as usize;
-        if n == 0 || n > MAX_FRAME {
-            return Err(Error::Bootstrap(format!(
+        match read_frame_with(|b| self.read_exact(b, deadline)) {
+            Ok(f) => Ok(f),
+            Err(FrameError::Io(e)) => Err(self.io_error(e, what)),
+            Err(FrameError::Length(n)) => Err(Error::Bootstrap(format!(
                 "the peer at {} does not speak the braid bootstrap protocol (frame length {n}) \
                  while {what}; is the unique id's address really a braid root?",
                 self.root
-            )));
+            ))),
         }
-        let mut body = Vec::with_capacity(n.min(READ_CHUNK));
-        let mut chunk = vec![0u8; n.min(READ_CHUNK)];
-        while body.len() < n {
-            let k = (n - body.len()).min(chunk.len());
-            self.read_exact(&mut chunk[..k], deadline)
-                .map_err(|e| self.io_error(e, what))?;
-            body.extend_from_slice(&chunk[..k]);
-        }
-        let kind = body.remove(0);
-        Ok((kind, body))
     }
 
     /// Reads the `nranks` DATA frames of `round`.
@@ -1263,18 +1556,9 @@ impl Wire<'_> {
         let mut out = Vec::with_capacity(nranks.min(1 << 16) as usize);
         for want in 0..nranks {
             let (kind, body) = self.read_frame(deadline, what)?;
-            let (Some(r), Some(src)) = (be_u64(&body, 0), be_u32(&body, 8)) else {
-                return Err(self.protocol(what, "a truncated data message"));
-            };
-            if kind != K_DATA || r != round || src != want {
-                return Err(self.protocol(
-                    what,
-                    &format!(
-                        "kind {kind} round {r} rank {src}, expected round {round} rank {want}"
-                    ),
-                ));
-            }
-            out.push(body[12..].to_vec());
+            let data =
+                parse_data(kind, &body, round, want).map_err(|got| self.protocol(what, &got))?;
+            out.push(data.to_vec());
         }
         Ok(out)
     }
@@ -1287,9 +1571,19 @@ impl Wire<'_> {
     }
 }
 
-fn connect_retry(addr: SocketAddr, timeout: Duration, deadline: Instant) -> Result<TcpStream> {
+fn connect_retry(
+    addr: SocketAddr,
+    timeout: Duration,
+    deadline: Instant,
+    abort: Option<&AtomicBool>,
+) -> Result<TcpStream> {
     let mut backoff = Duration::from_millis(10);
     loop {
+        if abort.is_some_and(|a| a.load(Ordering::Relaxed)) {
+            return Err(Error::Unusable(
+                "communicator creation aborted by the caller".into(),
+            ));
+        }
         let left = remaining(deadline).unwrap_or(Duration::ZERO);
         let err = if left.is_zero() {
             io::Error::new(io::ErrorKind::TimedOut, "deadline reached")
@@ -1329,6 +1623,19 @@ impl Bootstrap {
         payload: &[u8],
         timeout: Duration,
     ) -> Result<(Bootstrap, Vec<Vec<u8>>)> {
+        Self::connect_abortable(id, rank, nranks, payload, timeout, None)
+    }
+
+    /// [`Bootstrap::connect`] that gives up within about 50 ms once `abort`
+    /// is set (from any thread), here and in every later round.
+    pub fn connect_abortable(
+        id: &UniqueId,
+        rank: u32,
+        nranks: u32,
+        payload: &[u8],
+        timeout: Duration,
+        abort: Option<Arc<AtomicBool>>,
+    ) -> Result<(Bootstrap, Vec<Vec<u8>>)> {
         if nranks == 0 || nranks > MAX_RANKS {
             return Err(Error::InvalidArgument(format!(
                 "nranks={nranks} is out of range (1..={MAX_RANKS})"
@@ -1350,7 +1657,7 @@ impl Bootstrap {
         let start = Instant::now();
         let deadline = start + timeout;
         let root = id.addr;
-        let mut stream = connect_retry(root, timeout, deadline)?;
+        let mut stream = connect_retry(root, timeout, deadline, abort.as_deref())?;
         stream.set_nodelay(true).map_err(|e| Error::BootstrapIo {
             what: format!(
                 "cannot set TCP_NODELAY on the connection to the bootstrap root at {root}"
@@ -1361,43 +1668,44 @@ impl Bootstrap {
             stream: &mut stream,
             root,
             timeout,
+            abort: abort.as_deref(),
         };
 
         // 1. challenge
         let what = "waiting for the root's challenge";
         let (kind, body) = wire.read_frame(deadline, what)?;
-        if kind != K_CHALLENGE || body.len() != 8 + 4 + NONCE_LEN || body[..8] != MAGIC {
-            return Err(Error::Bootstrap(format!(
-                "the peer at {root} does not speak the braid bootstrap protocol; is the unique \
-                 id's address really a braid root?"
-            )));
-        }
-        let version = be_u32(&body, 8).unwrap_or(0);
-        if version != VERSION {
-            return Err(Error::Bootstrap(format!(
-                "bootstrap protocol version mismatch: the root at {root} speaks v{version}, this \
-                 rank v{VERSION}; all ranks must run the same braid version"
-            )));
-        }
-        let rnonce = &body[12..];
+        let rnonce = match parse_challenge(kind, &body) {
+            Ok(n) => n,
+            Err(ChallengeError::NotBraid) => {
+                return Err(Error::Bootstrap(format!(
+                    "the peer at {root} does not speak the braid bootstrap protocol; is the \
+                     unique id's address really a braid root?"
+                )))
+            }
+            Err(ChallengeError::Version(version)) => {
+                return Err(Error::Bootstrap(format!(
+                    "bootstrap protocol version mismatch: the root at {root} speaks v{version}, \
+                     this rank v{VERSION}; all ranks must run the same braid version"
+                )))
+            }
+        };
 
         // 2. hello
         let cnonce: [u8; NONCE_LEN] = random_bytes()?;
-        let mac = client_mac(&id.secret, rnonce, &cnonce, rank, nranks);
-        let mut hello = Vec::with_capacity(8 + 12 + NONCE_LEN + MAC_LEN);
-        hello.extend_from_slice(&MAGIC);
-        hello.extend_from_slice(&VERSION.to_be_bytes());
-        hello.extend_from_slice(&rank.to_be_bytes());
-        hello.extend_from_slice(&nranks.to_be_bytes());
-        hello.extend_from_slice(&cnonce);
-        hello.extend_from_slice(&mac);
-        let hdr = frame_header(K_HELLO, hello.len() + payload.len());
+        let hello = HelloFixed {
+            rank,
+            nranks,
+            cnonce,
+            mac: client_mac(&id.secret, &rnonce, &cnonce, rank, nranks),
+        }
+        .encode();
+        let hdr = hello_header(payload.len());
         wire.send(&[&hdr, &hello, payload], deadline, "sending hello")?;
 
         // 3. accept, with the root's proof
         let (kind, proof) =
             wire.read_frame(deadline, "waiting for the root to accept this rank")?;
-        if kind != K_ACCEPT || !ct_eq(&proof, &root_mac(&id.secret, &cnonce, rnonce, rank)) {
+        if kind != K_ACCEPT || !ct_eq(&proof, &root_mac(&id.secret, &cnonce, &rnonce, rank)) {
             return Err(Error::Bootstrap(format!(
                 "the bootstrap root at {root} could not prove that it knows the secret: check \
                  that every rank uses the same UniqueId"
@@ -1414,6 +1722,7 @@ impl Bootstrap {
                 nranks,
                 root,
                 timeout,
+                abort,
                 state: Mutex::new(ClientState {
                     stream,
                     round: 0,
@@ -1444,6 +1753,13 @@ impl Bootstrap {
         self.timeout
     }
 
+    /// The local address of this rank's connection to the root: an address
+    /// the other ranks can reach this host at, as they reach the root.
+    pub fn local_ip(&self) -> Option<IpAddr> {
+        let st = self.state.lock().ok()?;
+        st.stream.local_addr().ok().map(|a| a.ip())
+    }
+
     /// Every rank contributes `data`; all get all contributions in rank order.
     /// All ranks must call this the same number of times. After an error the
     /// bootstrap is unusable.
@@ -1464,17 +1780,17 @@ impl Bootstrap {
                 stream: &mut st.stream,
                 root: self.root,
                 timeout: self.timeout,
+                abort: self.abort.as_deref(),
             };
             let deadline = Instant::now() + self.timeout;
             let what = format!(
                 "in bootstrap round {round} (rank {} of {})",
                 self.rank, self.nranks
             );
-            let hdr = frame_header(K_CONTRIB, 8 + data.len());
-            wire.send(&[&hdr, &round.to_be_bytes(), data], deadline, &what)
-                .and_then(|()| {
-                    wire.read_round(round, self.nranks, deadline + grace(self.timeout), &what)
-                })
+            let hdr = contrib_header(round, data.len());
+            wire.send(&[&hdr, data], deadline, &what).and_then(|()| {
+                wire.read_round(round, self.nranks, deadline + grace(self.timeout), &what)
+            })
         };
         match res {
             Ok(v) => {
@@ -1503,6 +1819,216 @@ fn check_payload(p: &[u8]) -> Result<()> {
         )));
     }
     Ok(())
+}
+
+// ---------------------------------------------------------------------------
+// Fuzzing entry points
+
+/// The bootstrap's decoders and encoders over plain bytes, for the fuzz
+/// targets in `fuzz/` and their seed corpus. Not part of the API: the
+/// signatures follow the wire format and change with it.
+#[doc(hidden)]
+pub mod fuzzing {
+    use super::*;
+
+    use std::result::Result;
+
+    /// Bytes of a hello's fixed part.
+    pub const HELLO_FIXED: usize = super::HELLO_FIXED;
+    /// Bytes the root reads from a connection before the proof.
+    pub const HELLO_PREFIX: usize = super::HELLO_PREFIX;
+    /// Bytes of a nonce.
+    pub const NONCE_LEN: usize = super::NONCE_LEN;
+    /// Bytes of a MAC.
+    pub const MAC_LEN: usize = super::MAC_LEN;
+    /// Frame kinds.
+    pub const KINDS: [(u8, &str); 6] = [
+        (K_CHALLENGE, "challenge"),
+        (K_HELLO, "hello"),
+        (K_ACCEPT, "accept"),
+        (K_ERROR, "error"),
+        (K_DATA, "data"),
+        (K_CONTRIB, "contrib"),
+    ];
+
+    /// A hello's fixed part: `(rank, nranks, client nonce, mac)`.
+    pub type Hello = (u32, u32, [u8; NONCE_LEN], [u8; MAC_LEN]);
+
+    fn hello_tuple(h: HelloFixed) -> Hello {
+        (h.rank, h.nranks, h.cnonce, h.mac)
+    }
+
+    fn hello_error(e: HelloError) -> String {
+        format!("{e:?}")
+    }
+
+    /// Feeds `stream` to the root's frame cutter in pieces of the sizes in
+    /// `pieces` (cycled; a 0 stands for 1), as nonblocking reads would
+    /// deliver it, taking every frame as soon as it is complete. Returns the
+    /// frames and the error that stopped the cutter, if any.
+    pub fn root_frames(stream: &[u8], pieces: &[usize]) -> (Vec<(u8, Vec<u8>)>, Option<String>) {
+        let mut fb = FrameBuf::default();
+        let mut frames = Vec::new();
+        let mut at = 0;
+        let mut i = 0;
+        while at < stream.len() {
+            let k = pieces
+                .get(i % pieces.len().max(1))
+                .copied()
+                .unwrap_or(READ_CHUNK);
+            let k = k.clamp(1, READ_CHUNK).min(stream.len() - at);
+            fb.buf.extend_from_slice(&stream[at..at + k]);
+            at += k;
+            i += 1;
+            loop {
+                match fb.next_frame() {
+                    Ok(Some(f)) => frames.push(f),
+                    Ok(None) => break,
+                    Err(e) => return (frames, Some(e)),
+                }
+            }
+            // What the root holds for one connection: at most one frame.
+            assert!(fb.buf.len() < 4 + MAX_FRAME + READ_CHUNK);
+        }
+        (frames, None)
+    }
+
+    /// Reads frames from `stream` as a client does, until it ends or a
+    /// frame is refused. The error is `"length N"` or the I/O error kind.
+    pub fn client_frames(stream: &[u8]) -> (Vec<(u8, Vec<u8>)>, Option<String>) {
+        let mut r = io::Cursor::new(stream);
+        let mut frames = Vec::new();
+        while (r.position() as usize) < stream.len() {
+            match read_frame_with(|b| r.read_exact(b)) {
+                Ok(f) => frames.push(f),
+                Err(FrameError::Length(n)) => return (frames, Some(format!("length {n}"))),
+                Err(FrameError::Io(e)) => return (frames, Some(format!("{:?}", e.kind()))),
+            }
+        }
+        (frames, None)
+    }
+
+    /// The root's early check of a connection's first bytes.
+    pub fn hello_prefix(buf: &[u8]) -> Result<Option<Hello>, String> {
+        super::hello_prefix(buf)
+            .map(|h| h.map(hello_tuple))
+            .map_err(hello_error)
+    }
+
+    /// The root's decoder of a complete hello frame: fixed part and payload.
+    pub fn parse_hello(kind: u8, body: &[u8]) -> Result<(Hello, Vec<u8>), String> {
+        super::parse_hello(kind, body)
+            .map(|(h, p)| (hello_tuple(h), p.to_vec()))
+            .map_err(hello_error)
+    }
+
+    /// Whether `hello` proves `secret` for the root nonce `root_nonce`.
+    pub fn hello_proves(hello: &Hello, secret: &[u8; 16], root_nonce: &[u8; NONCE_LEN]) -> bool {
+        let (rank, nranks, cnonce, mac) = *hello;
+        HelloFixed {
+            rank,
+            nranks,
+            cnonce,
+            mac,
+        }
+        .proves(secret, root_nonce)
+    }
+
+    /// A complete hello frame as a client sends it, with a valid proof.
+    pub fn hello_frame(
+        secret: &[u8; 16],
+        root_nonce: &[u8; NONCE_LEN],
+        cnonce: &[u8; NONCE_LEN],
+        rank: u32,
+        nranks: u32,
+        payload: &[u8],
+    ) -> Vec<u8> {
+        let h = HelloFixed {
+            rank,
+            nranks,
+            cnonce: *cnonce,
+            mac: client_mac(secret, root_nonce, cnonce, rank, nranks),
+        };
+        let mut v = hello_header(payload.len()).to_vec();
+        v.extend_from_slice(&h.encode());
+        v.extend_from_slice(payload);
+        v
+    }
+
+    /// The hello's fixed part on the wire.
+    pub fn encode_hello(h: &Hello) -> Vec<u8> {
+        let (rank, nranks, cnonce, mac) = *h;
+        HelloFixed {
+            rank,
+            nranks,
+            cnonce,
+            mac,
+        }
+        .encode()
+    }
+
+    /// The root's decoder of a contribution: `(round, data)`.
+    pub fn parse_contrib(body: &[u8]) -> Option<(u64, Vec<u8>)> {
+        super::parse_contrib(body).map(|(r, d)| (r, d.to_vec()))
+    }
+
+    /// A complete `CONTRIB` frame.
+    pub fn contrib_frame(round: u64, data: &[u8]) -> Vec<u8> {
+        let mut v = contrib_header(round, data.len());
+        v.extend_from_slice(data);
+        v
+    }
+
+    /// The client's decoder of the challenge: the root's nonce.
+    pub fn parse_challenge(kind: u8, body: &[u8]) -> Result<[u8; NONCE_LEN], String> {
+        super::parse_challenge(kind, body).map_err(|e| format!("{e:?}"))
+    }
+
+    /// A complete `CHALLENGE` frame.
+    pub fn challenge_frame(nonce: &[u8; NONCE_LEN]) -> Vec<u8> {
+        super::challenge_frame(nonce)
+    }
+
+    /// A complete `ACCEPT` frame proving `secret` to the client.
+    pub fn accept_frame(
+        secret: &[u8; 16],
+        cnonce: &[u8; NONCE_LEN],
+        root_nonce: &[u8; NONCE_LEN],
+        rank: u32,
+    ) -> Vec<u8> {
+        super::accept_frame(&root_mac(secret, cnonce, root_nonce, rank))
+    }
+
+    /// Whether an `ACCEPT` frame's body is the root's proof, as the client
+    /// checks it.
+    pub fn accept_proves(
+        kind: u8,
+        body: &[u8],
+        secret: &[u8; 16],
+        cnonce: &[u8; NONCE_LEN],
+        root_nonce: &[u8; NONCE_LEN],
+        rank: u32,
+    ) -> bool {
+        kind == K_ACCEPT && ct_eq(body, &root_mac(secret, cnonce, root_nonce, rank))
+    }
+
+    /// The client's decoder of a `DATA` frame expected from rank `want` in
+    /// round `round`.
+    pub fn parse_data(kind: u8, body: &[u8], round: u64, want: u32) -> Result<Vec<u8>, String> {
+        super::parse_data(kind, body, round, want).map(<[u8]>::to_vec)
+    }
+
+    /// A complete `DATA` frame.
+    pub fn data_frame(round: u64, src: u32, data: &[u8]) -> Vec<u8> {
+        let mut v = data_header(round, src, data.len());
+        v.extend_from_slice(data);
+        v
+    }
+
+    /// A complete `ERROR` frame (the message is cut at 64 KiB).
+    pub fn error_frame(msg: &str) -> Vec<u8> {
+        error_frame_bytes(msg)
+    }
 }
 
 // ---------------------------------------------------------------------------
@@ -1773,6 +2299,7 @@ mod tests {
             stream: &mut s,
             root: id.addr,
             timeout: t,
+            abort: None,
         };
         let dl = Instant::now() + t;
         let (_, body) = w.read_frame(dl, "test").unwrap();
@@ -1921,6 +2448,167 @@ mod tests {
             "challenge only, got {total} bytes"
         );
         server.join().unwrap();
+    }
+
+    /// A stranger that connects and reads the root's challenge.
+    fn stranger(id: &UniqueId, t: Duration) -> (TcpStream, [u8; NONCE_LEN]) {
+        let mut s = TcpStream::connect(id.addr).unwrap();
+        let mut w = Wire {
+            stream: &mut s,
+            root: id.addr,
+            timeout: t,
+            abort: None,
+        };
+        let (kind, body) = w.read_frame(Instant::now() + t, "test").unwrap();
+        let nonce = parse_challenge(kind, &body).unwrap();
+        (s, nonce)
+    }
+
+    /// Reads what the root says to a stranger: its error message, or
+    /// "EOF" when it closes without one. Fails if nothing comes within `t`.
+    fn root_verdict(s: &mut TcpStream, id: &UniqueId, t: Duration) -> String {
+        let mut w = Wire {
+            stream: s,
+            root: id.addr,
+            timeout: t,
+            abort: None,
+        };
+        match w.read_raw_frame(Instant::now() + t, "test") {
+            Ok((K_ERROR, body)) => String::from_utf8_lossy(&body).into_owned(),
+            Ok((kind, _)) => panic!("the root answered a stranger with a frame of kind {kind}"),
+            Err(e) => {
+                let e = e.to_string();
+                assert!(e.contains("closed the connection"), "{e}");
+                "EOF".into()
+            }
+        }
+    }
+
+    #[test]
+    fn strangers_are_refused_early_and_ranks_still_join() {
+        let t = Duration::from_secs(10);
+        let (id, server) = root(t);
+        let quick = Duration::from_secs(3);
+
+        // A wrong secret in a hello that announces the largest frame: the
+        // root answers after the hello's fixed part, without waiting for
+        // (or buffering) the 16 MiB it announced.
+        let (mut a, _) = stranger(&id, t);
+        let fixed = HelloFixed {
+            rank: 0,
+            nranks: 3,
+            cnonce: [7; NONCE_LEN],
+            mac: [0; MAC_LEN],
+        };
+        a.write_all(&hello_header(MAX_PAYLOAD)).unwrap();
+        a.write_all(&fixed.encode()).unwrap();
+        let start = Instant::now();
+        let v = root_verdict(&mut a, &id, quick);
+        assert!(v.contains("secret did not match"), "{v}");
+        assert!(
+            start.elapsed() < Duration::from_secs(2),
+            "{:?}",
+            start.elapsed()
+        );
+
+        // The right secret, but the hello is cut short and the stranger
+        // leaves: it never counts as rank 1.
+        let (mut b, nonce) = stranger(&id, t);
+        let hello = fuzzing::hello_frame(&id.secret, &nonce, &[9; NONCE_LEN], 1, 3, &[1; 100]);
+        b.write_all(&hello[..hello.len() - 10]).unwrap();
+        b.shutdown(Shutdown::Write).unwrap();
+        assert_eq!(root_verdict(&mut b, &id, quick), "EOF");
+
+        // Another protocol version is told so.
+        let (mut c, _) = stranger(&id, t);
+        let mut v2 = hello_header(0).to_vec();
+        v2.extend_from_slice(&fixed.encode());
+        v2[5 + 11] = 2;
+        c.write_all(&v2).unwrap();
+        let v = root_verdict(&mut c, &id, quick);
+        assert!(
+            v.contains("version mismatch") && v.contains("this rank v2"),
+            "{v}"
+        );
+
+        // An empty frame, a frame of another kind, a hello too short to be
+        // one: dropped without an answer.
+        for junk in [
+            vec![0, 0, 0, 0],
+            frame_header(K_DATA, 3)
+                .iter()
+                .chain(&[1, 2, 3])
+                .copied()
+                .collect(),
+            {
+                let mut v = frame_header(K_HELLO, 40).to_vec();
+                v.extend_from_slice(&fixed.encode()[..40]);
+                v
+            },
+        ] {
+            let (mut d, _) = stranger(&id, t);
+            d.write_all(&junk).unwrap();
+            assert_eq!(root_verdict(&mut d, &id, quick), "EOF", "{junk:?}");
+        }
+
+        // The real ranks, rank 1 included, still join and work.
+        let hs: Vec<_> = (0..3u32)
+            .map(|r| {
+                std::thread::spawn(move || -> Result<Vec<Vec<u8>>> {
+                    let (b, all) = Bootstrap::connect(&id, r, 3, &[r as u8], t)?;
+                    assert_eq!(all, vec![vec![0], vec![1], vec![2]]);
+                    b.allgather(&[r as u8 + 10])
+                })
+            })
+            .collect();
+        for h in hs {
+            assert_eq!(
+                h.join().unwrap().unwrap(),
+                vec![vec![10], vec![11], vec![12]]
+            );
+        }
+        server.join().unwrap();
+    }
+
+    /// The root's early check agrees with the check of the complete hello
+    /// on every prefix of valid and broken hellos.
+    #[test]
+    fn hello_prefix_agrees_with_the_complete_hello() {
+        let secret = [3u8; 16];
+        let rnonce = [4u8; NONCE_LEN];
+        let good = fuzzing::hello_frame(&secret, &rnonce, &[5; NONCE_LEN], 2, 4, b"payload");
+        let mut bad_magic = good.clone();
+        bad_magic[5] ^= 1;
+        let mut v9 = good.clone();
+        v9[5 + 11] = 9;
+        for (frame, want) in [
+            (&good, None),
+            (&bad_magic, Some(HelloError::Magic)),
+            (&v9, Some(HelloError::Version(9))),
+        ] {
+            for k in 0..frame.len() {
+                match hello_prefix(&frame[..k]) {
+                    Ok(None) => assert!(k < HELLO_PREFIX, "undecided at {k}"),
+                    Ok(Some(h)) => {
+                        assert!(want.is_none() && k >= HELLO_PREFIX);
+                        assert!(h.proves(&secret, &rnonce));
+                        assert!(!h.proves(&[0; 16], &rnonce));
+                    }
+                    Err(e) => assert_eq!(Some(e), want, "at {k}"),
+                }
+            }
+            let full = parse_hello(frame[4], &frame[5..]);
+            match &want {
+                None => assert_eq!(full.unwrap().1, b"payload"),
+                Some(e) => assert_eq!(full.unwrap_err(), *e),
+            }
+        }
+        let mut huge = good.clone();
+        huge[..4].copy_from_slice(&((MAX_FRAME + 1) as u32).to_be_bytes());
+        assert_eq!(
+            hello_prefix(&huge[..4]),
+            Err(HelloError::Length(MAX_FRAME + 1))
+        );
     }
 
     #[test]

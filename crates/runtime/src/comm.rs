@@ -12,12 +12,16 @@ use braid_core::types::Element;
 use braid_core::{CoreError, DataType, RedOp};
 use tracing::{debug, info, info_span};
 
-use crate::bootstrap::{create_unique_id, Bootstrap, RootServer, UniqueId};
+use crate::bootstrap::{
+    create_unique_id, create_unique_id_with_timeout, Bootstrap, RootServer, UniqueId,
+};
 use crate::engine::{self, Channels, Exec, RawBuf, WaitPolicy};
 use crate::env::{timeout_from_env, LaunchInfo};
 use crate::error::{Error, Result};
 use crate::fingerprint::Headers;
+use crate::progress::{self, Progress, Snapshot};
 use crate::select::{self, TransportTable};
+use crate::topology;
 
 /// Options for creating a communicator.
 #[derive(Clone, Debug)]
@@ -25,6 +29,13 @@ pub struct Config {
     /// Bound on every wait without progress (bootstrap, connection set-up,
     /// operations). Default: `BRAID_TIMEOUT` or 120 s.
     pub timeout: Duration,
+    /// Abort flag: setting it (from any thread) makes communicator creation
+    /// give up within about 50 ms while it waits in the rendezvous or a
+    /// bootstrap round (link set-up waits stay bounded by `timeout`), and,
+    /// once created, works as [`Communicator::abort`]. Communicators created
+    /// with one flag share it: setting it aborts all of them (the threads of
+    /// [`Communicator::init_threads`], say). `None`: a flag of its own.
+    pub abort: Option<Arc<AtomicBool>>,
 }
 
 impl Config {
@@ -32,7 +43,14 @@ impl Config {
     pub fn from_env() -> Result<Config> {
         Ok(Config {
             timeout: timeout_from_env()?,
+            abort: None,
         })
+    }
+
+    /// This configuration with an abort flag (see [`Config::abort`]).
+    pub fn with_abort(mut self, flag: Arc<AtomicBool>) -> Config {
+        self.abort = Some(flag);
+        self
     }
 }
 
@@ -58,11 +76,25 @@ struct Shared {
     direct_min: usize,
     check_headers: bool,
     policy: WaitPolicy,
-    abort: AtomicBool,
+    abort: Arc<AtomicBool>,
     state: Mutex<State>,
     bootstrap: Mutex<Bootstrap>,
     transports: Vec<&'static str>,
+    topo_plan: braid_core::topo::Plan,
+    progress: Arc<Progress>,
+    /// Communicators split from this one ([`Communicator::abort_with_splits`]).
+    children: Mutex<Vec<std::sync::Weak<Shared>>>,
     _root: Option<RootServer>,
+}
+
+impl Shared {
+    fn abort(&self, why: &str) {
+        self.abort.store(true, Ordering::SeqCst);
+        if let Ok(mut st) = self.state.try_lock() {
+            st.broken.get_or_insert_with(|| why.into());
+            st.chans.abort_all(why);
+        }
+    }
 }
 
 #[derive(Debug)]
@@ -225,6 +257,7 @@ impl Communicator {
         root: Option<RootServer>,
     ) -> Result<Communicator> {
         crate::init_logging();
+        progress::install_dump_signal().map_err(Error::Env)?;
         if nranks == 0 || rank >= nranks {
             return Err(Error::InvalidArgument(format!(
                 "rank {rank} out of range for {nranks} ranks: ranks are 0..nranks-1"
@@ -240,16 +273,26 @@ impl Communicator {
             pid: std::process::id(),
             fabrics: table.fabrics(),
         };
-        let (boot, infos) = Bootstrap::connect(id, rank, nranks, &encode_peer(&me), timeout)?;
+        let abort = config
+            .abort
+            .clone()
+            .unwrap_or_else(|| Arc::new(AtomicBool::new(false)));
+        let (boot, infos) = Bootstrap::connect_abortable(
+            id,
+            rank,
+            nranks,
+            &encode_peer(&me),
+            timeout,
+            Some(abort.clone()),
+        )?;
         let peers: Vec<PeerDesc> = infos
             .iter()
             .enumerate()
             .map(|(r, b)| decode_peer(b, r as u32))
             .collect::<Result<_>>()?;
 
-        let choice = table.select_all(&me, &peers)?;
-        let ring = select::ring_by_host(&peers);
-        info!(rank, ring = ?ring, "braid: ring order (ranks of one host adjacent)");
+        let placement = topology::place(&boot, &me, &peers, &table)?;
+        let (choice, ring, topo_plan) = (placement.choice, placement.ring, placement.plan);
 
         // Phase 1: allocate both ends of every link, collect connect-info.
         let p = nranks as usize;
@@ -351,8 +394,9 @@ impl Communicator {
                 policy: WaitPolicy {
                     timeout,
                     spin: spin_budget(&me, &peers),
+                    stall_warn: progress::stall_warn(timeout),
                 },
-                abort: AtomicBool::new(false),
+                abort,
                 state: Mutex::new(State {
                     chans,
                     seq: 0,
@@ -366,6 +410,9 @@ impl Communicator {
                 }),
                 bootstrap: Mutex::new(boot),
                 transports,
+                topo_plan,
+                children: Mutex::new(Vec::new()),
+                progress: Progress::register(rank, nranks, format!("comm@{}", id.addr)),
                 _root: root,
             }),
         })
@@ -391,15 +438,148 @@ impl Communicator {
         &self.shared.transports
     }
 
+    /// What this communicator is doing now: the running operation and the
+    /// peer it waits for, if any (see [`crate::dump_pending`] for every
+    /// communicator of the process).
+    pub fn pending(&self) -> Snapshot {
+        self.shared.progress.snapshot()
+    }
+
+    /// The topology plan this communicator was built from: the transport of
+    /// every rank pair and the ring of every channel (the engine runs
+    /// channel 0's ring).
+    pub fn topology_plan(&self) -> &braid_core::topo::Plan {
+        &self.shared.topo_plan
+    }
+
     /// Make every pending and later operation fail promptly. Callable from any
     /// thread; the peers see the abort as an error naming this rank.
+    /// Communicators split from this one are not affected (see
+    /// [`Communicator::abort_with_splits`]).
     pub fn abort(&self) {
-        self.shared.abort.store(true, Ordering::SeqCst);
-        if let Ok(mut st) = self.shared.state.try_lock() {
-            st.broken
-                .get_or_insert_with(|| "aborted by the caller".into());
-            st.chans.abort_all("aborted by the caller");
+        self.shared.abort("aborted by the caller");
+    }
+
+    /// [`Communicator::abort`] this communicator and every communicator split
+    /// from it (recursively), e.g. when a job tears down after a failure.
+    pub fn abort_with_splits(&self) {
+        let mut todo = vec![self.shared.clone()];
+        while let Some(sh) = todo.pop() {
+            sh.abort("aborted by the caller (with its splits)");
+            if let Ok(kids) = sh.children.lock() {
+                todo.extend(kids.iter().filter_map(std::sync::Weak::upgrade));
+            }
         }
+    }
+
+    /// Split this communicator like `ncclCommSplit` / `MPI_Comm_split`: every
+    /// rank calls it (a collective over the parent's bootstrap); ranks with
+    /// the same `color` form a new communicator, ordered by `key` and then
+    /// by their rank here; `color: None` takes no part and gets `Ok(None)`.
+    ///
+    /// The new communicator has its own rendezvous (hosted by its new rank
+    /// 0), links, transports and ring, and lives independently of the parent
+    /// (dropping or aborting the parent leaves it usable, unless
+    /// [`Communicator::abort_with_splits`] is used).
+    ///
+    /// The rule after a failure: a communicator that was aborted or broken by
+    /// a failed operation cannot be split (an error, at once): its ranks may
+    /// be dead or stuck anywhere in an operation, so no collective over it can
+    /// be trusted. Survivors create a fresh communicator from a new unique
+    /// id instead.
+    pub fn split(&self, color: Option<u32>, key: u32) -> Result<Option<Communicator>> {
+        let sh = &*self.shared;
+        if sh.abort.load(Ordering::SeqCst) {
+            return Err(Error::Unusable(
+                "cannot split an aborted communicator; create a new one from a fresh unique id"
+                    .into(),
+            ));
+        }
+        if let Some(why) = self.lock()?.broken.clone() {
+            return Err(Error::Unusable(format!(
+                "cannot split a communicator broken by an earlier error ({why}); create a new one from a fresh unique id"
+            )));
+        }
+        let boot = sh
+            .bootstrap
+            .lock()
+            .map_err(|_| Error::Unusable("a thread panicked while holding the bootstrap".into()))?;
+        let mut mine = vec![color.is_some() as u8];
+        mine.extend_from_slice(&color.unwrap_or(0).to_le_bytes());
+        mine.extend_from_slice(&key.to_le_bytes());
+        let all = boot.allgather(&mine)?;
+        let mut wanted = Vec::with_capacity(all.len());
+        for (r, b) in all.iter().enumerate() {
+            let (Some(&has), Some(c), Some(k)) = (b.first(), b.get(1..5), b.get(5..9)) else {
+                return Err(Error::Bootstrap(format!(
+                    "rank {r} sent a malformed split request"
+                )));
+            };
+            let c = u32::from_le_bytes(c.try_into().unwrap_or_default());
+            let k = u32::from_le_bytes(k.try_into().unwrap_or_default());
+            wanted.push(((has != 0).then_some(c), k, r as u32));
+        }
+        let Some(color) = color else {
+            boot.allgather(&[])?;
+            return Ok(None);
+        };
+        let mut members: Vec<(u32, u32)> = wanted
+            .iter()
+            .filter(|w| w.0 == Some(color))
+            .map(|w| (w.1, w.2))
+            .collect();
+        members.sort_unstable();
+        let new_rank = members
+            .iter()
+            .position(|m| m.1 == sh.rank)
+            .ok_or_else(|| Error::Unusable("this rank is missing from its own split".into()))?
+            as u32;
+        let leader = members[0].1;
+        let timeout = sh.policy.timeout;
+        // The new rank 0 hosts the rendezvous on the address it reaches the
+        // parent's root from; it always answers the second round, so a
+        // failure to listen reaches the others as an error, not a timeout.
+        let (text, root, failure) = if new_rank == 0 {
+            let ip = boot.local_ip().unwrap_or(IpAddr::V4(Ipv4Addr::LOCALHOST));
+            match create_unique_id_with_timeout(SocketAddr::new(ip, 0), timeout) {
+                Ok((id, root)) => (id.to_string(), Some(root), None),
+                Err(e) => (String::new(), None, Some(e)),
+            }
+        } else {
+            (String::new(), None, None)
+        };
+        let ids = boot.allgather(text.as_bytes())?;
+        drop(boot);
+        if let Some(e) = failure {
+            return Err(e);
+        }
+        let id: UniqueId = std::str::from_utf8(&ids[leader as usize])
+            .ok()
+            .filter(|t| !t.is_empty())
+            .ok_or_else(|| {
+                Error::Bootstrap(format!(
+                    "rank {leader}, new rank 0 of split color {color}, could not host the new rendezvous (its log says why)"
+                ))
+            })?
+            .parse()?;
+        info!(
+            rank = sh.rank,
+            color,
+            key,
+            new_rank,
+            size = members.len(),
+            "braid: split"
+        );
+        let config = Config {
+            timeout,
+            abort: None,
+        };
+        let child = Self::init_inner(&id, new_rank, members.len() as u32, &config, root)?;
+        if let Ok(mut kids) = sh.children.lock() {
+            kids.retain(|w| w.strong_count() > 0);
+            kids.push(Arc::downgrade(&child.shared));
+        }
+        Ok(Some(child))
     }
 
     /// The error that broke this communicator, if any (like
@@ -409,6 +589,22 @@ impl Communicator {
             return Some("aborted by the caller".into());
         }
         self.lock().ok().and_then(|st| st.broken.clone())
+    }
+
+    /// Every rank contributes `data` through the bootstrap; all get all
+    /// contributions in rank order (set-up of device communicators).
+    pub(crate) fn allgather_bytes(&self, data: &[u8]) -> Result<Vec<Vec<u8>>> {
+        self.shared
+            .bootstrap
+            .lock()
+            .map_err(|_| Error::Unusable("a thread panicked while holding the bootstrap".into()))?
+            .allgather(data)
+    }
+
+    /// Plan parameters other than the piece size: (waiting policy, AllReduce
+    /// recursive-doubling threshold).
+    pub(crate) fn plan_knobs(&self) -> (WaitPolicy, usize) {
+        (self.shared.policy, self.shared.small_allreduce)
     }
 
     /// Synchronise all ranks through the bootstrap (slow path; for set-up and
@@ -470,12 +666,16 @@ impl Communicator {
             direct_min: sh.direct_min,
             rank: sh.rank,
             headers: use_headers.then_some(&headers),
+            progress: Some(&sh.progress),
         };
+        sh.progress.start(name, seq, prog.stage_ends.len());
         // SAFETY: the typed entry points built `bufs` from live slices of the
         // right lengths (checked), borrowed for this whole call, aligned for
         // `dt`, aliasing only as the in-place plans allow.
         let res = unsafe { engine::execute(&prog, &mut st.chans, &ex, &mut st.header_flags) };
         st.headers = headers;
+        sh.progress
+            .finish(res.as_ref().err().map(|e| e.to_string()).as_deref());
         match res {
             Ok(()) => Ok(()),
             Err(source) => {
@@ -934,7 +1134,7 @@ fn decode_peer(b: &[u8], from: u32) -> Result<PeerDesc> {
     })
 }
 
-fn encode_blobs(blobs: &[(Vec<u8>, Vec<u8>)]) -> Vec<u8> {
+pub(crate) fn encode_blobs(blobs: &[(Vec<u8>, Vec<u8>)]) -> Vec<u8> {
     let mut v = Vec::new();
     for (a, b) in blobs {
         for x in [a, b] {
@@ -945,7 +1145,7 @@ fn encode_blobs(blobs: &[(Vec<u8>, Vec<u8>)]) -> Vec<u8> {
     v
 }
 
-fn decode_blobs(b: &[u8], p: usize, from: u32) -> Result<Vec<(Vec<u8>, Vec<u8>)>> {
+pub(crate) fn decode_blobs(b: &[u8], p: usize, from: u32) -> Result<Vec<(Vec<u8>, Vec<u8>)>> {
     let bad = || Error::Bootstrap(format!("rank {from} sent malformed connect-info"));
     let mut out = Vec::with_capacity(p);
     let mut at = 0usize;
@@ -988,5 +1188,44 @@ mod peer_desc_tests {
         for n in [0, 7, 9, b.len() - 1] {
             assert!(decode_peer(&b[..n], 3).is_err(), "prefix {n}");
         }
+    }
+}
+
+/// The rendezvous payloads' decoders over plain bytes, for the fuzz targets
+/// in `fuzz/`. Not part of the API.
+#[doc(hidden)]
+pub mod fuzzing {
+    use super::*;
+
+    /// Decodes slot `from` of the rendezvous: `(rank, pid, host id)`.
+    pub fn decode_peer(b: &[u8], from: u32) -> std::result::Result<(u32, u32, String), String> {
+        super::decode_peer(b, from)
+            .map(|p| (p.rank, p.pid, p.host_id))
+            .map_err(|e| e.to_string())
+    }
+
+    /// Encodes a rank's description as it joins.
+    pub fn encode_peer(rank: u32, pid: u32, host_id: &str) -> Vec<u8> {
+        super::encode_peer(&PeerDesc {
+            rank,
+            host_id: host_id.to_string(),
+            pid,
+            fabrics: Vec::new(),
+        })
+    }
+
+    /// Decodes rank `from`'s connect-info for `p` ranks.
+    #[allow(clippy::type_complexity)]
+    pub fn decode_blobs(
+        b: &[u8],
+        p: usize,
+        from: u32,
+    ) -> std::result::Result<Vec<(Vec<u8>, Vec<u8>)>, String> {
+        super::decode_blobs(b, p, from).map_err(|e| e.to_string())
+    }
+
+    /// Encodes a rank's connect-info blobs.
+    pub fn encode_blobs(blobs: &[(Vec<u8>, Vec<u8>)]) -> Vec<u8> {
+        super::encode_blobs(blobs)
     }
 }

@@ -20,6 +20,7 @@ use braid_core::types::MemKind;
 use braid_core::{CoreError, DataType, RedOp};
 
 use crate::fingerprint::{self, Headers, HEADER_BYTES};
+use crate::progress::{Progress, Waiting};
 
 /// A caller buffer as the engine sees it.
 #[derive(Clone, Copy, Debug)]
@@ -113,6 +114,8 @@ pub struct WaitPolicy {
     pub timeout: Duration,
     /// Busy-poll iterations before yielding.
     pub spin: u32,
+    /// Log a wait at WARN once it lasts this long.
+    pub stall_warn: Duration,
 }
 
 impl Default for WaitPolicy {
@@ -120,6 +123,7 @@ impl Default for WaitPolicy {
         WaitPolicy {
             timeout: Duration::from_secs(120),
             spin: 2000,
+            stall_warn: Duration::from_secs(10),
         }
     }
 }
@@ -128,25 +132,42 @@ impl Default for WaitPolicy {
 struct Waiter<'a> {
     policy: &'a WaitPolicy,
     abort: &'a AtomicBool,
+    progress: Option<&'a Progress>,
     iters: u32,
     since: Option<Instant>,
     last_check: Option<Instant>,
+    /// The stage being run (for the progress record).
+    stage: usize,
+    /// The current wait was published / logged as a stall.
+    published: bool,
+    warned: bool,
 }
 
 impl<'a> Waiter<'a> {
-    fn new(policy: &'a WaitPolicy, abort: &'a AtomicBool) -> Self {
+    fn new(policy: &'a WaitPolicy, abort: &'a AtomicBool, progress: Option<&'a Progress>) -> Self {
         Waiter {
             policy,
             abort,
+            progress,
             iters: 0,
             since: None,
             last_check: None,
+            stage: 0,
+            published: false,
+            warned: false,
         }
     }
 
     fn progressed(&mut self) {
         self.iters = 0;
         self.since = None;
+        if self.published {
+            self.published = false;
+            self.warned = false;
+            if let Some(p) = self.progress {
+                p.wait_ends();
+            }
+        }
     }
 
     /// Called when nothing could move. `blocked` names what we wait for.
@@ -182,12 +203,40 @@ impl<'a> Waiter<'a> {
             }
         }
         let waited = now.duration_since(since);
-        if waited >= self.policy.timeout {
-            let transport = if what != WAIT_DATA {
+        let mut transport = || -> Result<&'static str, CoreError> {
+            Ok(if what != WAIT_DATA {
                 chans.sender(peer)?.transport()
             } else {
                 chans.receiver(peer)?.transport()
-            };
+            })
+        };
+        if !self.published && waited >= Duration::from_millis(1) {
+            self.published = true;
+            if let Some(p) = self.progress {
+                p.wait_begins(
+                    self.stage,
+                    Waiting {
+                        peer,
+                        transport: transport()?,
+                        what,
+                        since,
+                    },
+                );
+            }
+        }
+        if !self.warned && waited >= self.policy.stall_warn {
+            self.warned = true;
+            tracing::warn!(
+                peer,
+                transport = transport()?,
+                waiting_for = what,
+                waited_s = waited.as_secs_f64(),
+                "braid: stalled: {}",
+                self.progress.map(|p| p.describe()).unwrap_or_default()
+            );
+        }
+        if waited >= self.policy.timeout {
+            let transport = transport()?;
             return Err(CoreError::Timeout {
                 transport,
                 peer,
@@ -222,6 +271,8 @@ pub struct Exec<'a> {
     /// Operation headers to send and to check (mismatch detection); `None`
     /// turns the check off.
     pub headers: Option<&'a Headers>,
+    /// Where blocked waits are published (hang localisation).
+    pub progress: Option<&'a Progress>,
 }
 
 /// Operation headers in flight: which peers' headers were checked and sent
@@ -289,7 +340,7 @@ pub unsafe fn execute(
     ex: &Exec<'_>,
     flags: &mut Vec<u8>,
 ) -> Result<(), CoreError> {
-    let mut waiter = Waiter::new(ex.policy, ex.abort);
+    let mut waiter = Waiter::new(ex.policy, ex.abort, ex.progress);
     let n = ex.headers.map(|h| h.expect.len()).unwrap_or(0);
     flags.clear();
     flags.resize(n, 0);
@@ -300,7 +351,8 @@ pub unsafe fn execute(
     let mut direct: Vec<u32> = Vec::new();
     let mut pending: Vec<bool> = Vec::new();
     let mut claimed: Vec<(Option<u32>, Option<u32>)> = Vec::new();
-    for stage in prog.stages() {
+    for (si, stage) in prog.stages().enumerate() {
+        waiter.stage = si;
         if let [op] = stage {
             // The common case: one op, retried until it runs.
             // SAFETY: forwarded from this function's contract.

@@ -573,6 +573,10 @@ fn openmpi_root(get: &impl Fn(&str) -> Option<String>, ranks: &Ranks) -> Result<
 
 /// Most host names a host list may expand to.
 const MAX_HOSTS: usize = 1 << 20;
+/// Most bytes of host names a host list may expand to, all names together.
+const MAX_HOSTLIST_BYTES: usize = 64 << 20;
+/// Longest host name (a DNS name has at most 253 characters).
+const MAX_HOST_NAME: usize = 255;
 
 /// Expands a Slurm host list: `node[01-04,07],gpu3` → `node01`, `node02`,
 /// `node03`, `node04`, `node07`, `gpu3`. Zero padding is kept (the width of
@@ -581,6 +585,8 @@ const MAX_HOSTS: usize = 1 << 20;
 pub fn parse_hostlist(list: &str) -> Result<Vec<String>> {
     let bad = |why: &str| Error::Env(format!("bad Slurm host list {list:?}: {why}"));
     let mut out = Vec::new();
+    // Bytes of the names in `out`.
+    let mut out_bytes = 0usize;
     for item in split_top(list).map_err(|w| bad(&w))? {
         let item = item.trim();
         if item.is_empty() {
@@ -594,6 +600,7 @@ pub fn parse_hostlist(list: &str) -> Result<Vec<String>> {
                     if rest.contains(']') {
                         return Err(bad("']' without '['"));
                     }
+                    grow(&names, rest.len(), &[""], out_bytes).map_err(|w| bad(&w))?;
                     names.iter_mut().for_each(|n| n.push_str(rest));
                     rest = "";
                 }
@@ -616,6 +623,7 @@ pub fn parse_hostlist(list: &str) -> Result<Vec<String>> {
                     {
                         return Err(bad("expands to too many hosts"));
                     }
+                    grow(&names, prefix.len(), &alts, out_bytes).map_err(|w| bad(&w))?;
                     let mut next = Vec::with_capacity(names.len() * alts.len());
                     for n in &names {
                         for a in &alts {
@@ -627,12 +635,47 @@ pub fn parse_hostlist(list: &str) -> Result<Vec<String>> {
                 }
             }
         }
+        out_bytes += names.iter().map(String::len).sum::<usize>();
         out.extend(names);
     }
     if out.is_empty() {
         return Err(bad("no hosts"));
     }
     Ok(out)
+}
+
+/// Checks that appending `mid` bytes and then each of `alts` to each of
+/// `names` keeps every name within [`MAX_HOST_NAME`] and all names, with the
+/// `done` bytes already expanded, within [`MAX_HOSTLIST_BYTES`], before
+/// anything is allocated.
+fn grow(
+    names: &[String],
+    mid: usize,
+    alts: &[impl AsRef<str>],
+    done: usize,
+) -> std::result::Result<(), String> {
+    let longest = names.iter().map(String::len).max().unwrap_or(0);
+    let longest_alt = alts.iter().map(|a| a.as_ref().len()).max().unwrap_or(0);
+    if longest + mid + longest_alt > MAX_HOST_NAME {
+        return Err(format!("a host name is longer than {MAX_HOST_NAME} bytes"));
+    }
+    let name_bytes: usize = names.iter().map(String::len).sum();
+    let alt_bytes: usize = alts.iter().map(|a| a.as_ref().len()).sum();
+    // Sum over names n and alternatives a of |n| + mid + |a|.
+    let total = names
+        .len()
+        .saturating_mul(mid)
+        .saturating_add(name_bytes)
+        .saturating_mul(alts.len())
+        .saturating_add(names.len().saturating_mul(alt_bytes))
+        .saturating_add(done);
+    if total > MAX_HOSTLIST_BYTES {
+        return Err(format!(
+            "expands to more than {} MiB of host names",
+            MAX_HOSTLIST_BYTES >> 20
+        ));
+    }
+    Ok(())
 }
 
 /// The first host of a Slurm host list, without expanding the rest.
@@ -702,6 +745,8 @@ fn split_top(s: &str) -> std::result::Result<Vec<&str>, String> {
 /// `01-04,07` → `01 02 03 04 07`.
 fn expand_ranges(inner: &str) -> std::result::Result<Vec<String>, String> {
     let mut out = Vec::new();
+    // Upper bound of the bytes in `out`.
+    let mut bytes = 0usize;
     for part in inner.split(',') {
         let part = part.trim();
         if part.is_empty() || !part.bytes().all(|b| b.is_ascii_digit() || b == b'-') {
@@ -718,6 +763,23 @@ fn expand_ranges(inner: &str) -> std::result::Result<Vec<String>, String> {
             return Err("expands to too many hosts".into());
         }
         let width = lo_s.len();
+        // Every number is printed with at least `width` digits and at most
+        // as many as `hi` has (or `width`).
+        let digits = width.max(hi.to_string().len());
+        if digits > MAX_HOST_NAME {
+            return Err(format!(
+                "{part:?}: a host name is longer than {MAX_HOST_NAME} bytes"
+            ));
+        }
+        bytes = ((hi - lo) as usize + 1)
+            .saturating_mul(digits)
+            .saturating_add(bytes);
+        if bytes > MAX_HOSTLIST_BYTES {
+            return Err(format!(
+                "expands to more than {} MiB of host names",
+                MAX_HOSTLIST_BYTES >> 20
+            ));
+        }
         for v in lo..=hi {
             out.push(format!("{v:0width$}"));
         }
@@ -1134,6 +1196,36 @@ mod tests {
         assert_eq!(first_host("node[01-04,07],gpu3").unwrap(), "node01");
         assert_eq!(first_host("gpu[0-999999999999]").unwrap(), "gpu0");
         assert_eq!(first_host(",z[5,1]").unwrap(), "z5");
+    }
+
+    /// Found reading the decoder, confirmed with the `slurm_hostlist` fuzz target: a 3 KB host list (a long
+    /// name times a million numbers) expanded to 3 GB of names.
+    #[test]
+    fn hostlist_expansion_is_bounded_in_bytes() {
+        let long_name = format!("{}[0-999999]", "a".repeat(3000));
+        let e = parse_hostlist(&long_name).unwrap_err();
+        assert!(e.to_string().contains("longer than 255 bytes"), "{e}");
+        // The same through the width of the numbers.
+        let wide = format!("n[{}-999999]", "0".repeat(3000));
+        let e = parse_hostlist(&wide).unwrap_err();
+        assert!(e.to_string().contains("longer than 255 bytes"), "{e}");
+        // Names of legal length, but too many bytes of them in all.
+        let many = format!("{}[0-999999]", "b".repeat(200));
+        let e = parse_hostlist(&many).unwrap_err();
+        assert!(e.to_string().contains("MiB of host names"), "{e}");
+        let product = format!("{}[0-999]x[0-999]", "c".repeat(100));
+        let e = parse_hostlist(&product).unwrap_err();
+        assert!(e.to_string().contains("MiB of host names"), "{e}");
+        // Large lists of ordinary names still expand.
+        let v = parse_hostlist("node[0-999999]").unwrap();
+        assert_eq!((v.len(), v[999_999].as_str()), (1_000_000, "node999999"));
+        let name = "d".repeat(250);
+        assert_eq!(
+            parse_hostlist(&format!("{name}[10-11]")).unwrap()[1],
+            format!("{name}11")
+        );
+        // first_host expands only the first host.
+        assert_eq!(first_host(&many).unwrap(), format!("{}0", "b".repeat(200)));
     }
 
     #[test]

@@ -27,8 +27,9 @@ pub enum Error {
     #[error("bootstrap: {0}")]
     Bootstrap(String),
 
-    /// A collective or point-to-point operation failed.
-    #[error("rank {rank}: {op} #{seq} failed: {source}")]
+    /// A collective or point-to-point operation failed. The communicator is
+    /// unusable afterwards (its peers may be anywhere in the operation).
+    #[error("rank {rank}: {op} #{seq} failed: {source}; this communicator is no longer usable: drop it and create a new one (or split the survivors off a healthy one)")]
     Operation {
         rank: u32,
         op: String,
@@ -40,6 +41,14 @@ pub enum Error {
     /// A transport or plan error outside of an operation (set-up).
     #[error(transparent)]
     Core(#[from] CoreError),
+
+    /// The CUDA layer failed, or CUDA is unavailable ("CUDA unavailable: ...").
+    #[error(transparent)]
+    Cuda(#[from] braid_cuda::CudaError),
+
+    /// A topology file or the topology plan is unusable.
+    #[error("topology: {0}")]
+    Topology(#[from] braid_core::topo::TopoError),
 
     /// The communicator was aborted or broken by an earlier error.
     #[error("communicator is no longer usable: {0}")]

@@ -16,18 +16,24 @@
 
 pub mod bootstrap;
 pub mod comm;
+pub mod cuda;
 pub mod engine;
 pub mod env;
 pub mod error;
 pub mod fingerprint;
+pub mod progress;
 pub mod select;
 pub mod stream;
+pub mod topology;
 
 pub use bootstrap::{RootServer, UniqueId};
 pub use braid_core::plan::Collective;
 pub use braid_core::types::{bf16, f16, DataType, Element, RedOp};
+pub use braid_cuda;
 pub use comm::{Communicator, Config, Group};
+pub use cuda::CudaComm;
 pub use error::{Error, Result};
+pub use progress::dump as dump_pending;
 pub use stream::{Handle, Stream};
 
 /// Install a `tracing` subscriber filtered by `BRAID_DEBUG` (`WARN`, `INFO`,
@@ -54,6 +60,7 @@ pub fn init_logging() {
         let _ = tracing_subscriber::fmt()
             .with_env_filter(filter)
             .with_writer(std::io::stderr)
+            .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
             .with_target(false)
             .try_init();
     });

@@ -1,15 +1,16 @@
-//! The transport table and per-pair selection.
+//! The transport table and the host identity.
 //!
-//! Like NCCL's `transport.cc`: an ordered table of transports, best first;
-//! for each peer the first one that can connect wins. The decision is a pure
-//! function of the two ranks' descriptions and the environment, and every
-//! decision is logged at INFO. `BRAID_TRANSPORT=<name>` forces one transport
-//! for every peer (an error if it cannot connect, never a silent fallback);
-//! `BRAID_<NAME>_DISABLE=1` removes one from the table.
+//! Like NCCL's `transport.cc`: an ordered table of the transports this build
+//! has and this host can run, best first. Which one links two ranks is the
+//! topology planner's decision ([`crate::topology`]), a pure function of the
+//! fused topology of all ranks and the environment, logged at INFO.
+//! `BRAID_TRANSPORT=<name>` forces one transport for every peer (an error if
+//! it cannot connect, never a silent fallback); `BRAID_<NAME>_DISABLE=1`
+//! removes one.
 
 use std::net::SocketAddr;
 
-use braid_core::transport::{PeerDesc, Transport};
+use braid_core::transport::Transport;
 use braid_transport_shm::ShmTransport;
 use braid_transport_socket::{SocketConfig, SocketTransport};
 use tracing::{info, warn};
@@ -116,9 +117,14 @@ impl TransportTable {
             .collect()
     }
 
-    /// A table with the given transports (tests).
-    pub fn with(entries: Vec<Box<dyn Transport>>, forced: Option<String>) -> TransportTable {
-        TransportTable { entries, forced }
+    /// Number of entries.
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    /// Whether the table is empty.
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
     }
 
     /// Entry `i`.
@@ -126,54 +132,14 @@ impl TransportTable {
         self.entries[i].as_ref()
     }
 
-    /// The transport for the link between `me` and `peer`: an index into
-    /// the table.
-    pub fn select(&self, me: &PeerDesc, peer: &PeerDesc) -> Result<usize> {
-        let found = self.entries.iter().position(|t| {
-            self.forced.as_deref().is_none_or(|f| f == t.name()) && t.can_connect(me, peer)
-        });
-        match found {
-            Some(i) => {
-                info!(
-                    rank = me.rank,
-                    peer = peer.rank,
-                    transport = self.entries[i].name(),
-                    "braid: transport selected"
-                );
-                Ok(i)
-            }
-            None => {
-                let tried: Vec<_> = self.entries.iter().map(|t| t.name()).collect();
-                Err(Error::Bootstrap(format!(
-                    "no transport connects rank {} (host {}) to rank {} (host {}): tried [{}]{}",
-                    me.rank,
-                    me.host_id,
-                    peer.rank,
-                    peer.host_id,
-                    tried.join(", "),
-                    match &self.forced {
-                        Some(f) => format!(", BRAID_TRANSPORT={f} forced; unset it to let braid choose"),
-                        None => String::from(
-                            "; ranks on different hosts need a network transport, which this build lacks",
-                        ),
-                    }
-                )))
-            }
-        }
+    /// The names of the transports in the table, best first.
+    pub fn names(&self) -> impl Iterator<Item = &'static str> + '_ {
+        self.entries.iter().map(|t| t.name())
     }
 
-    /// Selection for every peer (`None` for oneself).
-    pub fn select_all(&self, me: &PeerDesc, peers: &[PeerDesc]) -> Result<Vec<Option<usize>>> {
-        peers
-            .iter()
-            .map(|p| {
-                if p.rank == me.rank {
-                    Ok(None)
-                } else {
-                    self.select(me, p).map(Some)
-                }
-            })
-            .collect()
+    /// The index of the transport called `name`, if the table holds it.
+    pub fn index_of(&self, name: &str) -> Option<usize> {
+        self.entries.iter().position(|t| t.name() == name)
     }
 }
 
@@ -201,52 +167,4 @@ pub fn host_id() -> String {
         .map(|p| p.to_string_lossy().into_owned())
         .unwrap_or_else(|_| "no-pidns".into());
     format!("{hostname}/{shm}/{pidns}")
-}
-
-/// The ring order: ranks grouped by host (hosts in the order of their lowest
-/// rank, ranks of a host in rank order), so a ring crosses between hosts once
-/// per host instead of at every rank when a launcher interleaves ranks over
-/// hosts (Slurm's cyclic distribution, say). A pure function of the ranks'
-/// descriptions, so every rank computes the same ring.
-pub fn ring_by_host(peers: &[PeerDesc]) -> Vec<u32> {
-    let mut hosts: Vec<&str> = Vec::new();
-    for p in peers {
-        if !hosts.contains(&p.host_id.as_str()) {
-            hosts.push(&p.host_id);
-        }
-    }
-    hosts
-        .iter()
-        .flat_map(|h| {
-            peers
-                .iter()
-                .filter(move |p| p.host_id == *h)
-                .map(|p| p.rank)
-        })
-        .collect()
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn desc(rank: u32, host: &str) -> PeerDesc {
-        PeerDesc {
-            rank,
-            host_id: host.into(),
-            pid: 1000 + rank,
-            fabrics: Vec::new(),
-        }
-    }
-
-    #[test]
-    fn ring_keeps_each_hosts_ranks_adjacent() {
-        let peers: Vec<_> = [(0, "a"), (1, "b"), (2, "a"), (3, "b"), (4, "c")]
-            .into_iter()
-            .map(|(r, h)| desc(r, h))
-            .collect();
-        assert_eq!(ring_by_host(&peers), vec![0, 2, 1, 3, 4]);
-        let one: Vec<_> = (0..4).map(|r| desc(r, "x")).collect();
-        assert_eq!(ring_by_host(&one), vec![0, 1, 2, 3]);
-    }
 }

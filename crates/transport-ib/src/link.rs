@@ -11,7 +11,7 @@ use braid_core::error::{CoreError, Result};
 use braid_core::transport::{RecvChannel, SendChannel, SlotBuf};
 use braid_core::types::MemKind;
 
-use crate::info::{unwrap_credit, Imm, CREDIT_MASK};
+use crate::info::{unwrap_credit, Imm, CREDIT_MASK, MAX_SLOTS};
 use crate::verbs::{self, Cq, Mr, Qp, Wc};
 use crate::NAME;
 
@@ -457,8 +457,17 @@ fn handle(sh: &Shared, wc: Wc, got: &mut [(u8, u64)]) {
             }
         }
         Ok(Imm::Credit(c)) => {
+            // Serial-number arithmetic: a credit can only move forward, by at
+            // most a window; an older value (seen once between two emulated
+            // guests, a duplicate delivery) is ignored instead of being
+            // taken as a jump of 2^28.
             let prev = sh.released.load(Ordering::Acquire);
-            sh.released.store(unwrap_credit(prev, c), Ordering::Release);
+            let next = unwrap_credit(prev, c);
+            if next - prev <= MAX_SLOTS as u64 {
+                sh.released.store(next, Ordering::Release);
+            } else {
+                tracing::debug!(peer = sh.peer, "IB: stale credit {c} ignored (have {prev})");
+            }
         }
         Ok(Imm::Ready) => {
             sh.ready_in.fetch_add(1, Ordering::AcqRel);
@@ -561,7 +570,9 @@ impl IbSend {
     }
 
     fn credit(&self) -> bool {
-        self.committed - self.sh.released.load(Ordering::Acquire) < self.fifo.slots as u64
+        self.committed
+            .saturating_sub(self.sh.released.load(Ordering::Acquire))
+            < self.fifo.slots as u64
     }
 
     fn pieces(&self, len: usize) -> (usize, usize) {

@@ -71,6 +71,75 @@ mod segment;
 use info::{RecvInfo, SendInfo};
 use segment::{Layout, SegError, Segment, Side};
 
+/// The connect-info blobs over plain bytes, for the fuzz targets in `fuzz/`
+/// and their seed corpus. Not part of the API: the signatures follow the
+/// wire format and change with it.
+#[doc(hidden)]
+pub mod fuzzing {
+    use crate::info;
+
+    /// A receiver blob's fields and the segment geometry it implies.
+    #[derive(Clone, Debug, PartialEq, Eq)]
+    pub struct RecvBlob {
+        pub pid: u32,
+        pub from: u32,
+        pub to: u32,
+        pub slots: u32,
+        pub slot_bytes: u64,
+        pub nonce: u64,
+        pub name: String,
+        /// Bytes of the segment the blob describes.
+        pub segment_bytes: usize,
+    }
+
+    /// Decodes a receiver blob as a sender's `connect` does.
+    pub fn decode_recv(b: &[u8]) -> Result<RecvBlob, String> {
+        let (r, layout) = info::RecvInfo::decode(b)?;
+        Ok(RecvBlob {
+            pid: r.pid,
+            from: r.from,
+            to: r.to,
+            slots: r.slots,
+            slot_bytes: r.slot_bytes,
+            nonce: r.nonce,
+            name: r.name,
+            segment_bytes: layout.total,
+        })
+    }
+
+    /// Encodes a receiver blob as `listen` does.
+    pub fn encode_recv(r: &RecvBlob) -> Vec<u8> {
+        info::RecvInfo {
+            pid: r.pid,
+            from: r.from,
+            to: r.to,
+            slots: r.slots,
+            slot_bytes: r.slot_bytes,
+            nonce: r.nonce,
+            name: r.name.clone(),
+        }
+        .encode()
+    }
+
+    /// Decodes a sender blob as a receiver's `connect` does: `(pid, from, to)`.
+    pub fn decode_send(b: &[u8]) -> Result<(u32, u32, u32), String> {
+        info::SendInfo::decode(b).map(|s| (s.pid, s.from, s.to))
+    }
+
+    /// Encodes a sender blob as `prepare_send` does.
+    pub fn encode_send(pid: u32, from: u32, to: u32) -> Vec<u8> {
+        info::SendInfo { pid, from, to }.encode()
+    }
+
+    /// Whether `name` is a segment name this crate could have made.
+    pub fn valid_name(name: &str) -> bool {
+        info::valid_name(name)
+    }
+
+    /// Largest segment name, in bytes.
+    pub const MAX_NAME: usize = info::MAX_NAME;
+}
+
 const NAME: &str = "shm";
 
 /// Environment variable: bytes per slot.

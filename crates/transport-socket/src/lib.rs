@@ -121,6 +121,33 @@ mod sys;
 pub use iface::{Family, IfAddr, IfSpec};
 pub use link::{SocketRecv, SocketSend, STRIPE_MIN};
 
+/// The wire formats and stream readers over plain bytes, for the fuzz
+/// targets in `fuzz/` and their seed corpus. Not part of the API: the
+/// signatures follow the wire format and change with it.
+#[doc(hidden)]
+pub mod fuzzing {
+    pub use crate::info::{
+        check_geometry, ctrl_decode, ctrl_frame, CtrlKind, FrameHeader, Hello, RecvInfo, SendInfo,
+        CTRL_LEN, KIND_CTRL, KIND_DATA, MAX_NSOCKS, MAX_REASON, MAX_SLOTS, MAX_SLOT_BYTES,
+    };
+    pub use crate::link::fuzzing::{ctrl_stream, data_streams};
+    pub use crate::link::{npieces, piece_size, stripes};
+
+    /// The receiver's check of a socket's hello against the two blobs:
+    /// `(kind, data socket index)`. `data` says which data sockets arrived
+    /// already, `have_ctrl` whether the control socket did.
+    pub fn check_hello(
+        buf: &[u8; Hello::LEN],
+        ri: &RecvInfo,
+        si: &SendInfo,
+        data: &[bool],
+        have_ctrl: bool,
+    ) -> Result<(u8, usize), String> {
+        let data: Vec<Option<()>> = data.iter().map(|&d| d.then_some(())).collect();
+        crate::check_hello(buf, ri, si, &data, have_ctrl)
+    }
+}
+
 use info::{check_geometry, Hello, RecvInfo, SendInfo, KIND_CTRL, KIND_DATA};
 
 const NAME: &str = "socket";
@@ -666,11 +693,11 @@ impl PendingRecv for PendingSocketRecv {
 }
 
 /// Checks a hello against what this receiver expects: `(kind, index)`.
-fn check_hello(
+fn check_hello<T>(
     buf: &[u8; Hello::LEN],
     ri: &RecvInfo,
     si: &SendInfo,
-    data: &[Option<TcpStream>],
+    data: &[Option<T>],
     have_ctrl: bool,
 ) -> std::result::Result<(u8, usize), String> {
     let h = Hello::decode(buf)?;

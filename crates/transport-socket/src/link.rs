@@ -46,6 +46,24 @@ pub fn npieces(total: usize, nsocks: usize) -> usize {
     total.div_ceil(piece_size(total, nsocks)).max(1)
 }
 
+/// The pieces of message `seq` of `total` bytes: `(data socket, offset,
+/// length)` in order.
+pub fn stripes(
+    seq: u64,
+    total: usize,
+    nsocks: usize,
+) -> impl Iterator<Item = (usize, usize, usize)> {
+    let piece = piece_size(total, nsocks);
+    (0..npieces(total, nsocks)).map(move |j| {
+        let offset = j * piece;
+        (
+            socket_of(seq, j, nsocks),
+            offset,
+            piece.min(total - offset.min(total)),
+        )
+    })
+}
+
 /// The data socket that carries piece `j` of message `seq`.
 pub fn socket_of(seq: u64, j: usize, nsocks: usize) -> usize {
     ((seq % nsocks as u64) as usize + j) % nsocks
@@ -318,11 +336,22 @@ fn spawn(name: String, f: impl FnOnce() + Send + 'static) -> Result<JoinHandle<(
 /// Handles a credit on the sender's control reader.
 type OnCredit = Box<dyn FnMut(u64) -> std::result::Result<(), String> + Send>;
 
+/// Checks a credit (cumulative slots released) against what this end
+/// committed and what was released before.
+fn check_credit(v: u64, old: u64, committed: u64) -> std::result::Result<(), String> {
+    if v < old || v > committed {
+        return Err(format!(
+            "credit for {v} slots released, but {committed} were committed and {old} already released"
+        ));
+    }
+    Ok(())
+}
+
 /// Reads control frames until the peer aborts, closes, or the socket fails.
 /// `on_credit` handles credits (the sender's end); on the receiver's end a
 /// credit is a protocol error.
-fn ctrl_reader(
-    sock: TcpStream,
+fn ctrl_reader<R: Read>(
+    sock: R,
     health: Arc<Health>,
     mut on_credit: Option<OnCredit>,
     closed_is_failure: bool,
@@ -576,11 +605,7 @@ impl SocketSend {
             let on_credit = Box::new(move |v: u64| {
                 let committed = sh.committed.load(Ordering::Acquire);
                 let old = sh.released.load(Ordering::Relaxed);
-                if v < old || v > committed {
-                    return Err(format!(
-                        "credit for {v} slots released, but {committed} were committed and {old} already released"
-                    ));
-                }
+                check_credit(v, old, committed)?;
                 sh.released.store(v, Ordering::Release);
                 Ok(())
             });
@@ -719,7 +744,6 @@ impl SendChannel for SocketSend {
         let seq = self.committed;
         let slot = (seq % self.slots as u64) as usize;
         let n = npieces(len, self.nsocks);
-        let piece = piece_size(len, self.nsocks);
         self.shared.inflight[slot].store(n as u32, Ordering::Relaxed);
         self.committed += 1;
         // Release: a credit for this slot (validated against `committed` by
@@ -727,9 +751,7 @@ impl SendChannel for SocketSend {
         self.shared
             .committed
             .store(self.committed, Ordering::Release);
-        for j in 0..n {
-            let offset = j * piece;
-            let plen = piece.min(len - offset.min(len));
+        for (s, offset, plen) in stripes(seq, len, self.nsocks) {
             let p = Piece {
                 seq,
                 slot,
@@ -738,7 +760,7 @@ impl SendChannel for SocketSend {
                 len: plen as u32,
                 sent: 0,
             };
-            self.queue_piece(socket_of(seq, j, self.nsocks), p, n == 1);
+            self.queue_piece(s, p, n == 1);
         }
         Ok(())
     }
@@ -901,7 +923,7 @@ fn piece_done(sh: &RecvShared, slot: usize, seq: u64) {
     }
 }
 
-fn reader(sock: TcpStream, sh: Arc<RecvShared>, health: Arc<Health>, idx: usize) {
+fn reader<R: Read>(sock: R, sh: Arc<RecvShared>, health: Arc<Health>, idx: usize) {
     let mut r = BufReader::with_capacity(64 * 1024, sock);
     let res: io::Result<()> = loop {
         let mut hb = [0u8; FrameHeader::LEN];
@@ -1174,6 +1196,87 @@ impl Drop for SocketRecv {
         for t in self.threads.drain(..) {
             let _ = t.join();
         }
+    }
+}
+
+// ----------------------------------------------------------------- fuzzing
+
+/// A receiving end's stream readers over plain bytes, for the fuzz targets
+/// in `fuzz/`. Not part of the API.
+pub(crate) mod fuzzing {
+    use super::*;
+
+    /// Runs a receiving end's data-socket readers, one after the other,
+    /// over `streams` (one per data socket, in index order), with `slots`
+    /// slots of `slot_bytes` and no slot released by the engine. Returns the
+    /// messages published, `(seq, bytes)` by slot, and the failure reported.
+    #[allow(clippy::type_complexity)]
+    pub fn data_streams(
+        streams: &[&[u8]],
+        slot_bytes: usize,
+        slots: usize,
+    ) -> std::result::Result<(Vec<(u64, Vec<u8>)>, Option<String>), String> {
+        let nsocks = streams.len();
+        crate::info::check_geometry(slot_bytes, slots, nsocks)?;
+        let sh = Arc::new(RecvShared {
+            mem: SlotMem::new(slot_bytes, slots)?,
+            slots,
+            nsocks,
+            slot_bytes,
+            ready: (0..slots).map(|_| AtomicU64::new(0)).collect(),
+            lens: (0..slots).map(|_| AtomicUsize::new(0)).collect(),
+            fill: (0..slots).map(|_| Mutex::new(Fill::default())).collect(),
+            released: AtomicU64::new(0),
+            readers_done: AtomicUsize::new(0),
+        });
+        let health = Health::new(0);
+        // No control socket here: nobody to wait for at the end.
+        health.ctrl_finished();
+        for (idx, stream) in streams.iter().enumerate() {
+            reader(io::Cursor::new(*stream), sh.clone(), health.clone(), idx);
+        }
+        let mut out = Vec::new();
+        for slot in 0..slots {
+            let r = sh.ready[slot].load(Ordering::Acquire);
+            if r != 0 {
+                let len = sh.lens[slot].load(Ordering::Relaxed);
+                // SAFETY: every reader has returned; nothing else touches
+                // the slot memory.
+                let b = unsafe { sh.mem.slice(slot, 0, len) };
+                out.push((r - 1, b.to_vec()));
+            }
+        }
+        Ok((out, health.error().map(|e| e.to_string())))
+    }
+
+    /// Runs a control-socket reader over `stream`: a sender's (credits are
+    /// checked against `committed` slots) or, with `None`, a receiver's.
+    /// Returns the credits accepted, whether the peer closed, and the
+    /// failure reported.
+    pub fn ctrl_stream(stream: &[u8], committed: Option<u64>) -> (Vec<u64>, bool, Option<String>) {
+        let health = Health::new(0);
+        let credits = Arc::new(Mutex::new(Vec::new()));
+        let on_credit: Option<OnCredit> = committed.map(|c| {
+            let credits = credits.clone();
+            Box::new(move |v: u64| {
+                let mut got = lock(&credits);
+                check_credit(v, got.last().copied().unwrap_or(0), c)?;
+                got.push(v);
+                Ok(())
+            }) as OnCredit
+        });
+        ctrl_reader(
+            io::Cursor::new(stream),
+            health.clone(),
+            on_credit,
+            committed.is_some(),
+        );
+        let got = lock(&credits).clone();
+        (
+            got,
+            health.peer_closed.load(Ordering::Acquire),
+            health.error().map(|e| e.to_string()),
+        )
     }
 }
 

@@ -388,6 +388,12 @@ fn main() -> ExitCode {
     let (rank, nranks) = (comm.rank(), comm.nranks());
     // One line the multi-host tests read: the transport to each peer.
     println!("rank {rank} transports: {}", comm.transports().join(","));
+    let plan = comm.topology_plan();
+    println!(
+        "rank {rank} ring: {:?} nic: {}",
+        comm.ring(),
+        plan.nearest_nic[rank as usize].as_deref().unwrap_or("-")
+    );
     let extra: Vec<usize> = args[5..].iter().filter_map(|s| s.parse().ok()).collect();
     match args[1].as_str() {
         "matrix" => {
@@ -407,6 +413,35 @@ fn main() -> ExitCode {
                 if i == 0 {
                     println!("ready");
                 }
+            }
+        }
+        "mixed" => {
+            // A long series of mixed collectives (fault tests): prints
+            // "ready" once the first round completed.
+            let iters = extra.first().copied().unwrap_or(1000);
+            if let Err(e) = braid_tests::workload::mixed(&comm, iters, |i| {
+                if i == 6 {
+                    println!("ready");
+                }
+            }) {
+                println!("error: {e}");
+                return ExitCode::from(3);
+            }
+        }
+        "late" => {
+            // The last rank joins an AllReduce of 1 Mi f32 (ring) late.
+            if rank == nranks - 1 {
+                let ms = extra.first().copied().unwrap_or(2000);
+                std::thread::sleep(std::time::Duration::from_millis(ms as u64));
+            }
+            let mut buf = vec![1.0f32; 1 << 20];
+            if let Err(e) = comm.all_reduce_in_place(&mut buf, RedOp::Sum) {
+                println!("error: {e}");
+                return ExitCode::from(3);
+            }
+            if buf.iter().any(|&x| x != nranks as f32) {
+                println!("FAIL rank {rank}: wrong AllReduce result");
+                return ExitCode::from(1);
             }
         }
         "p2p" => {

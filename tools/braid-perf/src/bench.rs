@@ -2,9 +2,11 @@
 //! and the rows (printed by rank 0).
 
 use std::io::Write;
+use std::sync::Arc;
 use std::time::Instant;
 
-use braid::{Collective, Communicator, DataType, RedOp};
+use braid::{Collective, Communicator, CudaComm, DataType, RedOp};
+use braid_core::plan::{P2p, P2pKind};
 use braid_core::reference::{self, GARBAGE};
 
 use crate::cli::{Average, Bench, Opts, RootSel, Step};
@@ -163,6 +165,114 @@ impl Buffers {
             }
         )
     }
+}
+
+/// The GPU side of a `--device cuda` run: the device communicator, a stream
+/// and device copies of the two buffers. Inputs are prepared on the host
+/// (the same reference data as host runs), copied to the GPU, and results
+/// copied back for the check.
+pub struct DevState {
+    cc: CudaComm,
+    stream: braid_cuda::Stream,
+    send: Arc<braid_cuda::DeviceBuffer>,
+    recv: Arc<braid_cuda::DeviceBuffer>,
+    /// Device-to-device copy bandwidth measured at start-up, GB/s.
+    copy_bw: f64,
+    copy_bytes: usize,
+}
+
+impl std::fmt::Debug for DevState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DevState")
+            .field("device", &self.cc.device().bus_id())
+            .field("copy_bw", &self.copy_bw)
+            .finish_non_exhaustive()
+    }
+}
+
+impl DevState {
+    fn new(comm: &Communicator, bytes: usize) -> Result<DevState, BenchError> {
+        let cc = CudaComm::new(comm)?;
+        let dev = cc.device().clone();
+        let cuda = |e: braid_cuda::CudaError| BenchError::Braid(braid::Error::Cuda(e));
+        let stream = braid_cuda::Stream::new(&dev).map_err(cuda)?;
+        let send = Arc::new(braid_cuda::DeviceBuffer::alloc(&dev, bytes).map_err(cuda)?);
+        let recv = Arc::new(braid_cuda::DeviceBuffer::alloc(&dev, bytes).map_err(cuda)?);
+        let copy_bytes = bytes.clamp(64 << 20, 256 << 20);
+        let copy_bw = braid_cuda::d2d_copy_bandwidth(&dev, copy_bytes, 20).map_err(cuda)?;
+        Ok(DevState {
+            cc,
+            stream,
+            send,
+            recv,
+            copy_bw,
+            copy_bytes,
+        })
+    }
+
+    /// Wait until the GPU finished everything issued so far.
+    fn sync(&self) -> Result<(), BenchError> {
+        self.cc.synchronize()?;
+        self.stream
+            .synchronize()
+            .map_err(|e| BenchError::Braid(braid::Error::Cuda(e)))
+    }
+}
+
+/// Copy the prepared host inputs (and the poisoned output) to the GPU.
+fn upload(
+    d: &DevState,
+    case: &Case,
+    shape: &Shape,
+    send: &[u8],
+    recv: &[u8],
+    p: usize,
+) -> Result<(), BenchError> {
+    let ws = case.dt.size();
+    let (sl, rl, il) = buffer_elems(case.bench, shape.count as usize, p);
+    let cuda = |e: braid_cuda::CudaError| BenchError::Braid(braid::Error::Cuda(e));
+    d.send.write(&send[..sl * ws]).map_err(cuda)?;
+    d.recv.write(&recv[..rl.max(il) * ws]).map_err(cuda)
+}
+
+/// Copy the GPU's result back for the check.
+fn download(
+    d: &DevState,
+    case: &Case,
+    shape: &Shape,
+    recv: &mut [u8],
+    p: usize,
+) -> Result<(), BenchError> {
+    let ws = case.dt.size();
+    let (_, rl, il) = buffer_elems(case.bench, shape.count as usize, p);
+    d.sync()?;
+    d.recv
+        .read(&mut recv[..rl.max(il) * ws])
+        .map_err(|e| BenchError::Braid(braid::Error::Cuda(e)))
+}
+
+/// Enqueue one operation of `shape` on the GPU buffers (out of place).
+fn exec_dev(d: &DevState, comm: &Communicator, case: &Case, shape: &Shape) -> braid::Result<()> {
+    let (p, r) = (comm.nranks(), comm.rank());
+    let coll = match &shape.coll {
+        Some(c) => c.clone(),
+        None => {
+            let n = shape.count as usize;
+            Collective::Group(vec![
+                P2p {
+                    kind: P2pKind::Send,
+                    peer: (r + 1) % p,
+                    count: n,
+                },
+                P2p {
+                    kind: P2pKind::Recv,
+                    peer: (r + p - 1) % p,
+                    count: n,
+                },
+            ])
+        }
+    };
+    d.cc.run(&coll, case.dt, &d.send, &d.recv, &d.stream)
 }
 
 /// Ask for transparent huge pages on the page-aligned interior of `v`
@@ -327,6 +437,7 @@ pub struct Runner<'a> {
     comm: &'a Communicator,
     opts: &'a Opts,
     bufs: Buffers,
+    dev: Option<DevState>,
     out: Box<dyn Write + 'a>,
 }
 
@@ -357,7 +468,13 @@ impl<'a> Runner<'a> {
                 )));
             }
         }
-        let bufs = Buffers::new(opts.max_bytes, opts.hugepages)?;
+        let mut bufs = Buffers::new(opts.max_bytes, opts.hugepages)?;
+        let dev = if opts.cuda {
+            let len = bufs.bytes().0.len();
+            Some(DevState::new(comm, len)?)
+        } else {
+            None
+        };
         let out: Box<dyn Write + 'a> = if comm.rank() == 0 {
             out
         } else {
@@ -367,6 +484,7 @@ impl<'a> Runner<'a> {
             comm,
             opts,
             bufs,
+            dev,
             out,
         })
     }
@@ -386,7 +504,18 @@ impl<'a> Runner<'a> {
             .or_else(|_| std::env::var("HOSTNAME"))
             .unwrap_or_else(|_| "localhost".into());
         let me = self.comm.rank() as usize;
-        let tr = self.comm.transports();
+        let tr = match &self.dev {
+            Some(d) => d.cc.transports(),
+            None => self.comm.transports(),
+        };
+        let device = match &self.dev {
+            Some(d) => format!(
+                "cuda:{} {}",
+                d.cc.device().ordinal(),
+                d.cc.device().bus_id()
+            ),
+            None => "cpu".to_string(),
+        };
         let peers: String = if tr.len() <= 9 {
             tr.iter()
                 .enumerate()
@@ -412,10 +541,11 @@ impl<'a> Runner<'a> {
                 .join(", ")
         };
         let line = format!(
-            "#  Rank {:>2} Group  0 Pid {:>6} on {:>10} device cpu [peers {}]",
+            "#  Rank {:>2} Group  0 Pid {:>6} on {:>10} device {} [peers {}]",
             me,
             std::process::id(),
             host,
+            device,
             if peers.is_empty() { "none" } else { &peers }
         );
         let mut mine = [0u8; W];
@@ -474,6 +604,19 @@ impl<'a> Runner<'a> {
         if o.agg > 1 {
             h += "# agg iters: braid has no collective groups, so the ops of an iteration run one after another\n";
         }
+        if let Some(d) = &self.dev {
+            h += &format!(
+                "# device: {} ({}), collectives on a CUDA stream; device-to-device copy bandwidth measured in this run: {:.2} GB/s (cuMemcpyDtoDAsync, {} MiB x 20)\n",
+                d.cc.device().name(),
+                d.cc.device().bus_id(),
+                d.copy_bw,
+                d.copy_bytes >> 20
+            );
+            h += "# timing: includes the wait for the stream after the last operation\n";
+        }
+        if o.bench.has_in_place() && self.dev.is_some() {
+            h += "# in-place: N/A (not measured with --device cuda yet)\n";
+        }
         if !o.bench.has_in_place() {
             h += &format!(
                 "# in-place: N/A ({})\n",
@@ -513,16 +656,36 @@ impl<'a> Runner<'a> {
         let (iters, agg, blocking) = (self.opts.iters, self.opts.agg, self.opts.blocking);
         let (send, recv) = self.bufs.bytes();
         prepare(comm, case, shape, send, recv);
-        exec(comm, case, shape, send, recv)?;
+        let dev = self.dev.as_ref();
+        let p = comm.nranks() as usize;
+        let run = |send: &[u8], recv: &mut [u8]| -> braid::Result<()> {
+            match dev {
+                Some(d) => exec_dev(d, comm, case, shape),
+                None => exec(comm, case, shape, send, recv),
+            }
+        };
+        if let Some(d) = dev {
+            upload(d, case, shape, send, recv, p)?;
+        }
+        run(send, recv)?;
+        if let Some(d) = dev {
+            d.sync()?;
+        }
         comm.barrier()?;
         let t0 = Instant::now();
         for _ in 0..iters {
             for _ in 0..agg {
-                exec(comm, case, shape, send, recv)?;
+                run(send, recv)?;
             }
             if blocking {
+                if let Some(d) = dev {
+                    d.sync()?;
+                }
                 comm.barrier()?;
             }
+        }
+        if let Some(d) = dev {
+            d.sync()?;
         }
         let us = t0.elapsed().as_secs_f64() * 1e6 / (f64::from(iters) * f64::from(agg));
         Ok(self.combine(us)?)
@@ -537,7 +700,15 @@ impl<'a> Runner<'a> {
         for _ in 0..self.opts.check {
             let (send, recv) = self.bufs.bytes();
             prepare(comm, case, shape, send, recv);
-            exec(comm, case, shape, send, recv)?;
+            match &self.dev {
+                Some(d) => {
+                    let p = comm.nranks() as usize;
+                    upload(d, case, shape, send, recv, p)?;
+                    exec_dev(d, comm, case, shape)?;
+                    download(d, case, shape, recv, p)?;
+                }
+                None => exec(comm, case, shape, send, recv)?,
+            }
             if corrupt && shape.count > 0 {
                 // Test hook: damage the first checked element.
                 let at = match (case.bench, case.in_place) {
@@ -581,8 +752,17 @@ impl<'a> Runner<'a> {
             let sh = shape(case.bench, *size, case.dt, case.op, case.root, p);
             let (send, recv) = self.bufs.bytes();
             prepare(self.comm, case, &sh, send, recv);
+            if let Some(d) = &self.dev {
+                upload(d, case, &sh, send, recv, self.comm.nranks() as usize)?;
+            }
             for _ in 0..self.opts.warmup {
-                exec(self.comm, case, &sh, send, recv)?;
+                match &self.dev {
+                    Some(d) => exec_dev(d, self.comm, case, &sh)?,
+                    None => exec(self.comm, case, &sh, send, recv)?,
+                }
+            }
+            if let Some(d) = &self.dev {
+                d.sync()?;
             }
         }
         Ok(())
@@ -622,7 +802,7 @@ impl<'a> Runner<'a> {
                         for &size in &sizes {
                             let sh = shape(o.bench, size, dt, op, root, p);
                             let m_oop = self.measure(&oop, &sh)?;
-                            let m_ip = if o.bench.has_in_place() {
+                            let m_ip = if o.bench.has_in_place() && self.dev.is_none() {
                                 let ip = Case {
                                     in_place: true,
                                     ..oop

@@ -190,6 +190,8 @@ pub struct Opts {
     /// Seconds (BRAID_TIMEOUT semantics).
     pub timeout: Option<f64>,
     pub hugepages: bool,
+    /// `--device cuda`: buffers on the GPU (the device communicator).
+    pub cuda: bool,
     pub json: Option<PathBuf>,
     pub plot: Option<PathBuf>,
     pub label: Option<String>,
@@ -219,6 +221,7 @@ impl Opts {
             average: Average::Avg,
             timeout: None,
             hugepages: false,
+            cuda: false,
             json: None,
             plot: None,
             label: None,
@@ -436,6 +439,11 @@ const FLAGS: &[Flag] = &[
         takes_value: true,
     },
     Flag {
+        short: None,
+        long: "device",
+        takes_value: true,
+    },
+    Flag {
         short: Some('t'),
         long: "nthreads",
         takes_value: true,
@@ -620,6 +628,13 @@ fn parse_bench(bench: Bench, args: &[String]) -> Result<Command, UsageError> {
             }
             "blocking" => o.blocking = parse_bool(&flag, &v)?,
             "hugepages" => o.hugepages = parse_bool(&flag, &v)?,
+            "device" => {
+                o.cuda = match v.trim().to_ascii_lowercase().as_str() {
+                    "cuda" | "gpu" => true,
+                    "host" | "cpu" => false,
+                    _ => return usage(format!("{flag} '{v}': expected cuda or host")),
+                }
+            }
             "average" => {
                 o.average = match v.trim() {
                     "0" => Average::Rank0,
@@ -826,6 +841,9 @@ OPTIONS (nccl-tests' names and defaults):
   -T, --timeout SECS        bound on any wait without progress (BRAID_TIMEOUT)
   -J, --output_file F.json  write every row as JSON
   -H, --hugepages 0|1       madvise(MADV_HUGEPAGE) the buffers before first touch
+      --device cuda|host    cuda: buffers on this rank's GPU, collectives on a
+                            CUDA stream over nvlink/pcie links; prints the
+                            device-to-device copy bandwidth (default host)
       --plot F.png          draw busbw and latency against size
       --label TEXT          name of this run in JSON and plots (default: braid)
   -h, --help                this text
@@ -858,6 +876,17 @@ mod tests {
             Command::Bench(o) => Ok(*o),
             other => panic!("not a bench: {other:?}"),
         }
+    }
+
+    #[test]
+    fn device_flag() {
+        assert!(!bench(&["all_reduce"]).unwrap().cuda);
+        assert!(bench(&["all_reduce", "--device", "cuda"]).unwrap().cuda);
+        assert!(bench(&["all_reduce", "--device=gpu"]).unwrap().cuda);
+        assert!(!bench(&["all_reduce", "--device", "host"]).unwrap().cuda);
+        let e = bench(&["all_reduce", "--device", "tpu"]).unwrap_err();
+        assert!(e.0.contains("expected cuda or host"), "{}", e.0);
+        assert!(help_text().contains("--device cuda|host"));
     }
 
     #[test]

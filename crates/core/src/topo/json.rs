@@ -88,3 +88,47 @@ pub fn from_json(file: &str, text: &str) -> Result<System, TopoError> {
         msg: format!("not a braid topology: {e}"),
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::topo::xml;
+
+    /// Found reading the decoder, confirmed with the `topo_json` fuzz target: a CPU id near `u32::MAX` was
+    /// accepted, and exporting the model as XML (`to_mask`) then allocated
+    /// 512 MiB for one word per 32 CPUs.
+    #[test]
+    fn huge_cpu_id_is_refused() {
+        let input: &[u8] =
+            b"{\"cpus\":[{\"numaid\":0,\"affinity\":[4294967295],\"pci\":[],\"nics\":[]}]}";
+        let e = from_json("t.json", std::str::from_utf8(input).unwrap()).unwrap_err();
+        assert!(
+            e.to_string().contains("CPU id 4294967295 is out of range"),
+            "{e}"
+        );
+        // Ids in range are kept, sorted and deduplicated, and export.
+        let ok = b"{\"cpus\":[{\"numaid\":0,\"affinity\":[65535,3,3],\"pci\":[],\"nics\":[]}]}";
+        let sys = from_json("t.json", std::str::from_utf8(ok).unwrap()).unwrap();
+        let aff = sys.cpus[0].affinity.as_ref().unwrap();
+        assert_eq!(aff.0, vec![3, 65535]);
+        assert_eq!(xml::from_xml("x.xml", &xml::to_xml(&sys)).unwrap(), sys);
+    }
+
+    #[test]
+    fn masks_and_lists_refuse_huge_ids() {
+        use crate::topo::CpuSet;
+        assert!(CpuSet::from_list("4294967295").is_none());
+        assert!(CpuSet::from_list("65530-65536").is_none());
+        assert_eq!(
+            CpuSet::from_list("65534-65535").unwrap().0,
+            vec![65534, 65535]
+        );
+        // Bit 0 of group 2048 is CPU 65536.
+        let mut groups = vec!["00000000"; 2049];
+        groups[0] = "00000001";
+        assert!(CpuSet::from_mask(&groups.join(",")).is_none());
+        groups[0] = "00000000";
+        groups[1] = "80000000";
+        assert_eq!(CpuSet::from_mask(&groups.join(",")).unwrap().0, vec![65535]);
+    }
+}

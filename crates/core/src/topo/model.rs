@@ -44,9 +44,31 @@ pub struct Cpu {
     pub attrs: Attrs,
 }
 
-/// A set of CPU ids.
+/// A set of CPU ids, each below [`MAX_CPUS`]. Parsing (masks, lists,
+/// JSON) refuses larger ids: a mask or list of a set is as long as its
+/// largest id, so one huge id from a file would cost gigabytes.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(try_from = "Vec<u32>")]
 pub struct CpuSet(pub Vec<u32>);
+
+/// Bound on CPU ids (Linux's `NR_CPUS` is at most 8192 today).
+pub const MAX_CPUS: u32 = 1 << 16;
+
+impl TryFrom<Vec<u32>> for CpuSet {
+    type Error = String;
+
+    /// Sorts and dedups; refuses ids of [`MAX_CPUS`] or more.
+    fn try_from(mut cpus: Vec<u32>) -> Result<CpuSet, String> {
+        if let Some(c) = cpus.iter().find(|&&c| c >= MAX_CPUS) {
+            return Err(format!(
+                "CPU id {c} is out of range (ids are below {MAX_CPUS})"
+            ));
+        }
+        cpus.sort_unstable();
+        cpus.dedup();
+        Ok(CpuSet(cpus))
+    }
+}
 
 /// A PCI device: a bridge/switch, or an endpoint carrying a GPU or a NIC.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
@@ -257,7 +279,11 @@ impl CpuSet {
             let v = u32::from_str_radix(g, 16).ok()?;
             for b in 0..32 {
                 if v & (1 << b) != 0 {
-                    cpus.push(i as u32 * 32 + b);
+                    let c = u32::try_from(i).ok()?.checked_mul(32)? + b;
+                    if c >= MAX_CPUS {
+                        return None;
+                    }
+                    cpus.push(c);
                 }
             }
         }
@@ -272,12 +298,12 @@ impl CpuSet {
             match part.split_once('-') {
                 Some((a, b)) => {
                     let (a, b): (u32, u32) = (a.trim().parse().ok()?, b.trim().parse().ok()?);
-                    if b < a || b - a > 1 << 16 {
+                    if b < a || b >= MAX_CPUS {
                         return None;
                     }
                     cpus.extend(a..=b);
                 }
-                None => cpus.push(part.trim().parse().ok()?),
+                None => cpus.push(part.trim().parse().ok().filter(|&c| c < MAX_CPUS)?),
             }
         }
         cpus.sort_unstable();

@@ -3,7 +3,8 @@
 //!
 //! Per pair, best first: inside a host NVLink (GPUs joined by NVLink, directly
 //! or through NVSwitch), PCIe P2P (GPUs whose PCIe path is no worse than the
-//! P2P level, PXB by default: never through the CPU), shared memory; across
+//! P2P level, PXB by default: never through the CPU), shared memory, then the
+//! network transports (only when forced or the others are disabled); across
 //! hosts RDMA (`ib`, InfiniBand or RoCE, when both hosts have an active RDMA
 //! port) and sockets. `BRAID_TRANSPORT=<name>` forces one transport (an error
 //! where it cannot connect a pair), `BRAID_<NAME>_DISABLE=1` removes one and
@@ -318,12 +319,19 @@ impl Ctx<'_> {
                 }
             }
             cands.push(Transport::Shm);
-        } else {
-            if self.host_has_rdma(a) && self.host_has_rdma(b) {
-                cands.push(Transport::Ib);
-            }
-            cands.push(Transport::Socket);
         }
+        // Network transports connect any two ranks, on one host too (after
+        // the host-local ones: used there only when forced or when those are
+        // disabled, as NCCL falls back to NET inside a node).
+        // Forced IB is tried even where the model shows no RDMA port (the
+        // transport's own probe found one, or it would not be in the table;
+        // virtual devices such as Soft-RoCE may have no PCI parent).
+        if (self.host_has_rdma(a) && self.host_has_rdma(b))
+            || self.policy.forced == Some(Transport::Ib)
+        {
+            cands.push(Transport::Ib);
+        }
+        cands.push(Transport::Socket);
         let what = || {
             format!(
                 "ranks {a} ({}) and {b} ({})",

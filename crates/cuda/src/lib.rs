@@ -1,0 +1,141 @@
+//! braid-cuda: braid's CUDA layer.
+//!
+//! - [`driver`]: the only module with `unsafe` code: the probe, devices,
+//!   device buffers, pinned flags, streams, events, copies, stream memory
+//!   operations, the NVRTC-compiled reduction kernels and the CUDA IPC calls.
+//! - [`kernels`]: the kernels' CUDA C source, generated from a table (pure).
+//! - [`ipc`]: CUDA IPC handles and link connect-info as bytes (pure).
+//! - [`link`] (inside [`driver`], as it touches slot memory): the device-slot FIFO over CUDA IPC that both GPU transports
+//!   use (`braid-transport-nvlink`, `braid-transport-pcie`).
+//! - [`select`]: which GPU link two ranks use (pure).
+//!
+//! The driver and NVRTC are loaded at run time (cudarc `dynamic-loading`,
+//! bindings pinned to the CUDA 12.4 API): this crate builds and its tests
+//! pass on machines without CUDA, where every entry point returns
+//! [`CudaError::Unavailable`] ("CUDA unavailable: ...") instead of panicking.
+//! `BRAID_CUDA_DISABLE=1` makes a machine with CUDA behave the same way.
+
+pub mod driver;
+pub mod error;
+pub mod ipc;
+pub mod kernels;
+pub mod select;
+
+pub use driver::link;
+pub use driver::{
+    d2d_copy_bandwidth, probe, Device, DeviceBuffer, Event, HostFlag, IpcMapping, Kernels,
+    ProbeInfo, Stream,
+};
+pub use error::{CudaError, Result};
+pub use select::{GpuLink, P2pPolicy};
+
+/// GPUs for topology detection, from the CUDA driver (no context is
+/// created): bus id, device ordinal and compute capability. Without CUDA it
+/// reports no GPUs (not an error), as the topology contract asks. NVLinks
+/// need NVML, which braid does not load yet: with this provider GPUs are
+/// joined by their PCIe paths only (a `BRAID_TOPO_FILE` carries NVLinks).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct CudaGpus;
+
+impl braid_core::topo::GpuProvider for CudaGpus {
+    fn name(&self) -> String {
+        match probe() {
+            Ok(i) => format!(
+                "CUDA driver {}.{} (no NVML: NVLinks unknown)",
+                i.driver_version / 1000,
+                i.driver_version % 1000 / 10
+            ),
+            Err(e) => format!("CUDA driver ({e})"),
+        }
+    }
+
+    fn gpus(
+        &self,
+    ) -> std::result::Result<Vec<braid_core::topo::sysfs::DetectedGpu>, braid_core::topo::TopoError>
+    {
+        let list = match driver::list_gpus() {
+            Ok(l) => l,
+            Err(CudaError::Unavailable(_)) => return Ok(Vec::new()),
+            Err(e) => return Err(braid_core::topo::TopoError::Invalid(e.to_string())),
+        };
+        Ok(list
+            .into_iter()
+            .map(
+                |(ordinal, busid, sm, _name)| braid_core::topo::sysfs::DetectedGpu {
+                    busid,
+                    gpu: braid_core::topo::Gpu {
+                        dev: Some(ordinal),
+                        sm: Some(sm),
+                        ..Default::default()
+                    },
+                },
+            )
+            .collect())
+    }
+}
+
+/// The device this rank should use: `BRAID_CUDA_DEVICE` if set, else the
+/// local rank modulo the number of devices.
+pub fn device_for_rank(local_rank: u32, devices: u32) -> Result<u32> {
+    device_from(std::env::var("BRAID_CUDA_DEVICE").ok(), local_rank, devices)
+}
+
+fn device_from(var: Option<String>, local_rank: u32, devices: u32) -> Result<u32> {
+    if devices == 0 {
+        return Err(CudaError::Unavailable("no CUDA device".into()));
+    }
+    match var.filter(|v| !v.trim().is_empty()) {
+        Some(v) => {
+            let d: u32 = v.trim().parse().map_err(|_| {
+                CudaError::InvalidArgument(format!("BRAID_CUDA_DEVICE={v} is not a device number"))
+            })?;
+            if d >= devices {
+                return Err(CudaError::InvalidArgument(format!(
+                    "BRAID_CUDA_DEVICE={d}, but this process sees {devices} device(s)"
+                )));
+            }
+            Ok(d)
+        }
+        None => Ok(local_rank % devices),
+    }
+}
+
+#[cfg(test)]
+mod provider_tests {
+    use super::*;
+    use braid_core::topo::GpuProvider;
+
+    /// Without CUDA (this machine, or BRAID_CUDA_DISABLE) the provider
+    /// reports no GPUs and says why in its name, never an error.
+    #[test]
+    fn no_cuda_means_no_gpus() {
+        if probe().is_ok() {
+            println!("skipping: CUDA is present here");
+            return;
+        }
+        assert!(CudaGpus.gpus().unwrap().is_empty());
+        assert!(
+            CudaGpus.name().contains("CUDA driver ("),
+            "{}",
+            CudaGpus.name()
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn device_choice() {
+        assert_eq!(device_from(None, 5, 4).unwrap(), 1);
+        assert_eq!(device_from(Some("2".into()), 5, 4).unwrap(), 2);
+        assert_eq!(device_from(Some(" ".into()), 3, 1).unwrap(), 0);
+        assert!(device_from(Some("4".into()), 0, 4).is_err());
+        assert!(device_from(Some("x".into()), 0, 4).is_err());
+        assert!(matches!(
+            device_from(None, 0, 0),
+            Err(CudaError::Unavailable(_))
+        ));
+    }
+}

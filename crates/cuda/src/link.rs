@@ -1,0 +1,507 @@
+//! The device-slot FIFO over CUDA IPC, shared by `braid-transport-nvlink`
+//! and `braid-transport-pcie` (P2P mode).
+//!
+//! The receiving end allocates a ring of `slots` device slots on its GPU and
+//! exports it with `cuIpcGetMemHandle`; the sending end maps it with
+//! `cuIpcOpenMemHandle` and its engine copies (or reduces) straight into the
+//! receiver's slots, over NVLink, PCIe, or inside one GPU. Credits travel in
+//! a shared-memory FIFO (`braid-transport-shm`) of the same number of small
+//! host slots, one control message (the payload length) per data slot, so
+//! the k-th control slot always pairs with device slot `k mod slots`, and
+//! the shared-memory link brings its liveness checks, abort reasons and
+//! clean-up along. The connect-info is a [`LinkInfo`] (receiver) and a
+//! [`SenderInfo`] (sender), both carrying the control link's own blob.
+//!
+//! Slot pointers ([`SlotBuf::ptr`]) of these channels are device addresses
+//! (a `CUdeviceptr` cast to a pointer), declared as [`MemKind::Device`]: only
+//! the device engine may use them.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use braid_core::transport::{
+    PeerDesc, PendingRecv, PendingSend, RecvChannel, SendChannel, SlotBuf, Transport,
+};
+use braid_core::types::MemKind;
+use braid_core::CoreError;
+use braid_transport_shm::ShmTransport;
+
+use super::{Device, DeviceBuffer, IpcMapping};
+use crate::ipc::{LinkInfo, SenderInfo};
+
+/// Bytes of one control message (the payload length, little-endian u64).
+const CTRL_MSG: usize = 8;
+/// Control slots are the smallest the shared-memory transport allows.
+const CTRL_SLOT_BYTES: usize = 4096;
+
+/// Geometry of a device-slot link.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Geometry {
+    /// Bytes per device slot (a multiple of 4096).
+    pub slot_bytes: usize,
+    /// Slots per link (2 to 1024).
+    pub slots: usize,
+}
+
+impl Geometry {
+    /// NCCL's Simple protocol: 4 MiB per connection in 8 steps of 512 KiB.
+    pub const DEFAULT: Geometry = Geometry {
+        slot_bytes: 512 * 1024,
+        slots: 8,
+    };
+
+    /// Check the bounds.
+    pub fn validate(self) -> braid_core::error::Result<Geometry> {
+        if self.slot_bytes < 4096
+            || !self.slot_bytes.is_multiple_of(4096)
+            || self.slot_bytes > (1 << 30)
+            || !(2..=1024).contains(&self.slots)
+        {
+            return Err(CoreError::InvalidArgument(format!(
+                "device link geometry {} slots x {} bytes is invalid: slots 2..1024, slot bytes a multiple of 4096 up to 1 GiB",
+                self.slots, self.slot_bytes
+            )));
+        }
+        Ok(self)
+    }
+}
+
+fn control() -> braid_core::error::Result<ShmTransport> {
+    ShmTransport::with_params(CTRL_SLOT_BYTES, 2)
+}
+
+fn peer_err(name: &'static str, peer: u32, what: String) -> CoreError {
+    CoreError::Peer {
+        transport: name,
+        peer,
+        what,
+        source: None,
+    }
+}
+
+/// Phase 1 of the receiving end: allocate and export the ring.
+pub fn listen(
+    name: &'static str,
+    dev: &Arc<Device>,
+    geo: Geometry,
+    me: &PeerDesc,
+    peer: &PeerDesc,
+) -> braid_core::error::Result<(Box<dyn PendingRecv>, Vec<u8>)> {
+    let geo = geo.validate()?;
+    let ring = DeviceBuffer::alloc(dev, geo.slot_bytes * geo.slots)
+        .map_err(|e| peer_err(name, peer.rank, format!("allocating the slot ring: {e}")))?;
+    let mem = ring
+        .ipc_handle()
+        .map_err(|e| peer_err(name, peer.rank, format!("exporting the slot ring: {e}")))?;
+    let ctrl = ShmTransport::with_params(CTRL_SLOT_BYTES, geo.slots)?;
+    let (pending, cblob) = ctrl.listen(me, peer)?;
+    let info = LinkInfo {
+        bus_id: dev.bus_id().to_string(),
+        device: dev.ordinal(),
+        mem,
+        offset: 0,
+        slot_bytes: geo.slot_bytes as u64,
+        slots: geo.slots as u32,
+        control: cblob,
+    };
+    Ok((
+        Box::new(PendingIpcRecv {
+            name,
+            dev: dev.clone(),
+            geo,
+            ring,
+            ctrl: pending,
+            peer: peer.rank,
+        }),
+        info.encode(),
+    ))
+}
+
+/// Phase 1 of the sending end.
+pub fn prepare_send(
+    name: &'static str,
+    dev: &Arc<Device>,
+    me: &PeerDesc,
+    peer: &PeerDesc,
+) -> braid_core::error::Result<(Box<dyn PendingSend>, Vec<u8>)> {
+    let (pending, cblob) = control()?.prepare_send(me, peer)?;
+    let info = SenderInfo {
+        bus_id: dev.bus_id().to_string(),
+        device: dev.ordinal(),
+        control: cblob,
+    };
+    Ok((
+        Box::new(PendingIpcSend {
+            name,
+            dev: dev.clone(),
+            ctrl: pending,
+            peer: peer.rank,
+        }),
+        info.encode(),
+    ))
+}
+
+struct PendingIpcRecv {
+    name: &'static str,
+    dev: Arc<Device>,
+    geo: Geometry,
+    ring: DeviceBuffer,
+    ctrl: Box<dyn PendingRecv>,
+    peer: u32,
+}
+
+impl PendingRecv for PendingIpcRecv {
+    fn connect(
+        self: Box<Self>,
+        sender_info: &[u8],
+        deadline: Instant,
+    ) -> braid_core::error::Result<Box<dyn RecvChannel>> {
+        let info = SenderInfo::decode(sender_info).map_err(|e| CoreError::Protocol {
+            peer: self.peer,
+            detail: e.to_string(),
+        })?;
+        let ctrl = self.ctrl.connect(&info.control, deadline)?;
+        tracing::debug!(
+            transport = self.name,
+            peer = self.peer,
+            peer_gpu = %info.bus_id,
+            gpu = %self.dev.bus_id(),
+            "braid: device link (receiving end) connected"
+        );
+        Ok(Box::new(IpcRecv {
+            name: self.name,
+            device: self.dev.ordinal(),
+            geo: self.geo,
+            ring: self.ring,
+            ctrl,
+            k: 0,
+            peer: self.peer,
+        }))
+    }
+}
+
+struct PendingIpcSend {
+    name: &'static str,
+    dev: Arc<Device>,
+    ctrl: Box<dyn PendingSend>,
+    peer: u32,
+}
+
+impl PendingSend for PendingIpcSend {
+    fn connect(
+        self: Box<Self>,
+        receiver_info: &[u8],
+        deadline: Instant,
+    ) -> braid_core::error::Result<Box<dyn SendChannel>> {
+        let info = LinkInfo::decode(receiver_info).map_err(|e| CoreError::Protocol {
+            peer: self.peer,
+            detail: e.to_string(),
+        })?;
+        let map = IpcMapping::open(&self.dev, &info.mem).map_err(|e| {
+            peer_err(
+                self.name,
+                self.peer,
+                format!(
+                    "mapping the slots of GPU {} (rank {}) on GPU {}: {e}",
+                    info.bus_id,
+                    self.peer,
+                    self.dev.bus_id()
+                ),
+            )
+        })?;
+        let ctrl = self.ctrl.connect(&info.control, deadline)?;
+        if ctrl.slots() != info.slots as usize {
+            return Err(CoreError::Protocol {
+                peer: self.peer,
+                detail: format!(
+                    "control link has {} slots for {} device slots",
+                    ctrl.slots(),
+                    info.slots
+                ),
+            });
+        }
+        Ok(Box::new(IpcSend {
+            name: self.name,
+            device: self.dev.ordinal(),
+            base: map.ptr() + info.offset,
+            map,
+            geo: Geometry {
+                slot_bytes: info.slot_bytes as usize,
+                slots: info.slots as usize,
+            },
+            ctrl,
+            k: 0,
+            peer: self.peer,
+        }))
+    }
+}
+
+/// Sending end: the receiver's ring, mapped here.
+struct IpcSend {
+    name: &'static str,
+    device: u32,
+    base: u64,
+    /// Keeps the mapping alive.
+    #[allow(dead_code)]
+    map: IpcMapping,
+    geo: Geometry,
+    ctrl: Box<dyn SendChannel>,
+    k: u64,
+    peer: u32,
+}
+
+impl IpcSend {
+    fn slot(&self) -> SlotBuf {
+        let off = (self.k % self.geo.slots as u64) * self.geo.slot_bytes as u64;
+        SlotBuf {
+            ptr: (self.base + off) as usize as *mut u8,
+            cap: self.geo.slot_bytes,
+        }
+    }
+}
+
+impl SendChannel for IpcSend {
+    fn peer(&self) -> u32 {
+        self.peer
+    }
+    fn transport(&self) -> &'static str {
+        self.name
+    }
+    fn mem_kind(&self) -> MemKind {
+        MemKind::Device(self.device)
+    }
+    fn slot_bytes(&self) -> usize {
+        self.geo.slot_bytes
+    }
+    fn slots(&self) -> usize {
+        self.geo.slots
+    }
+    fn poll_acquire(&mut self) -> braid_core::error::Result<Option<SlotBuf>> {
+        // A control slot free means the receiver released the device slot
+        // that pairs with it.
+        Ok(self.ctrl.poll_acquire()?.map(|_| self.slot()))
+    }
+    fn commit(&mut self, len: usize) -> braid_core::error::Result<()> {
+        if len > self.geo.slot_bytes {
+            return Err(CoreError::InvalidArgument(format!(
+                "{} commit of {len} bytes into a {}-byte slot",
+                self.name, self.geo.slot_bytes
+            )));
+        }
+        let c = self.ctrl.poll_acquire()?.ok_or_else(|| {
+            CoreError::InvalidArgument(format!("{} commit without an acquired slot", self.name))
+        })?;
+        // SAFETY: `c` is the control link's host slot of at least 4096
+        // bytes, owned by this side until `commit`.
+        unsafe {
+            std::ptr::write_unaligned(c.ptr as *mut [u8; CTRL_MSG], (len as u64).to_le_bytes())
+        };
+        self.ctrl.commit(CTRL_MSG)?;
+        self.k += 1;
+        Ok(())
+    }
+    fn poll_drained(&mut self) -> braid_core::error::Result<bool> {
+        self.ctrl.poll_drained()
+    }
+    fn check_peer(&mut self) -> braid_core::error::Result<()> {
+        self.ctrl.check_peer()
+    }
+    fn abort(&mut self, reason: &str) {
+        self.ctrl.abort(reason)
+    }
+}
+
+/// Receiving end: owns the ring.
+struct IpcRecv {
+    name: &'static str,
+    device: u32,
+    geo: Geometry,
+    ring: DeviceBuffer,
+    ctrl: Box<dyn RecvChannel>,
+    k: u64,
+    peer: u32,
+}
+
+impl RecvChannel for IpcRecv {
+    fn peer(&self) -> u32 {
+        self.peer
+    }
+    fn transport(&self) -> &'static str {
+        self.name
+    }
+    fn mem_kind(&self) -> MemKind {
+        MemKind::Device(self.device)
+    }
+    fn slot_bytes(&self) -> usize {
+        self.geo.slot_bytes
+    }
+    fn poll_peek(&mut self) -> braid_core::error::Result<Option<(SlotBuf, usize)>> {
+        let Some((c, clen)) = self.ctrl.poll_peek()? else {
+            return Ok(None);
+        };
+        if clen != CTRL_MSG {
+            return Err(CoreError::Protocol {
+                peer: self.peer,
+                detail: format!("{} control message of {clen} bytes", self.name),
+            });
+        }
+        // SAFETY: the control slot holds CTRL_MSG committed bytes and stays
+        // ours until `release`.
+        let len =
+            u64::from_le_bytes(unsafe { std::ptr::read_unaligned(c.ptr as *const [u8; CTRL_MSG]) })
+                as usize;
+        if len > self.geo.slot_bytes {
+            return Err(CoreError::Protocol {
+                peer: self.peer,
+                detail: format!(
+                    "{} slot announced with {len} bytes, slots hold {}",
+                    self.name, self.geo.slot_bytes
+                ),
+            });
+        }
+        let off = (self.k % self.geo.slots as u64) * self.geo.slot_bytes as u64;
+        Ok(Some((
+            SlotBuf {
+                ptr: (self.ring.ptr() + off) as usize as *mut u8,
+                cap: self.geo.slot_bytes,
+            },
+            len,
+        )))
+    }
+    fn release(&mut self) -> braid_core::error::Result<()> {
+        self.ctrl.release()?;
+        self.k += 1;
+        Ok(())
+    }
+    fn check_peer(&mut self) -> braid_core::error::Result<()> {
+        self.ctrl.check_peer()
+    }
+    fn abort(&mut self, reason: &str) {
+        self.ctrl.abort(reason)
+    }
+}
+
+/// The per-pair decision of an [`IpcTransport`].
+pub type PairFilter = Box<dyn Fn(&PeerDesc, &PeerDesc) -> bool + Send + Sync>;
+
+/// A transport over device-slot links on one GPU: the common body of the
+/// nvlink and pcie (P2P) transports. `allowed(me, peer)` is the per-pair
+/// decision (from [`crate::select`]); `name` what the transport is called.
+pub struct IpcTransport {
+    name: &'static str,
+    dev: Option<Arc<Device>>,
+    geo: Geometry,
+    allowed: PairFilter,
+}
+
+impl std::fmt::Debug for IpcTransport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("IpcTransport")
+            .field("name", &self.name)
+            .field("device", &self.dev.as_ref().map(|d| d.ordinal()))
+            .field("geo", &self.geo)
+            .finish()
+    }
+}
+
+impl IpcTransport {
+    /// A transport named `name` on `dev` (None: CUDA unavailable, it
+    /// connects nothing and says so).
+    pub fn new(
+        name: &'static str,
+        dev: Option<Arc<Device>>,
+        geo: Geometry,
+        allowed: PairFilter,
+    ) -> IpcTransport {
+        IpcTransport {
+            name,
+            dev,
+            geo,
+            allowed,
+        }
+    }
+
+    fn device(&self) -> braid_core::error::Result<&Arc<Device>> {
+        self.dev.as_ref().ok_or_else(|| CoreError::Unavailable {
+            transport: self.name,
+            reason: match super::probe() {
+                Err(e) => e.to_string(),
+                Ok(_) => "no CUDA device was opened for this communicator".into(),
+            },
+        })
+    }
+}
+
+impl Transport for IpcTransport {
+    fn name(&self) -> &'static str {
+        self.name
+    }
+    fn mem_kind(&self) -> MemKind {
+        MemKind::Device(self.dev.as_ref().map_or(0, |d| d.ordinal()))
+    }
+    fn can_connect(&self, me: &PeerDesc, peer: &PeerDesc) -> bool {
+        self.dev.is_some() && me.host_id == peer.host_id && (self.allowed)(me, peer)
+    }
+    fn listen(
+        &self,
+        me: &PeerDesc,
+        peer: &PeerDesc,
+    ) -> braid_core::error::Result<(Box<dyn PendingRecv>, Vec<u8>)> {
+        listen(self.name, self.device()?, self.geo, me, peer)
+    }
+    fn prepare_send(
+        &self,
+        me: &PeerDesc,
+        peer: &PeerDesc,
+    ) -> braid_core::error::Result<(Box<dyn PendingSend>, Vec<u8>)> {
+        prepare_send(self.name, self.device()?, me, peer)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn desc(rank: u32) -> PeerDesc {
+        PeerDesc {
+            rank,
+            host_id: "h".into(),
+            pid: std::process::id(),
+            fabrics: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn geometry_bounds() {
+        assert!(Geometry::DEFAULT.validate().is_ok());
+        for bad in [
+            Geometry {
+                slot_bytes: 1000,
+                slots: 8,
+            },
+            Geometry {
+                slot_bytes: 4096,
+                slots: 1,
+            },
+            Geometry {
+                slot_bytes: 4096,
+                slots: 2000,
+            },
+        ] {
+            assert!(bad.validate().is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn without_a_device_nothing_connects_and_set_up_says_why() {
+        let t = IpcTransport::new("nvlink", None, Geometry::DEFAULT, Box::new(|_, _| true));
+        assert!(!t.can_connect(&desc(0), &desc(1)));
+        let e = t.listen(&desc(0), &desc(1)).err().expect("no device");
+        let s = e.to_string();
+        assert!(s.contains("nvlink unavailable"), "{s}");
+        if crate::probe().is_err() {
+            assert!(s.contains("CUDA unavailable"), "{s}");
+        }
+        assert!(t.prepare_send(&desc(0), &desc(1)).is_err());
+    }
+}
