@@ -42,15 +42,22 @@
 //!   credit (`committed − released < slots`). `commit` cuts the message in
 //!   pieces of at least 64 KiB (one piece below 128 KiB), at most one per
 //!   QP, piece `j` on QP `(seq + j) % qps`, and posts each as a signalled
-//!   RDMA WRITE WITH IMMEDIATE from the staging slot straight into the same
-//!   slot of the receiver's FIFO. The immediate says the slot and the number
-//!   of pieces; the receiver's progress thread counts pieces and bytes (the
-//!   completion's length) and publishes the slot's length with a release
-//!   store once all pieces landed, so `poll_peek` is one atomic load.
+//!   RDMA WRITE from the staging slot straight into the same slot of the
+//!   receiver's FIFO, followed on the same QP by an 8-byte RDMA WRITE WITH
+//!   IMMEDIATE (the *notice*) of the message length into the receiver's
+//!   control buffer; the immediate says the slot and the number of pieces.
+//!   Writes on one QP land in order, so when the receiver's progress thread
+//!   has seen a notice from every QP of the message, the data and the length
+//!   are in place; it publishes the slot's length with a release store, so
+//!   `poll_peek` is one atomic load. (Carrying the immediate on the data
+//!   write itself was seen to end in "remote invalid request" completions
+//!   under sustained load between two Soft-RoCE guests; notices are single
+//!   packets.)
 //! - **Credits.** `release` posts a zero-length write with an immediate
 //!   holding the receiver's cumulative count of released slots (mod 2^28) on
 //!   QP 0; the sender's progress thread stores it, so `poll_acquire` and
-//!   `poll_drained` are atomic loads. Credits on one QP arrive in order.
+//!   `poll_drained` are atomic loads. Credits on one QP arrive in order; a
+//!   credit older than the last one (serial-number arithmetic) is ignored.
 //! - **Failures.** Every send work request is signalled; a completion with
 //!   an error (retry exceeded when the peer's process died or the path is
 //!   gone, remote access error, ...) is recorded with the verbs status text,
@@ -83,7 +90,7 @@
 //! | --- | --- | --- |
 //! | `BRAID_IB_HCA` | devices and ports to use (`mlx5_0:1,mlx5_1`, `^` excludes, `=` exact) | all |
 //! | `BRAID_IB_GID_INDEX` | GID index (RoCE) | RoCE v2 IPv4-mapped |
-//! | `BRAID_IB_QPS_PER_CONNECTION` | queue pairs per connection, 1–16 | 1 |
+//! | `BRAID_IB_QPS_PER_CONNECTION` | queue pairs per connection (each slot striped over them), 1–16 | 1 |
 //! | `BRAID_IB_TIMEOUT` | ACK timeout exponent: 4.096 µs × 2^n, 1–31 | 18 (≈1.07 s; with 6 retries a dead peer is reported within ≈7.5 s) |
 //! | `BRAID_IB_RETRY_CNT` | retries before a retry-exceeded error, 0–7 (7 means forever on Soft-RoCE) | 6 |
 //! | `BRAID_IB_SL`, `BRAID_IB_TC` | service level, traffic class | 0, 0 |
