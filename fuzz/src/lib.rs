@@ -254,9 +254,12 @@ pub fn rendezvous_payloads(data: &[u8]) {
         return;
     };
     let from = u32::from(*a);
-    if let Ok((rank, pid, host)) = braid::comm::fuzzing::decode_peer(rest, from) {
+    if let Ok((rank, pid, host, fabrics)) = braid::comm::fuzzing::decode_peer(rest, from) {
         assert_eq!(rank, from);
-        assert_eq!(braid::comm::fuzzing::encode_peer(rank, pid, &host), rest);
+        assert_eq!(
+            braid::comm::fuzzing::encode_peer(rank, pid, &host, &fabrics),
+            rest
+        );
     }
     let p = usize::from(*b % 9);
     if let Ok(blobs) = braid::comm::fuzzing::decode_blobs(rest, p, from) {
@@ -629,7 +632,7 @@ pub fn seeds() -> Vec<(&'static str, Vec<Seed>)> {
     ]
     .concat();
 
-    let peer = braid::comm::fuzzing::encode_peer(2, 4242, "host-a");
+    let peer = braid::comm::fuzzing::encode_peer(2, 4242, "host-a", &[]);
     let blobs = braid::comm::fuzzing::encode_blobs(&[
         (b"recv".to_vec(), b"send".to_vec()),
         (Vec::new(), b"x".to_vec()),

@@ -1197,20 +1197,29 @@ mod peer_desc_tests {
 pub mod fuzzing {
     use super::*;
 
-    /// Decodes slot `from` of the rendezvous: `(rank, pid, host id)`.
-    pub fn decode_peer(b: &[u8], from: u32) -> std::result::Result<(u32, u32, String), String> {
+    /// A rank's description as the rendezvous carries it: rank, pid, host
+    /// id and the (transport, fabric) pairs.
+    pub type Peer = (u32, u32, String, Vec<(String, String)>);
+
+    /// Decodes slot `from` of the rendezvous.
+    pub fn decode_peer(b: &[u8], from: u32) -> std::result::Result<Peer, String> {
         super::decode_peer(b, from)
-            .map(|p| (p.rank, p.pid, p.host_id))
+            .map(|p| (p.rank, p.pid, p.host_id, p.fabrics))
             .map_err(|e| e.to_string())
     }
 
     /// Encodes a rank's description as it joins.
-    pub fn encode_peer(rank: u32, pid: u32, host_id: &str) -> Vec<u8> {
+    pub fn encode_peer(
+        rank: u32,
+        pid: u32,
+        host_id: &str,
+        fabrics: &[(String, String)],
+    ) -> Vec<u8> {
         super::encode_peer(&PeerDesc {
             rank,
             host_id: host_id.to_string(),
             pid,
-            fabrics: Vec::new(),
+            fabrics: fabrics.to_vec(),
         })
     }
 
