@@ -21,8 +21,22 @@ loud() {
     exit 1
 }
 
-VM=${RDMA_VM_RUN:-../shared/rdma-vm/run}
-[ -x "$VM" ] || loud "the guest harness $VM is missing or not executable: cannot run RDMA code here"
+# The harness: RDMA_VM_RUN, else the shared folder next to the checkout,
+# else /work/shared (where the workplace keeps it).
+VM=${RDMA_VM_RUN:-}
+if [ -z "$VM" ]; then
+    for c in ../shared/rdma-vm/run /work/shared/rdma-vm/run; do
+        if [ -x "$c" ]; then VM=$c; break; fi
+    done
+fi
+if [ -z "$VM" ] || [ ! -x "$VM" ]; then
+    echo
+    echo "!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!"
+    echo "!!! RDMA TESTS NOT RUN: no guest harness (tried RDMA_VM_RUN, ../shared/rdma-vm/run, /work/shared/rdma-vm/run)"
+    echo "!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!"
+    exit 3
+fi
+echo "== rdma: guest harness $VM"
 
 scripts/rdma-deps.sh || loud "cannot install the IB build dependencies"
 
