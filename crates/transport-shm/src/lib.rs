@@ -434,7 +434,15 @@ fn check_abort_and_process(peer_side: &Side, peer: u32, peer_pid: u32) -> Result
             reason,
         });
     }
-    process_alive(peer_pid).map_err(|what| peer_err(peer, what))
+    process_alive(peer_pid).map_err(|what| match abort_reason(peer_side) {
+        // It aborted and exited between the two checks: the abort is the cause.
+        Some(reason) => CoreError::PeerAborted {
+            transport: NAME,
+            peer,
+            reason,
+        },
+        None => peer_err(peer, what),
+    })
 }
 
 /// A receiving end between `listen` and `connect`.
@@ -779,10 +787,14 @@ impl SendChannel for ShmSend {
         let recv = &hdr.receiver.0;
         check_abort_and_process(recv, self.peer, self.peer_pid)?;
         if recv.closed.load(Ordering::Acquire) != 0 {
+            // A peer that aborted and then exited published its reason
+            // before it closed (Acquire above pairs with its Release): the
+            // check before the `closed` load may have run just before that.
+            let reason = abort_reason(recv).unwrap_or_else(|| "the receiver closed its end".into());
             return Err(CoreError::PeerAborted {
                 transport: NAME,
                 peer: self.peer,
-                reason: "the receiver closed its end".into(),
+                reason,
             });
         }
         Ok(())
@@ -981,10 +993,14 @@ impl RecvChannel for ShmRecv {
         // loaded next is the sender's final one.
         let closed = sender.closed.load(Ordering::Acquire) != 0;
         if closed && self.load_head()? == self.tail {
+            // The abort check above may have run just before the peer
+            // aborted and exited; its reason was published before `closed`.
+            let reason = abort_reason(&self.seg.header().sender.0)
+                .unwrap_or_else(|| "the sender closed its end".into());
             return Err(CoreError::PeerAborted {
                 transport: NAME,
                 peer: self.peer,
-                reason: "the sender closed its end".into(),
+                reason,
             });
         }
         Ok(())
