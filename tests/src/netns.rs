@@ -13,12 +13,23 @@ use std::io::{BufRead, BufReader};
 use std::net::{IpAddr, Ipv4Addr};
 use std::process::{Child, Command, Stdio};
 
+/// How [`Hosts::netem`] delayed a link.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Delay {
+    /// tc netem (delay and rate).
+    Netem,
+    /// tbf for the rate, `braid-netdelay` on a netfilter queue for the delay.
+    Queue,
+}
+
 /// A set of emulated hosts.
 #[derive(Debug)]
 pub struct Hosts {
     tag: String,
     subnet: u8,
     holders: Vec<Child>,
+    /// `braid-netdelay` processes (see [`Hosts::netem`]), ended on drop.
+    delayers: Vec<Child>,
     names: Vec<String>,
     bridge: String,
 }
@@ -74,6 +85,7 @@ impl Hosts {
             tag,
             subnet,
             holders: Vec::new(),
+            delayers: Vec::new(),
             names: Vec::new(),
         };
         hosts.setup(n)?;
@@ -190,27 +202,99 @@ impl Hosts {
         ])
     }
 
-    /// Add delay and a rate limit to host `h`'s link with tc netem. Kernels
-    /// built without `sch_netem` (this project's VMs) get the rate limit
-    /// alone, from tbf: returns whether the delay could be applied.
-    pub fn netem(&self, h: usize, delay_ms: u32, rate_mbit: u32) -> Result<bool, String> {
-        let ns = &self.names[h];
-        let qdisc = |args: &[&str]| {
+    /// Add delay and a rate limit to the packets host `h` sends, with tc
+    /// netem. Kernels built without `sch_netem` (this project's VMs) get the
+    /// rate limit from tbf and the delay from `delayer` (the
+    /// `braid-netdelay` binary) holding each packet in a netfilter queue,
+    /// which needs `iptables`. Says how the delay was applied.
+    pub fn netem(
+        &mut self,
+        h: usize,
+        delay_ms: u32,
+        rate_mbit: u32,
+        delayer: &str,
+    ) -> Result<Delay, String> {
+        let ns = self.names[h].clone();
+        let in_ns = |prog: &str, args: &[&str]| {
             run(Command::new("ip")
-                .args([
-                    "netns", "exec", ns, "tc", "qdisc", "add", "dev", "eth0", "root",
-                ])
+                .args(["netns", "exec", &ns, prog])
                 .args(args))
         };
+        let root = ["qdisc", "add", "dev", "eth0", "root"];
         let rate = format!("{rate_mbit}mbit");
-        match qdisc(&["netem", "delay", &format!("{delay_ms}ms"), "rate", &rate]) {
-            Ok(()) => Ok(true),
-            Err(e) if e.contains("unknown") => {
-                qdisc(&["tbf", "rate", &rate, "burst", "256kb", "latency", "100ms"])?;
-                Ok(false)
-            }
-            Err(e) => Err(e),
+        let delay = format!("{delay_ms}ms");
+        let netem = [&root[..], &["netem", "delay", &delay, "rate", &rate]].concat();
+        match in_ns("tc", &netem) {
+            Ok(()) => return Ok(Delay::Netem),
+            Err(e) if e.contains("unknown") => {}
+            Err(e) => return Err(e),
         }
+        let tbf = [
+            &root[..],
+            &["tbf", "rate", &rate, "burst", "256kb", "latency", "100ms"],
+        ]
+        .concat();
+        in_ns("tc", &tbf)?;
+        let queue = (1000 + h).to_string();
+        let mut child = Command::new("ip")
+            .args(["netns", "exec", &ns, delayer, &queue, &delay_ms.to_string()])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .map_err(|e| format!("starting {delayer}: {e}"))?;
+        let mut line = String::new();
+        if let Some(out) = child.stdout.as_mut() {
+            let _ = BufReader::new(out).read_line(&mut line);
+        }
+        if line.trim() != "ready" {
+            drop(child.stdin.take());
+            let out = child.wait_with_output().map_err(|e| e.to_string())?;
+            return Err(format!(
+                "{delayer} did not start: {}",
+                String::from_utf8_lossy(&out.stderr).trim()
+            ));
+        }
+        self.delayers.push(child);
+        let rule = [
+            "-A",
+            "OUTPUT",
+            "-o",
+            "eth0",
+            "-j",
+            "NFQUEUE",
+            "--queue-num",
+            &queue,
+        ];
+        in_ns("iptables", &rule).map_err(|e| {
+            format!("{e} (the delay without sch_netem needs iptables: apt-get install iptables)")
+        })?;
+        Ok(Delay::Queue)
+    }
+
+    /// Stop the delayers [`Hosts::netem`] started; returns how many packets
+    /// each held back (from its last line, `delayed N packets`).
+    pub fn stop_delayers(&mut self) -> Result<Vec<u64>, String> {
+        let mut counts = Vec::new();
+        for mut child in self.delayers.drain(..) {
+            drop(child.stdin.take());
+            let out = child.wait_with_output().map_err(|e| e.to_string())?;
+            let text = String::from_utf8_lossy(&out.stdout);
+            let n = text
+                .lines()
+                .filter_map(|l| l.strip_prefix("delayed "))
+                .filter_map(|l| l.strip_suffix(" packets"))
+                .find_map(|n| n.parse::<u64>().ok())
+                .ok_or_else(|| {
+                    format!(
+                        "the delayer ended without a count: {}{}",
+                        text.trim(),
+                        String::from_utf8_lossy(&out.stderr).trim()
+                    )
+                })?;
+            counts.push(n);
+        }
+        Ok(counts)
     }
 
     /// Names of every namespace, bridge and veth this set created that still
@@ -238,6 +322,11 @@ impl Hosts {
 
 impl Drop for Hosts {
     fn drop(&mut self) {
+        // A delayer exits when its standard input closes.
+        for mut d in self.delayers.drain(..) {
+            drop(d.stdin.take());
+            let _ = d.wait();
+        }
         for h in &mut self.holders {
             let _ = h.kill();
             let _ = h.wait();

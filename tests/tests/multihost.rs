@@ -10,7 +10,7 @@ use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
 
 use braid::{Communicator, RootServer, UniqueId};
-use braid_tests::netns::Hosts;
+use braid_tests::netns::{Delay, Hosts};
 use braid_tests::ranks::{assert_all_ok, fault_run, wait_all};
 
 static SERIAL: Mutex<()> = Mutex::new(());
@@ -132,15 +132,23 @@ fn four_hosts_one_rank_each() {
 #[test]
 fn delayed_and_rate_limited_link() {
     let _g = serial();
-    let Some(h) = hosts(2) else { return };
-    let delayed = h.netem(1, 2, 400).expect("tc qdisc");
-    if !delayed {
-        println!("this kernel has no sch_netem: host 1's link is rate-limited (tbf, 400 Mbit/s) but not delayed");
-    }
+    let Some(mut h) = hosts(2) else { return };
+    let how = h
+        .netem(1, 2, 400, env!("CARGO_BIN_EXE_braid-netdelay"))
+        .expect("delaying host 1's link");
+    println!("host 1's link: 2 ms delay and 400 Mbit/s by {how:?}");
     let res = run(&h, &[0, 1, 1], "p2p", &[]);
     assert_all_ok("netem p2p", &res);
     let res = run(&h, &[0, 1, 1], "matrix", &["1", "4099", "70000"]);
     assert_all_ok("netem matrix", &res);
+    if how == Delay::Queue {
+        let held = h.stop_delayers().expect("stopping the delayer");
+        println!("packets held back 2 ms: {held:?}");
+        assert!(
+            held.iter().all(|&n| n > 0),
+            "the delayer saw no packets: {held:?}"
+        );
+    }
 }
 
 #[test]
