@@ -296,42 +296,13 @@ impl Communicator {
 
         // Phase 1: allocate both ends of every link, collect connect-info.
         let p = nranks as usize;
-        let mut pend_recv: Vec<Option<Box<dyn PendingRecv>>> = (0..p).map(|_| None).collect();
-        let mut pend_send: Vec<Option<Box<dyn PendingSend>>> = (0..p).map(|_| None).collect();
-        let mut blobs: Vec<(Vec<u8>, Vec<u8>)> = vec![(Vec::new(), Vec::new()); p];
+        let mut links = LinkSetup::new(rank, p);
         for q in 0..p {
-            let Some(t) = choice[q] else { continue };
-            let t = table.get(t);
-            let (pr, rb) = t.listen(&me, &peers[q])?;
-            let (ps, sb) = t.prepare_send(&me, &peers[q])?;
-            pend_recv[q] = Some(pr);
-            pend_send[q] = Some(ps);
-            blobs[q] = (rb, sb);
-        }
-        let all = boot.allgather(&encode_blobs(&blobs))?;
-        let all: Vec<Vec<(Vec<u8>, Vec<u8>)>> = all
-            .iter()
-            .enumerate()
-            .map(|(r, b)| decode_blobs(b, p, r as u32))
-            .collect::<Result<_>>()?;
-        // Phase 2: send ends first (they never wait), then receive ends.
-        let deadline = Instant::now() + timeout;
-        let mut chans = Channels {
-            send: (0..p).map(|_| None).collect(),
-            recv: (0..p).map(|_| None).collect(),
-            scratch: Vec::new(),
-        };
-        for q in 0..p {
-            if let Some(ps) = pend_send[q].take() {
-                // q's receive end for the link rank → q.
-                chans.send[q] = Some(ps.connect(&all[q][rank as usize].0, deadline)?);
+            if let Some(t) = choice[q] {
+                links.add(q, table.get(t), &me, &peers[q])?;
             }
         }
-        for q in 0..p {
-            if let Some(pr) = pend_recv[q].take() {
-                chans.recv[q] = Some(pr.connect(&all[q][rank as usize].1, deadline)?);
-            }
-        }
+        let mut chans = links.connect(|b| boot.allgather(b), timeout)?;
         boot.barrier()?;
         // After the barrier every receiver has run its single-copy probe.
         // Plans must cut pieces the same way on every rank, so agree on the
@@ -1132,6 +1103,84 @@ fn decode_peer(b: &[u8], from: u32) -> Result<PeerDesc> {
         pid,
         fabrics,
     })
+}
+
+/// Setting up the links of a communicator: phase 1 allocates both ends of
+/// each link and collects their connect-info; phase 2 exchanges it among all
+/// ranks and connects. Shared by the host and the device communicators.
+pub(crate) struct LinkSetup {
+    rank: u32,
+    recv: Vec<Option<Box<dyn PendingRecv>>>,
+    send: Vec<Option<Box<dyn PendingSend>>>,
+    blobs: Vec<(Vec<u8>, Vec<u8>)>,
+}
+
+impl LinkSetup {
+    pub(crate) fn new(rank: u32, nranks: usize) -> LinkSetup {
+        LinkSetup {
+            rank,
+            recv: (0..nranks).map(|_| None).collect(),
+            send: (0..nranks).map(|_| None).collect(),
+            blobs: vec![(Vec::new(), Vec::new()); nranks],
+        }
+    }
+
+    /// Phase 1 for the two links with rank `q`, over transport `t`.
+    pub(crate) fn add(
+        &mut self,
+        q: usize,
+        t: &dyn braid_core::transport::Transport,
+        me: &PeerDesc,
+        peer: &PeerDesc,
+    ) -> Result<()> {
+        let (pr, rb) = t.listen(me, peer)?;
+        let (ps, sb) = t.prepare_send(me, peer)?;
+        self.recv[q] = Some(pr);
+        self.send[q] = Some(ps);
+        self.blobs[q] = (rb, sb);
+        Ok(())
+    }
+
+    /// Phase 2: `allgather` every rank's connect-info, then connect the send
+    /// ends first (they never wait), then the receive ends, within `timeout`.
+    pub(crate) fn connect(
+        self,
+        allgather: impl FnOnce(&[u8]) -> Result<Vec<Vec<u8>>>,
+        timeout: Duration,
+    ) -> Result<Channels> {
+        let p = self.blobs.len();
+        let all = allgather(&encode_blobs(&self.blobs))?;
+        let all: Vec<Vec<(Vec<u8>, Vec<u8>)>> = all
+            .iter()
+            .enumerate()
+            .map(|(r, b)| decode_blobs(b, p, r as u32))
+            .collect::<Result<_>>()?;
+        if all.len() != p {
+            return Err(Error::Bootstrap(format!(
+                "connect-info from {} ranks, expected {p}",
+                all.len()
+            )));
+        }
+        let deadline = Instant::now() + timeout;
+        let me = self.rank as usize;
+        let mut chans = Channels {
+            send: (0..p).map(|_| None).collect(),
+            recv: (0..p).map(|_| None).collect(),
+            scratch: Vec::new(),
+        };
+        for (q, ps) in self.send.into_iter().enumerate() {
+            if let Some(ps) = ps {
+                // q's receive end for the link me → q.
+                chans.send[q] = Some(ps.connect(&all[q][me].0, deadline)?);
+            }
+        }
+        for (q, pr) in self.recv.into_iter().enumerate() {
+            if let Some(pr) = pr {
+                chans.recv[q] = Some(pr.connect(&all[q][me].1, deadline)?);
+            }
+        }
+        Ok(chans)
+    }
 }
 
 pub(crate) fn encode_blobs(blobs: &[(Vec<u8>, Vec<u8>)]) -> Vec<u8> {

@@ -44,7 +44,7 @@ use std::time::{Duration, Instant};
 
 use braid_core::plan::{self, Collective, Op, PlanParams, Program, Region};
 use braid_core::topo::{PathType, Topology};
-use braid_core::transport::{PeerDesc, PendingRecv, PendingSend, SlotBuf, Transport};
+use braid_core::transport::{PeerDesc, SlotBuf, Transport};
 use braid_core::types::MemKind;
 use braid_core::{CoreError, DataType, RedOp};
 use braid_cuda::link::Geometry;
@@ -53,7 +53,7 @@ use braid_transport_nvlink::NvlinkTransport;
 use braid_transport_pcie::PcieTransport;
 use tracing::info;
 
-use crate::comm::{decode_blobs, encode_blobs, Communicator};
+use crate::comm::{Communicator, LinkSetup};
 use crate::engine::{Channels, WaitPolicy};
 use crate::error::{Error, Result};
 
@@ -256,9 +256,7 @@ impl CudaComm {
             fabrics: Vec::new(),
         };
         let p = nranks as usize;
-        let mut pend_recv: Vec<Option<Box<dyn PendingRecv>>> = (0..p).map(|_| None).collect();
-        let mut pend_send: Vec<Option<Box<dyn PendingSend>>> = (0..p).map(|_| None).collect();
-        let mut blobs: Vec<(Vec<u8>, Vec<u8>)> = vec![(Vec::new(), Vec::new()); p];
+        let mut setup = LinkSetup::new(rank, p);
         let mut transports = vec!["self"; p];
         for q in 0..p {
             if q as u32 == rank {
@@ -275,36 +273,11 @@ impl CudaComm {
                     reason: format!("cannot connect rank {rank} to rank {q}"),
                 }));
             }
-            let (pr, rb) = t.listen(&me, &peer)?;
-            let (ps, sb) = t.prepare_send(&me, &peer)?;
-            pend_recv[q] = Some(pr);
-            pend_send[q] = Some(ps);
-            blobs[q] = (rb, sb);
+            setup.add(q, t, &me, &peer)?;
             transports[q] = t.name();
         }
-        let all = comm.allgather_bytes(&encode_blobs(&blobs))?;
-        let all: Vec<Vec<(Vec<u8>, Vec<u8>)>> = all
-            .iter()
-            .enumerate()
-            .map(|(r, b)| decode_blobs(b, p, r as u32))
-            .collect::<Result<_>>()?;
         let (policy_wait, small_allreduce) = comm.plan_knobs();
-        let deadline = Instant::now() + policy_wait.timeout;
-        let mut chans = Channels {
-            send: (0..p).map(|_| None).collect(),
-            recv: (0..p).map(|_| None).collect(),
-            scratch: Vec::new(),
-        };
-        for q in 0..p {
-            if let Some(ps) = pend_send[q].take() {
-                chans.send[q] = Some(ps.connect(&all[q][rank as usize].0, deadline)?);
-            }
-        }
-        for q in 0..p {
-            if let Some(pr) = pend_recv[q].take() {
-                chans.recv[q] = Some(pr.connect(&all[q][rank as usize].1, deadline)?);
-            }
-        }
+        let chans = setup.connect(|b| comm.allgather_bytes(b), policy_wait.timeout)?;
         // Every rank cuts pieces the same way: the smallest slot anywhere.
         let mine = chans.min_slot_bytes().unwrap_or(usize::MAX) as u64;
         let all = comm.allgather_bytes(&mine.to_le_bytes())?;
