@@ -815,11 +815,16 @@ impl Ctx<'_> {
     fn all_to_all(&self, prog: &mut Program, rank: u32, count: usize) {
         let p = self.p;
         let r = rank as usize;
-        prog.push(Op::Copy {
+        let own = Op::Copy {
             src: self.reg(SEND, r * count, count),
             dst: self.reg(RECV, r * count, count),
             finalize: false,
-        });
+        };
+        if p == 1 || count == 0 {
+            prog.push(own);
+            return;
+        }
+        let mut own = Some(own);
         for s in 1..p {
             let to = (r + s) % p;
             let from = (r + p - s) % p;
@@ -830,6 +835,11 @@ impl Ctx<'_> {
                     to: to as u32,
                     src: self.reg(SEND, to * count + off, n),
                 });
+                // Our own block is copied once the first piece is on its way,
+                // while the peer takes it, not before.
+                if let Some(c) = own.take() {
+                    prog.push_in_stage(c);
+                }
                 prog.push_in_stage(Op::Recv {
                     from: from as u32,
                     dst: self.reg(RECV, from * count + off, n),
