@@ -810,44 +810,50 @@ impl Ctx<'_> {
         }
     }
 
-    /// Pairwise exchange: in step `s`, send to `rank + s` and receive from
-    /// `rank − s`; each stage moves one piece each way.
+    /// Every piece to and from every peer in one stage: the executor moves
+    /// whichever is ready (pieces to or from one peer keep their order), so
+    /// a rank that is late — descheduled, when ranks outnumber cores — holds
+    /// up only its own pieces, not a lock-step of pairwise exchanges. Sends
+    /// come first (by reference they cost nothing until read), peers in the
+    /// pairwise order `rank + s`; our own block is copied while the peers
+    /// read; then the receives, from `rank − s`.
     fn all_to_all(&self, prog: &mut Program, rank: u32, count: usize) {
         let p = self.p;
         let r = rank as usize;
-        let own = Op::Copy {
-            src: self.reg(SEND, r * count, count),
-            dst: self.reg(RECV, r * count, count),
-            finalize: false,
-        };
-        if p == 1 || count == 0 {
-            prog.push(own);
-            return;
-        }
-        let mut own = Some(own);
-        for s in 1..p {
-            let to = (r + s) % p;
-            let from = (r + p - s) % p;
+        let pieces = |peer: usize| {
+            let mut v = Vec::new();
             let mut off = 0;
             while off < count {
                 let n = self.piece.min(count - off);
-                prog.push_in_stage(Op::Send {
-                    to: to as u32,
-                    src: self.reg(SEND, to * count + off, n),
-                });
-                // Our own block is copied once the first piece is on its way,
-                // while the peer takes it, not before.
-                if let Some(c) = own.take() {
-                    prog.push_in_stage(c);
-                }
-                prog.push_in_stage(Op::Recv {
-                    from: from as u32,
-                    dst: self.reg(RECV, from * count + off, n),
-                });
-                prog.end_stage();
+                v.push((peer * count + off, n));
                 off += n;
             }
+            v
+        };
+        for s in 1..p {
+            let to = (r + s) % p;
+            for (at, n) in pieces(to) {
+                prog.push_in_stage(Op::Send {
+                    to: to as u32,
+                    src: self.reg(SEND, at, n),
+                });
+            }
         }
+        prog.push_in_stage(Op::Copy {
+            src: self.reg(SEND, r * count, count),
+            dst: self.reg(RECV, r * count, count),
+            finalize: false,
+        });
+        for s in 1..p {
+            let from = (r + p - s) % p;
+            for (at, n) in pieces(from) {
+                prog.push_in_stage(Op::Recv {
+                    from: from as u32,
+                    dst: self.reg(RECV, at, n),
+                });
+            }
+        }
+        prog.end_stage();
     }
 
     /// A group of sends and receives: transfers to and from oneself become
