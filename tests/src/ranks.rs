@@ -2,20 +2,29 @@
 
 use std::io::{BufRead, BufReader};
 use std::process::Child;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-/// Wait for every child up to `limit`; kill all of them past it.
+/// Wait for every child. A hang is `limit` without a line of output from
+/// any child (ranks that print progress may take longer in all, on a
+/// loaded machine), and at most three times `limit` in all: past either,
+/// kill them all and panic.
 pub fn wait_all(children: Vec<Child>, limit: Duration) -> Vec<(Option<i32>, String)> {
     let start = Instant::now();
+    let last_line = Arc::new(Mutex::new(Instant::now()));
     let mut children: Vec<(Child, std::thread::JoinHandle<String>)> = children
         .into_iter()
         .map(|mut c| {
             let out = c.stdout.take().expect("stdout");
+            let last_line = last_line.clone();
             let reader = std::thread::spawn(move || {
                 let mut s = String::new();
                 for line in BufReader::new(out).lines().map_while(Result::ok) {
                     s.push_str(&line);
                     s.push('\n');
+                    if let Ok(mut t) = last_line.lock() {
+                        *t = Instant::now();
+                    }
                 }
                 s
             });
@@ -31,12 +40,16 @@ pub fn wait_all(children: Vec<Child>, limit: Duration) -> Vec<(Option<i32>, Stri
                 }
             }
         }
-        if start.elapsed() > limit {
+        let quiet = last_line.lock().map(|t| t.elapsed()).unwrap_or_default();
+        if quiet > limit || start.elapsed() > 3 * limit {
             for (c, _) in children.iter_mut() {
                 let _ = c.kill();
                 let _ = c.wait();
             }
-            panic!("ranks still running after {limit:?}: a hang");
+            panic!(
+                "ranks still running after {:?}, the last output {quiet:?} ago: a hang",
+                start.elapsed()
+            );
         }
         std::thread::sleep(Duration::from_millis(5));
     }

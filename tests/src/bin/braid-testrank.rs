@@ -227,6 +227,8 @@ fn matrix(comm: &Communicator, sizes: &[usize]) -> u32 {
                     }
                 }
             }
+            // A heartbeat for the test harness: slow is not hung.
+            println!("progress rank {}: {kind:?} n={n} done", comm.rank());
         }
     }
     println!(
