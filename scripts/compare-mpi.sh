@@ -23,6 +23,8 @@ for round in $(seq "$rounds"); do
     for c in all_reduce all_gather reduce_scatter broadcast reduce alltoall; do
       "$perf" "$c" -np "$np" -b 8 -e 8 -n 2000 -w 100 -H 1 -J "$out/braid_${c}_np${np}_small.r$round.json" >/dev/null
       "$perf" "$c" -np "$np" -b 1M -e 64M -f 4 -n "$iters" -w 3 -H 1 -J "$out/braid_${c}_np${np}.r$round.json" >"$out/braid_${c}_np${np}.r$round.txt"
+      # 1 MiB takes ~0.1-1 ms: more iterations, as Open MPI's timed loop does.
+      "$perf" "$c" -np "$np" -b 1M -e 1M -n 300 -w 20 -H 1 -J "$out/braid_${c}_np${np}_1M.r$round.json" >/dev/null
     done
     "$peers/mpi-best.sh" "$out/mpi_np$np.r$round" "$np" allreduce,allgather,reducescatter,bcast,reduce,alltoall 8,1M,16M,64M >/dev/null
   done
