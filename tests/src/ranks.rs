@@ -150,3 +150,20 @@ pub fn fault_run(
         .collect();
     FaultOutcome { elapsed, ranks }
 }
+
+/// Read each child's standard error on a thread of its own (so no child
+/// blocks on a full pipe); join the handles for the text.
+pub fn read_stderr(kids: &mut [Child]) -> Vec<std::thread::JoinHandle<String>> {
+    kids.iter_mut()
+        .map(|k| {
+            let e = k.stderr.take();
+            std::thread::spawn(move || {
+                let mut s = String::new();
+                if let Some(mut e) = e {
+                    let _ = std::io::Read::read_to_string(&mut e, &mut s);
+                }
+                s
+            })
+        })
+        .collect()
+}

@@ -9,14 +9,14 @@
 //! Random choices come from `BRAID_FAULT_SEED` (default: the clock), printed
 //! so that a failing case can be replayed.
 
-use std::io::{BufRead, BufReader, Read};
+use std::io::{BufRead, BufReader};
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use braid::{Communicator, RootServer, UniqueId};
 use braid_tests::netns::Hosts;
-use braid_tests::ranks::braid_segments;
+use braid_tests::ranks::{braid_segments, read_stderr};
 
 /// Tiny deterministic generator (xorshift), seeded per run.
 struct Rng(u64);
@@ -178,17 +178,7 @@ fn case(
         }
         outs.push(h);
     }
-    let errs: Vec<_> = kids
-        .iter_mut()
-        .map(|k| {
-            let mut e = k.stderr.take().expect("stderr");
-            std::thread::spawn(move || {
-                let mut s = String::new();
-                let _ = e.read_to_string(&mut s);
-                s
-            })
-        })
-        .collect();
+    let errs = read_stderr(&mut kids);
     std::thread::sleep(delay);
     let t0 = Instant::now();
     if ready {

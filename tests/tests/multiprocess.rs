@@ -7,7 +7,7 @@ use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
 
 use braid::{Communicator, RootServer, UniqueId};
-use braid_tests::ranks::{assert_all_ok, braid_segments, fault_run, wait_all};
+use braid_tests::ranks::{assert_all_ok, braid_segments, fault_run, read_stderr, wait_all};
 
 /// Multi-process tests run one at a time: each already starts several
 /// processes on a 2-core machine.
@@ -194,7 +194,6 @@ fn unreadable_topology_file_is_an_error() {
 /// idle; a stall past `BRAID_STALL_WARN` is logged at WARN too.
 #[test]
 fn dump_signal_shows_who_waits_for_whom() {
-    use std::io::Read;
     let _g = serial();
     let (id, _root) = root();
     let mut kids: Vec<Child> = (0..3)
@@ -218,17 +217,7 @@ fn dump_signal_shows_who_waits_for_whom() {
             nix::sys::signal::Signal::SIGUSR1,
         );
     }
-    let errs: Vec<_> = kids
-        .iter_mut()
-        .map(|k| {
-            let mut e = k.stderr.take().expect("stderr");
-            std::thread::spawn(move || {
-                let mut s = String::new();
-                let _ = e.read_to_string(&mut s);
-                s
-            })
-        })
-        .collect();
+    let errs = read_stderr(&mut kids);
     let res = wait_all(kids, Duration::from_secs(60));
     let errs: Vec<String> = errs
         .into_iter()
