@@ -162,6 +162,8 @@ pub const ENV_NSOCKS: &str = "BRAID_SOCKET_NSOCKS";
 pub const ENV_SLOT_BYTES: &str = "BRAID_SOCKET_SLOT_BYTES";
 /// Environment variable: slots per connection.
 pub const ENV_SLOTS: &str = "BRAID_SOCKET_SLOTS";
+/// Environment variable: `0` switches direct (zero-copy) sends off.
+pub const ENV_DIRECT: &str = "BRAID_SOCKET_DIRECT";
 
 /// How long a refused connection is retried.
 const REFUSED_RETRY: Duration = Duration::from_secs(1);
@@ -176,6 +178,7 @@ pub struct SocketConfig {
     nsocks: usize,
     slot_bytes: usize,
     slots: usize,
+    direct: bool,
 }
 
 impl Default for SocketConfig {
@@ -188,6 +191,7 @@ impl Default for SocketConfig {
             nsocks: SocketConfig::DEFAULT_NSOCKS,
             slot_bytes: SocketConfig::DEFAULT_SLOT_BYTES,
             slots: SocketConfig::DEFAULT_SLOTS,
+            direct: true,
         }
     }
 }
@@ -229,6 +233,17 @@ impl SocketConfig {
         c.nsocks = num(ENV_NSOCKS, c.nsocks)?;
         c.slot_bytes = num(ENV_SLOT_BYTES, c.slot_bytes)?;
         c.slots = num(ENV_SLOTS, c.slots)?;
+        if let Some(d) = var(ENV_DIRECT) {
+            c.direct = match d.as_str() {
+                "0" => false,
+                "1" => true,
+                _ => {
+                    return Err(CoreError::InvalidArgument(format!(
+                        "{ENV_DIRECT}={d:?}: use 0 or 1"
+                    )))
+                }
+            };
+        }
         c.validate()?;
         Ok(c)
     }
@@ -269,6 +284,17 @@ impl SocketConfig {
         self.slot_bytes = slot_bytes;
         self.slots = slots;
         self
+    }
+
+    /// Whether sending ends offer direct (zero-copy) sends.
+    pub fn with_direct(mut self, direct: bool) -> Self {
+        self.direct = direct;
+        self
+    }
+
+    /// Whether sending ends offer direct (zero-copy) sends.
+    pub fn direct(&self) -> bool {
+        self.direct
     }
 
     /// Data sockets per connection.
@@ -425,7 +451,13 @@ impl Transport for SocketTransport {
             nonce: random16()?,
         };
         let blob = info.encode();
-        Ok((Box::new(PendingSocketSend { info }), blob))
+        Ok((
+            Box::new(PendingSocketSend {
+                info,
+                direct: self.cfg.direct,
+            }),
+            blob,
+        ))
     }
 }
 
@@ -433,6 +465,8 @@ impl Transport for SocketTransport {
 #[derive(Debug)]
 struct PendingSocketSend {
     info: SendInfo,
+    /// Offer direct (zero-copy) sends.
+    direct: bool,
 }
 
 /// Connects to `addr`; a refusal is retried until `refused_until`.
@@ -526,7 +560,7 @@ impl PendingSend for PendingSocketSend {
             peer,
             detail: "no control socket".into(),
         })?;
-        let ch = SocketSend::start(peer, ri.slot_bytes, ri.slots, data, ctrl)?;
+        let ch = SocketSend::start(peer, ri.slot_bytes, ri.slots, data, ctrl, self.direct)?;
         Ok(Box::new(ch))
     }
 }
@@ -890,6 +924,7 @@ mod tests {
             total: 10,
             offset: 5,
             len: 5,
+            direct: false,
         };
         socks[0].write_all(&h.encode()).unwrap();
         socks[0].write_all(&[0; 5]).unwrap();
