@@ -758,6 +758,7 @@ fn check_hello<T>(
 mod tests {
     use super::*;
     use braid_core::transport::conformance::desc;
+    use braid_core::transport::Incoming;
 
     fn lo() -> SocketTransport {
         SocketTransport::new(
@@ -930,5 +931,161 @@ mod tests {
         socks[0].write_all(&[0; 5]).unwrap();
         let e = wait_err(|| rx.check_peer());
         assert!(matches!(e, CoreError::Protocol { peer: 0, .. }), "{e:?}");
+    }
+    /// A receiver fed by raw sockets (a hand-made sender): `(receiver,
+    /// data sockets, control socket)`.
+    fn raw_link(t: &SocketTransport) -> (Box<dyn RecvChannel>, Vec<TcpStream>, TcpStream) {
+        let (prx, rblob) = t.listen(&desc(1), &desc(0)).unwrap();
+        let ri = RecvInfo::decode(&rblob).unwrap();
+        let (_ptx, sblob) = t.prepare_send(&desc(0), &desc(1)).unwrap();
+        let si = SendInfo::decode(&sblob).unwrap();
+        let data: Vec<TcpStream> = (0..ri.nsocks)
+            .map(|i| raw_hello(&ri, &si, KIND_DATA, i as u8))
+            .collect();
+        let ctrl = raw_hello(&ri, &si, KIND_CTRL, 0);
+        let rx = prx
+            .connect(&sblob, Instant::now() + Duration::from_secs(10))
+            .unwrap();
+        (rx, data, ctrl)
+    }
+
+    /// Writes the start of direct message 0 of `total` bytes (2 sockets):
+    /// all of piece 0 and `part` bytes of piece 1. Returns the message.
+    fn half_direct(data: &mut [TcpStream], total: usize, part: usize) -> Vec<u8> {
+        let msg: Vec<u8> = (0..total).map(|i| (i * 13 + 1) as u8).collect();
+        let pieces: Vec<_> = link::stripes(0, total, data.len()).collect();
+        assert_eq!(pieces.len(), 2);
+        for (j, &(s, off, len)) in pieces.iter().enumerate() {
+            let h = info::FrameHeader {
+                seq: 0,
+                total: total as u32,
+                offset: off as u32,
+                len: len as u32,
+                direct: true,
+            };
+            data[s].write_all(&h.encode()).unwrap();
+            let n = if j == 0 { len } else { part };
+            data[s].write_all(&msg[off..off + n]).unwrap();
+        }
+        msg
+    }
+
+    /// Reads the direct message at the head as far as it has arrived:
+    /// `(done, bytes of out that match msg from the start of each piece)`.
+    fn read_partly(rx: &mut dyn RecvChannel, out: &mut [u8]) -> Result<bool> {
+        let inc = wait_for_incoming(rx);
+        assert!(
+            matches!(inc, Incoming::Remote(l) if l == out.len()),
+            "{inc:?}"
+        );
+        let mut done = false;
+        for _ in 0..50 {
+            // SAFETY: `out` is valid for its length of writes.
+            done = unsafe { rx.poll_read_remote(out.as_mut_ptr(), out.len()) }?;
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        Ok(done)
+    }
+
+    fn wait_for_incoming(rx: &mut dyn RecvChannel) -> Incoming {
+        let end = Instant::now() + Duration::from_secs(10);
+        loop {
+            if let Some(i) = rx.poll_peek_any().unwrap() {
+                return i;
+            }
+            assert!(Instant::now() < end, "nothing arrived");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+
+    /// A sender that dies in the middle of a direct payload: the bytes that
+    /// came are in place, the read does not finish, and then the receiver
+    /// reports "connection lost" naming the rank.
+    #[test]
+    fn sender_death_during_a_direct_payload() {
+        let t = lo();
+        let (mut rx, mut data, ctrl) = raw_link(&t);
+        let total = 200_000;
+        let msg = half_direct(&mut data, total, 1000);
+        let mut out = vec![0u8; total];
+        assert!(
+            !read_partly(&mut *rx, &mut out).unwrap(),
+            "finished without the bytes"
+        );
+        let pieces: Vec<_> = link::stripes(0, total, 2).collect();
+        let (_, off1, _) = pieces[1];
+        assert!(out[..off1] == msg[..off1], "piece 0 corrupted");
+        assert!(
+            out[off1..off1 + 1000] == msg[off1..off1 + 1000],
+            "piece 1 corrupted"
+        );
+        assert!(rx.release().is_err(), "released a half-read direct slot");
+        drop((data, ctrl));
+        // SAFETY: `out` is valid for `total` writes.
+        let e = wait_err(|| unsafe { rx.poll_read_remote(out.as_mut_ptr(), total) }.map(|_| ()));
+        assert!(
+            matches!(&e, CoreError::Peer { peer: 0, what, .. } if what.contains("connection lost")),
+            "{e:?}"
+        );
+        assert!(rx.check_peer().is_err());
+    }
+
+    /// A sender that aborts in the middle of a direct payload: the receiver
+    /// gets its reason, not "connection lost".
+    #[test]
+    fn sender_abort_during_a_direct_payload() {
+        let t = lo();
+        let (mut rx, mut data, mut ctrl) = raw_link(&t);
+        let total = 300_000;
+        let _ = half_direct(&mut data, total, 4096);
+        let mut out = vec![0u8; total];
+        assert!(!read_partly(&mut *rx, &mut out).unwrap());
+        ctrl.write_all(&info::ctrl_frame(
+            info::CtrlKind::Abort,
+            0,
+            b"rank 0 hit NaNs",
+        ))
+        .unwrap();
+        drop((data, ctrl));
+        // SAFETY: `out` is valid for `total` writes.
+        let e = wait_err(|| unsafe { rx.poll_read_remote(out.as_mut_ptr(), total) }.map(|_| ()));
+        assert!(
+            matches!(&e, CoreError::PeerAborted { peer: 0, reason, .. } if reason.contains("NaNs")),
+            "{e:?}"
+        );
+    }
+
+    /// A receiver that aborts (or is dropped) in the middle of a direct
+    /// payload stops promptly; its helpers waiting for the engine exit.
+    #[test]
+    fn receiver_abort_during_a_direct_payload() {
+        let t = lo();
+        let (mut rx, mut data, _ctrl) = raw_link(&t);
+        let total = 200_000;
+        let _ = half_direct(&mut data, total, 10);
+        let mut out = vec![0u8; total];
+        assert!(!read_partly(&mut *rx, &mut out).unwrap());
+        rx.abort("enough");
+        // SAFETY: `out` is valid for `total` writes.
+        let r = unsafe { rx.poll_read_remote(out.as_mut_ptr(), total) };
+        assert!(matches!(r, Err(CoreError::Aborted(_))), "{r:?}");
+        let start = Instant::now();
+        drop(rx);
+        assert!(
+            start.elapsed() < Duration::from_secs(2),
+            "drop took {:?}",
+            start.elapsed()
+        );
+
+        let (mut rx, mut data, _ctrl) = raw_link(&t);
+        let _ = half_direct(&mut data, total, 10);
+        assert!(!read_partly(&mut *rx, &mut out).unwrap());
+        let start = Instant::now();
+        drop(rx);
+        assert!(
+            start.elapsed() < Duration::from_secs(2),
+            "drop took {:?}",
+            start.elapsed()
+        );
     }
 }
