@@ -222,7 +222,20 @@ fn config_from_env() {
     assert!(matches!(bad, Err(CoreError::InvalidArgument(m)) if m.contains("BRAID_SOCKET_SLOTS")));
     assert!(matches!(bad_geometry, Err(CoreError::InvalidArgument(_))));
     let d = SocketConfig::default();
-    assert_eq!((d.nsocks(), d.slot_bytes(), d.slots()), (4, 512 * 1024, 8));
+    let cores = std::thread::available_parallelism().unwrap().get();
+    assert_eq!(
+        (d.nsocks(), d.slot_bytes(), d.slots(), d.direct()),
+        ((cores / 4).clamp(1, 4), 512 * 1024, 8, true)
+    );
+    std::env::set_var("BRAID_SOCKET_DIRECT", "0");
+    let off = SocketConfig::from_env();
+    std::env::set_var("BRAID_SOCKET_DIRECT", "maybe");
+    let bad_direct = SocketConfig::from_env();
+    std::env::remove_var("BRAID_SOCKET_DIRECT");
+    assert!(!off.unwrap().direct());
+    assert!(
+        matches!(bad_direct, Err(CoreError::InvalidArgument(m)) if m.contains("BRAID_SOCKET_DIRECT"))
+    );
 }
 
 /// Blobs meant for another pair of ranks are refused.
