@@ -520,6 +520,7 @@ pub fn encode_socket_messages(msgs: &[Vec<u8>], nsocks: usize) -> Vec<Vec<u8>> {
                 total: m.len() as u32,
                 offset: off as u32,
                 len: len as u32,
+                direct: false,
             };
             streams[s].extend_from_slice(&h.encode());
             streams[s].extend_from_slice(&m[off..off + len]);
@@ -677,6 +678,7 @@ pub fn seeds() -> Vec<(&'static str, Vec<Seed>)> {
         total: 4096,
         offset: 0,
         len: 4096,
+        direct: false,
     }
     .encode();
     let ctrl = sock::ctrl_frame(sock::CtrlKind::Abort, 0, b"why");

@@ -349,6 +349,7 @@ pub unsafe fn execute(
         flags,
     };
     let mut direct: Vec<u32> = Vec::new();
+    let mut scratch_owner: Option<u32> = None;
     let mut pending: Vec<bool> = Vec::new();
     let mut claimed: Vec<(Option<u32>, Option<u32>)> = Vec::new();
     for (si, stage) in prog.stages().enumerate() {
@@ -356,8 +357,17 @@ pub unsafe fn execute(
         if let [op] = stage {
             // The common case: one op, retried until it runs.
             // SAFETY: forwarded from this function's contract.
-            while let Some(blocked) = unsafe { try_op(prog, op, chans, ex, &mut direct, &mut hdr)? }
-            {
+            while let Some(blocked) = unsafe {
+                try_op(
+                    prog,
+                    op,
+                    chans,
+                    ex,
+                    &mut direct,
+                    &mut scratch_owner,
+                    &mut hdr,
+                )?
+            } {
                 waiter.idle(chans, blocked)?;
             }
             waiter.progressed();
@@ -377,7 +387,17 @@ pub unsafe fn execute(
                     continue;
                 }
                 // SAFETY: forwarded from this function's contract.
-                match unsafe { try_op(prog, op, chans, ex, &mut direct, &mut hdr)? } {
+                match unsafe {
+                    try_op(
+                        prog,
+                        op,
+                        chans,
+                        ex,
+                        &mut direct,
+                        &mut scratch_owner,
+                        &mut hdr,
+                    )?
+                } {
                     None => {
                         pending[i] = false;
                         left -= 1;
@@ -457,7 +477,14 @@ const WAIT_DRAIN: &str = "its single-copy read of our buffer";
 /// Try to run one op. `Ok(None)` when done, `Ok(Some((peer, what)))` when it
 /// must wait for `peer`. Peers that were sent a direct (single-copy)
 /// reference are added to `direct`; the caller waits for them to finish
-/// reading before the operation returns.
+/// reading before the operation returns. `scratch_owner` is the peer whose
+/// direct input is being read into the scratch buffer (a read may take
+/// several calls).
+///
+/// An op that has to wait does so before it changes anything visible: its
+/// input stays unreleased and its output slot uncommitted (a direct input
+/// read into its destination is read again into the same place), so the
+/// retry starts over.
 ///
 /// # Safety
 ///
@@ -468,6 +495,7 @@ unsafe fn try_op(
     chans: &mut Channels,
     ex: &Exec<'_>,
     direct: &mut Vec<u32>,
+    scratch_owner: &mut Option<u32>,
     hdr: &mut HeaderCheck<'_>,
 ) -> Result<Option<(u32, &'static str)>, CoreError> {
     let len = op.wire_len();
@@ -521,18 +549,26 @@ unsafe fn try_op(
                 None => return Ok(Some((to, WAIT_SLOT))),
                 Some(mut slot) => {
                     host_slot(ch.mem_kind(), to)?;
+                    // Not for RecvReduceSend: its output exists only in the
+                    // slot it reduces into. Not for data a receiver reduces
+                    // (Send in a reducing collective) where the receiver
+                    // pays for the reference (it would only move the copy
+                    // from us to it).
                     let direct_ok = len >= ex.direct_min
                         && !matches!(op, Op::RecvReduceSend { .. })
-                        && (prog.red_op.is_none() || !matches!(op, Op::Send { .. }))
-                        && ch.can_send_direct();
+                        && ch.can_send_direct()
+                        && (prog.red_op.is_none()
+                            || !matches!(op, Op::Send { .. })
+                            || !ch.direct_costs_receiver());
                     if let Some(hb) = hdr.unsent(to) {
                         // SAFETY: a host slot holds at least 4096 bytes.
                         unsafe {
                             std::ptr::copy_nonoverlapping(hb.as_ptr(), slot.ptr, HEADER_BYTES)
                         };
-                        hdr.set(to, SENT, true);
                         if !direct_ok && slot.cap >= len + HEADER_BYTES {
-                            // In front of the data, in the same slot.
+                            // In front of the data, in the same slot (marked
+                            // sent once the slot is committed: a retry
+                            // writes it again).
                             extra = HEADER_BYTES;
                             slot = SlotBuf {
                                 // SAFETY: cap ≥ len + HEADER_BYTES.
@@ -542,16 +578,15 @@ unsafe fn try_op(
                         } else {
                             // A message of its own; the data needs the next slot.
                             ch.commit(HEADER_BYTES)?;
+                            hdr.set(to, SENT, true);
                             match ch.poll_acquire()? {
                                 None => return Ok(Some((to, WAIT_SLOT))),
                                 Some(next) => slot = next,
                             }
                         }
                     }
-                    // Single copy for pure data movement: the receiver copies
-                    // out of our buffer. Not for data a receiver reduces
-                    // (Send in a reducing collective): it would only move the
-                    // copy from us to it.
+                    // Single copy: the transport takes the bytes straight
+                    // from our buffer.
                     let by_reference = direct_ok && extra == 0;
                     if by_reference {
                         Some((to, None))
@@ -569,38 +604,57 @@ unsafe fn try_op(
         None => None,
     };
 
-    // Where the incoming bytes are readable: the slot itself, or (for a
-    // direct slot) a scratch buffer we copy them into first.
-    let fetch_ptr = |chans: &mut Channels| -> Result<*const u8, CoreError> {
-        match input {
-            Some((_, Incoming::Inline(slot, _))) => Ok(slot.ptr as *const u8),
-            Some((from, Incoming::Remote(_))) => {
+    // A direct input is read (without blocking; it may take several tries)
+    // into where the op wants it: the destination region of a plain
+    // receive, else the scratch buffer (which one peer's read holds at a
+    // time). Only then does the op run, so a wait leaves nothing half done.
+    let mut remote_at: Option<*mut u8> = None;
+    if let Some((from, Incoming::Remote(_))) = input {
+        let dest = match *op {
+            Op::Recv { dst, .. } | Op::RecvCopySend { dst, .. } => region_ptr(ex, dst)?,
+            _ => {
+                if scratch_owner.is_some_and(|o| o != from) {
+                    return Ok(Some((from, WAIT_DATA)));
+                }
                 let words = len.div_ceil(8);
                 if chans.scratch.len() < words {
                     chans.scratch.resize(words, 0);
                 }
-                let p = chans.scratch.as_mut_ptr() as *mut u8;
-                // SAFETY: the scratch buffer holds at least `len` bytes.
-                unsafe { chans.receiver(from)?.read_remote(p, len)? };
-                Ok(p as *const u8)
+                *scratch_owner = Some(from);
+                chans.scratch.as_mut_ptr() as *mut u8
             }
-            None => Err(CoreError::InvalidArgument("op without input".into())),
+        };
+        // SAFETY: `dest` is a region pointer valid for `len` bytes (caller's
+        // contract) or the scratch buffer of at least `len` bytes, which
+        // nothing else touches until this read completes (`scratch_owner`).
+        if !unsafe { chans.receiver(from)?.poll_read_remote(dest, len)? } {
+            return Ok(Some((from, WAIT_DATA)));
+        }
+        remote_at = Some(dest);
+    }
+    // Where the incoming bytes are readable: the slot itself, or where the
+    // direct read put them.
+    let fetch_ptr = |_: &mut Channels| -> Result<*const u8, CoreError> {
+        match (input, remote_at) {
+            (Some((_, Incoming::Inline(slot, _))), _) => Ok(slot.ptr as *const u8),
+            (Some((_, Incoming::Remote(_))), Some(p)) => Ok(p as *const u8),
+            _ => Err(CoreError::InvalidArgument("op without input".into())),
         }
     };
     // Copy the incoming bytes to `d`.
-    let fetch_into = |chans: &mut Channels, d: *mut u8| -> Result<(), CoreError> {
-        match input {
+    let fetch_into = |_: &mut Channels, d: *mut u8| -> Result<(), CoreError> {
+        match (input, remote_at) {
             // SAFETY: the slot holds `len` bytes; `d` is a region pointer
             // valid for `len` bytes (caller's contract); they never overlap.
-            Some((_, Incoming::Inline(slot, _))) => unsafe {
+            (Some((_, Incoming::Inline(slot, _))), _) => unsafe {
                 std::ptr::copy_nonoverlapping(slot.ptr as *const u8, d, len);
                 Ok(())
             },
-            // SAFETY: as above.
-            Some((from, Incoming::Remote(_))) => unsafe {
-                chans.receiver(from)?.read_remote(d, len)
-            },
-            None => Err(CoreError::InvalidArgument("op without input".into())),
+            // Already read into `d` above.
+            (Some((_, Incoming::Remote(_))), Some(p)) if p == d => Ok(()),
+            _ => Err(CoreError::InvalidArgument(
+                "direct input read to the wrong place".into(),
+            )),
         }
     };
     // Send the `len` bytes at `p` (user memory that stays unchanged until the
@@ -686,6 +740,14 @@ unsafe fn try_op(
     if let Some((from, _)) = input {
         chans.receiver(from)?.release()?;
         hdr.set(from, PREFIX, false);
+        if *scratch_owner == Some(from) {
+            *scratch_owner = None;
+        }
+    }
+    if let Some((to, _)) = output {
+        if extra > 0 {
+            hdr.set(to, SENT, true);
+        }
     }
     Ok(None)
 }

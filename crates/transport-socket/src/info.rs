@@ -10,7 +10,7 @@ pub const BLOB_MAGIC: u32 = u32::from_le_bytes(*b"BRSK");
 /// `BRSH`: socket hellos.
 pub const HELLO_MAGIC: u32 = u32::from_le_bytes(*b"BRSH");
 /// Wire version; bump on any change of the formats in this module.
-pub const VERSION: u16 = 1;
+pub const VERSION: u16 = 2;
 
 const ROLE_RECV: u8 = 1;
 const ROLE_SEND: u8 = 2;
@@ -309,7 +309,15 @@ pub struct FrameHeader {
     pub offset: u32,
     /// Length of this piece.
     pub len: u32,
+    /// The message was committed by reference (`commit_direct`): the
+    /// receiver reads its payload straight into the engine's destination
+    /// instead of a slot, and it may be longer than a slot. On the wire: the
+    /// top bit of the sequence word.
+    pub direct: bool,
 }
+
+/// Top bit of the sequence word: a direct message.
+const FRAME_DIRECT: u64 = 1 << 63;
 
 const FRAME_CHECK: u32 = 0xB5A1_D0F7;
 
@@ -320,11 +328,16 @@ impl FrameHeader {
     /// Serialises; the last word guards against a desynchronised stream.
     pub fn encode(&self) -> [u8; Self::LEN] {
         let mut v = [0u8; Self::LEN];
-        v[0..8].copy_from_slice(&self.seq.to_le_bytes());
+        let seq = self.seq | if self.direct { FRAME_DIRECT } else { 0 };
+        v[0..8].copy_from_slice(&seq.to_le_bytes());
         v[8..12].copy_from_slice(&self.total.to_le_bytes());
         v[12..16].copy_from_slice(&self.offset.to_le_bytes());
         v[16..20].copy_from_slice(&self.len.to_le_bytes());
-        let check = FRAME_CHECK ^ (self.seq as u32) ^ self.total ^ self.offset.rotate_left(7);
+        let check = FRAME_CHECK
+            ^ (seq as u32)
+            ^ ((seq >> 32) as u32)
+            ^ self.total
+            ^ self.offset.rotate_left(7);
         v[20..24].copy_from_slice(&check.to_le_bytes());
         v
     }
@@ -334,13 +347,16 @@ impl FrameHeader {
         let w = |i: usize| u32::from_le_bytes([b[i], b[i + 1], b[i + 2], b[i + 3]]);
         let mut s = [0u8; 8];
         s.copy_from_slice(&b[0..8]);
+        let seq = u64::from_le_bytes(s);
         let h = FrameHeader {
-            seq: u64::from_le_bytes(s),
+            seq: seq & !FRAME_DIRECT,
             total: w(8),
             offset: w(12),
             len: w(16),
+            direct: seq & FRAME_DIRECT != 0,
         };
-        let check = FRAME_CHECK ^ (h.seq as u32) ^ h.total ^ h.offset.rotate_left(7);
+        let check =
+            FRAME_CHECK ^ (seq as u32) ^ ((seq >> 32) as u32) ^ h.total ^ h.offset.rotate_left(7);
         (w(20) == check).then_some(h)
     }
 }
@@ -492,11 +508,18 @@ mod tests {
             total: 1 << 20,
             offset: 65536,
             len: 4096,
+            direct: false,
         };
         let mut b = f.encode();
         assert_eq!(FrameHeader::decode(&b), Some(f));
         b[13] ^= 1;
         assert_eq!(FrameHeader::decode(&b), None);
+        let d = FrameHeader { direct: true, ..f };
+        let mut b = d.encode();
+        assert_eq!(FrameHeader::decode(&b), Some(d));
+        assert_ne!(b, f.encode());
+        b[7] ^= 0x80;
+        assert_eq!(FrameHeader::decode(&b), None, "the direct bit is checked");
         let c = ctrl_frame(CtrlKind::Abort, 0, b"why");
         let mut hdr = [0u8; CTRL_LEN];
         hdr.copy_from_slice(&c[..CTRL_LEN]);

@@ -2,7 +2,7 @@
 //! and their helper threads. See the crate docs for the protocol.
 
 use std::collections::VecDeque;
-use std::io::{self, BufReader, IoSlice, Read};
+use std::io::{self, BufRead, BufReader, IoSlice, Read};
 use std::net::{Shutdown, TcpStream};
 use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
@@ -11,13 +11,13 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use braid_core::error::{CoreError, Result};
-use braid_core::transport::{RecvChannel, SendChannel, SlotBuf};
+use braid_core::transport::{Incoming, RecvChannel, SendChannel, SlotBuf};
 use braid_core::types::MemKind;
 use nix::errno::Errno;
 use nix::sys::socket::{MsgFlags, SockaddrStorage};
 
 use crate::info::{ctrl_decode, ctrl_frame, CtrlKind, FrameHeader, CTRL_LEN};
-use crate::sys::SlotMem;
+use crate::sys::{self, SlotMem};
 use crate::NAME;
 
 /// Messages are striped over the data sockets in pieces of at least this
@@ -30,8 +30,21 @@ pub const STRIPE_MIN: usize = 64 * 1024;
 /// "connection lost".
 const VERDICT_GRACE: Duration = Duration::from_millis(200);
 
+/// A receiving helper's read buffer.
+const READ_BUF: usize = 8 * 1024;
+
+/// How long a blocking `read_remote` waits without a byte arriving.
+const REMOTE_STALL: Duration = Duration::from_secs(60);
+
 /// How long dropping a sender waits for queued pieces to leave.
 const DROP_FLUSH: Duration = Duration::from_secs(1);
+
+/// How long stopping a sender waits for a writer to leave a write on its
+/// shut socket.
+const WRITER_EXIT: Duration = Duration::from_secs(2);
+
+/// Longest direct message (the frame header's lengths are 32-bit).
+pub const MAX_DIRECT: usize = u32::MAX as usize;
 
 /// Piece size for a message of `total` bytes over `nsocks` sockets.
 pub fn piece_size(total: usize, nsocks: usize) -> usize {
@@ -435,6 +448,10 @@ struct Piece {
     total: u32,
     offset: u32,
     len: u32,
+    /// Address of the piece's payload: in the slot, or in the caller's
+    /// memory for a direct message.
+    src: usize,
+    direct: bool,
     /// Bytes of header + payload already written.
     sent: usize,
 }
@@ -464,21 +481,34 @@ struct SendShared {
 }
 
 /// Writes one piece (resuming at `p.sent`).
-fn write_piece(sock: &TcpStream, sh: &SendShared, p: &Piece, dontwait: bool) -> io::Result<usize> {
+fn write_piece(sock: &TcpStream, p: &Piece, dontwait: bool) -> io::Result<usize> {
     let hdr = FrameHeader {
         seq: p.seq,
         total: p.total,
         offset: p.offset,
         len: p.len,
+        direct: p.direct,
     }
     .encode();
-    // SAFETY: the slot's bytes were written by the engine before `commit`
-    // (which happens-before this call through the queue mutex or program
-    // order) and the engine does not touch the slot again until
-    // `poll_acquire` sees `inflight == 0`, which this piece's decrement
-    // (after the write) precedes. Readers only share the range.
-    let payload = unsafe { sh.mem.slice(p.slot, p.offset as usize, p.len as usize) };
-    send_parts(sock, &[&hdr, payload], p.sent, dontwait)
+    // SAFETY: a slot piece: the slot's bytes were written by the engine
+    // before `commit` (which happens-before this call through the queue
+    // mutex or program order) and the engine does not touch the slot again
+    // until `poll_acquire` sees `inflight == 0`, which this piece's
+    // decrement (after the write) precedes. A direct piece: `commit_direct`'s
+    // contract keeps the caller's bytes valid and unchanged until
+    // `poll_drained` is true, which needs the receiver to have read every
+    // byte, so after this write; an abort drops queued pieces and waits for
+    // the writers to leave theirs before it returns (`SocketSend::stop`).
+    unsafe {
+        sys::send_head_payload(
+            sock.as_raw_fd(),
+            &hdr,
+            p.src as *const u8,
+            p.len as usize,
+            p.sent,
+            dontwait,
+        )
+    }
 }
 
 fn piece_bytes(p: &Piece) -> usize {
@@ -503,7 +533,7 @@ fn writer(sock: TcpStream, q: Arc<TxQueue>, sh: Arc<SendShared>, health: Arc<Hea
             }
         };
         let Some(p) = piece else { return };
-        let res = write_piece(&sock, &sh, &p, false);
+        let res = write_piece(&sock, &p, false);
         if res.is_ok() {
             sh.inflight[p.slot].fetch_sub(1, Ordering::Release);
         }
@@ -533,6 +563,8 @@ pub struct SocketSend {
     health: Arc<Health>,
     threads: Vec<JoinHandle<()>>,
     aborted: Option<String>,
+    /// Offer direct (zero-copy) sends.
+    direct: bool,
 }
 
 impl std::fmt::Debug for SocketSend {
@@ -556,6 +588,7 @@ impl SocketSend {
         slots: usize,
         data: Vec<TcpStream>,
         ctrl: TcpStream,
+        direct: bool,
     ) -> Result<SocketSend> {
         let nsocks = data.len();
         let mem = SlotMem::new(slot_bytes, slots).map_err(|reason| CoreError::Unavailable {
@@ -594,6 +627,7 @@ impl SocketSend {
             health: health.clone(),
             threads: Vec::new(),
             aborted: None,
+            direct,
         };
         // From here on, an early return drops `me`, which stops whatever
         // was started.
@@ -662,7 +696,7 @@ impl SocketSend {
             }
             st.busy = true;
         }
-        let res = write_piece(&self.data[s], &self.shared, &p, true);
+        let res = write_piece(&self.data[s], &p, true);
         let mut st = lock(&q.st);
         st.busy = false;
         match res {
@@ -688,14 +722,77 @@ impl SocketSend {
         if let Some((kind, reason)) = goodbye {
             self.ctrl.goodbye(kind, reason);
         }
+        // Queued pieces are dropped unwritten: direct ones point into the
+        // caller's memory, which is the caller's again once we return.
         for q in &self.queues {
-            lock(&q.st).closing = true;
+            let mut st = lock(&q.st);
+            st.closing = true;
+            st.items.clear();
+            drop(st);
             q.cv.notify_all();
         }
         for s in &self.data {
             shut(s);
         }
         shut(&self.ctrl.sock);
+        // A writer still inside a write (of a slot or of the caller's
+        // memory) fails promptly on the shut socket; wait for it, bounded.
+        let until = Instant::now() + WRITER_EXIT;
+        for q in &self.queues {
+            let mut st = lock(&q.st);
+            while st.busy {
+                let left = until.saturating_duration_since(Instant::now());
+                if left.is_zero() {
+                    tracing::warn!(
+                        peer = self.peer,
+                        "socket transport: a writer did not leave its write within {WRITER_EXIT:?}"
+                    );
+                    break;
+                }
+                st =
+                    q.cv.wait_timeout(st, left)
+                        .unwrap_or_else(|p| p.into_inner())
+                        .0;
+            }
+        }
+    }
+
+    /// Publishes message `committed` of `len` bytes: from the slot, or from
+    /// the caller's memory at `direct`.
+    fn publish(&mut self, len: usize, direct: Option<*const u8>) -> Result<()> {
+        if !self.has_credit() {
+            return Err(CoreError::InvalidArgument(
+                "commit without a slot from poll_acquire (no credit left)".into(),
+            ));
+        }
+        let seq = self.committed;
+        let slot = (seq % self.slots as u64) as usize;
+        let base = match direct {
+            Some(p) => p as usize,
+            None => self.shared.mem.slot_ptr(slot) as usize,
+        };
+        let n = npieces(len, self.nsocks);
+        self.shared.inflight[slot].store(n as u32, Ordering::Relaxed);
+        self.committed += 1;
+        // Release: a credit for this slot (validated against `committed` by
+        // the control reader) can only come after this store.
+        self.shared
+            .committed
+            .store(self.committed, Ordering::Release);
+        for (s, offset, plen) in stripes(seq, len, self.nsocks) {
+            let p = Piece {
+                seq,
+                slot,
+                total: len as u32,
+                offset: offset as u32,
+                len: plen as u32,
+                src: base + offset,
+                direct: direct.is_some(),
+                sent: 0,
+            };
+            self.queue_piece(s, p, n == 1);
+        }
+        Ok(())
     }
 }
 
@@ -736,33 +833,33 @@ impl SendChannel for SocketSend {
                 self.slot_bytes
             )));
         }
-        if !self.has_credit() {
-            return Err(CoreError::InvalidArgument(
-                "commit without a slot from poll_acquire (no credit left)".into(),
-            ));
+        self.publish(len, None)
+    }
+
+    fn can_send_direct(&mut self) -> bool {
+        self.direct
+    }
+
+    fn direct_costs_receiver(&mut self) -> bool {
+        // The helpers write from the caller's memory instead of a slot; the
+        // receiver reads the same bytes from its sockets either way.
+        false
+    }
+
+    unsafe fn commit_direct(&mut self, ptr: *const u8, len: usize) -> Result<()> {
+        self.check()?;
+        if !self.direct {
+            return Err(CoreError::Unavailable {
+                transport: NAME,
+                reason: format!("direct sends are switched off ({})", crate::ENV_DIRECT),
+            });
         }
-        let seq = self.committed;
-        let slot = (seq % self.slots as u64) as usize;
-        let n = npieces(len, self.nsocks);
-        self.shared.inflight[slot].store(n as u32, Ordering::Relaxed);
-        self.committed += 1;
-        // Release: a credit for this slot (validated against `committed` by
-        // the control reader) can only come after this store.
-        self.shared
-            .committed
-            .store(self.committed, Ordering::Release);
-        for (s, offset, plen) in stripes(seq, len, self.nsocks) {
-            let p = Piece {
-                seq,
-                slot,
-                total: len as u32,
-                offset: offset as u32,
-                len: plen as u32,
-                sent: 0,
-            };
-            self.queue_piece(s, p, n == 1);
+        if len > MAX_DIRECT {
+            return Err(CoreError::InvalidArgument(format!(
+                "direct commit of {len} bytes: at most {MAX_DIRECT} per message"
+            )));
         }
-        Ok(())
+        self.publish(len, Some(ptr))
     }
 
     fn poll_drained(&mut self) -> Result<bool> {
@@ -824,8 +921,26 @@ struct Fill {
     total: usize,
     /// Data sockets whose piece has been claimed.
     mask: u64,
-    /// Pieces fully read.
+    /// Pieces fully read (or, for a direct message, handed over).
     done: usize,
+    /// A direct message.
+    direct: bool,
+}
+
+/// A data socket whose reader handed the payload of a direct piece over to
+/// the engine: the reader waits until the engine has read it.
+#[derive(Debug, Default)]
+struct HandState {
+    /// The message whose piece is waiting in the socket.
+    seq: Option<u64>,
+    /// Payload bytes the reader had already buffered.
+    prefix: Vec<u8>,
+}
+
+#[derive(Debug, Default)]
+struct Hand {
+    st: Mutex<HandState>,
+    cv: Condvar,
 }
 
 struct RecvShared {
@@ -837,7 +952,15 @@ struct RecvShared {
     /// while the slot is free or filling.
     ready: Box<[AtomicU64]>,
     lens: Box<[AtomicUsize]>,
+    /// The ready message in the slot is direct (its payload is still in the
+    /// sockets).
+    remote: Box<[AtomicBool]>,
     fill: Box<[Mutex<Fill>]>,
+    /// Per data socket.
+    hands: Box<[Hand]>,
+    /// Direct messages may arrive (not in the fuzzing harness, which has no
+    /// engine to read them).
+    accept_direct: bool,
     /// Slots released by the engine (cumulative).
     released: AtomicU64,
     /// Data readers that saw a clean end of stream.
@@ -848,7 +971,10 @@ struct RecvShared {
 /// piece: returns the slot to read the payload into.
 fn claim(sh: &RecvShared, idx: usize, h: &FrameHeader) -> std::result::Result<usize, String> {
     let total = h.total as usize;
-    if total > sh.slot_bytes {
+    if h.direct && !sh.accept_direct {
+        return Err(format!("direct message {} where none may arrive", h.seq));
+    }
+    if total > sh.slot_bytes && !h.direct {
         return Err(format!(
             "message {} of {total} bytes does not fit a {}-byte slot (mismatched BRAID_SOCKET_SLOT_BYTES?)",
             h.seq, sh.slot_bytes
@@ -887,9 +1013,10 @@ fn claim(sh: &RecvShared, idx: usize, h: &FrameHeader) -> std::result::Result<us
                 total,
                 mask: 0,
                 done: 0,
+                direct: h.direct,
             }
         }
-        Some(s) if s == h.seq && f.total == total => {}
+        Some(s) if s == h.seq && f.total == total && f.direct == h.direct => {}
         Some(s) => {
             return Err(format!(
                 "message {} collides with message {s} ({} bytes) in slot {slot}",
@@ -915,6 +1042,7 @@ fn piece_done(sh: &RecvShared, slot: usize, seq: u64) {
     f.done += 1;
     if f.done == npieces(f.total, sh.nsocks) {
         sh.lens[slot].store(f.total, Ordering::Relaxed);
+        sh.remote[slot].store(f.direct, Ordering::Relaxed);
         *f = Fill::default();
         // Release: the payload written by every reader (ordered before this
         // through the fill mutex) and the length are visible to an engine
@@ -924,7 +1052,9 @@ fn piece_done(sh: &RecvShared, slot: usize, seq: u64) {
 }
 
 fn reader<R: Read>(sock: R, sh: Arc<RecvShared>, health: Arc<Health>, idx: usize) {
-    let mut r = BufReader::with_capacity(64 * 1024, sock);
+    // Small: what it buffered of a direct piece's payload is copied once
+    // more (payloads of this size or more are read around the buffer).
+    let mut r = BufReader::with_capacity(READ_BUF, sock);
     let res: io::Result<()> = loop {
         let mut hb = [0u8; FrameHeader::LEN];
         match read_full(&mut r, &mut hb) {
@@ -945,6 +1075,35 @@ fn reader<R: Read>(sock: R, sh: Arc<RecvShared>, health: Arc<Health>, idx: usize
                 return;
             }
         };
+        if h.direct {
+            // The engine reads the payload straight from the socket into its
+            // destination (`poll_read_remote`); hand over what we buffered.
+            let buffered = r.buffer();
+            let k = buffered.len().min(h.len as usize);
+            let hand = &sh.hands[idx];
+            {
+                let mut st = lock(&hand.st);
+                st.prefix.clear();
+                st.prefix.extend_from_slice(&buffered[..k]);
+                st.seq = Some(h.seq);
+            }
+            r.consume(k);
+            piece_done(&sh, slot, h.seq);
+            let mut st = lock(&hand.st);
+            while st.seq.is_some() {
+                if health.local_closing.load(Ordering::Acquire)
+                    || health.failed.load(Ordering::Acquire)
+                {
+                    return;
+                }
+                st = hand
+                    .cv
+                    .wait_timeout(st, Duration::from_millis(100))
+                    .unwrap_or_else(|p| p.into_inner())
+                    .0;
+            }
+            continue;
+        }
         if h.len > 0 {
             // SAFETY: `claim` checked that this range is this socket's piece
             // of message `seq` under the striping rule (pieces of one
@@ -986,6 +1145,19 @@ fn reader<R: Read>(sock: R, sh: Arc<RecvShared>, health: Arc<Health>, idx: usize
     sh.readers_done.fetch_add(1, Ordering::AcqRel);
 }
 
+/// Records a failure of data socket `s` seen by the engine (after giving
+/// the control socket a moment to explain it) and returns the error.
+fn read_failed(health: &Health, peer: u32, s: usize, e: io::Error) -> CoreError {
+    health.await_verdict();
+    health.lost(&format!("receiving on data socket {s}"), &e);
+    health.error().unwrap_or_else(|| CoreError::Peer {
+        transport: NAME,
+        peer,
+        what: format!("connection lost: receiving on data socket {s}: {e}"),
+        source: Some(Box::new(e)),
+    })
+}
+
 /// The receiving end of a socket link.
 pub struct SocketRecv {
     peer: u32,
@@ -998,6 +1170,19 @@ pub struct SocketRecv {
     health: Arc<Health>,
     threads: Vec<JoinHandle<()>>,
     aborted: Option<String>,
+    /// The direct read of the head message in progress or done.
+    rd: Option<RemoteRead>,
+}
+
+/// The engine's read of a direct message from the sockets.
+#[derive(Debug)]
+struct RemoteRead {
+    seq: u64,
+    dst: usize,
+    len: usize,
+    /// `(data socket, offset, length, bytes read)` per piece.
+    pieces: Vec<(usize, usize, usize, usize)>,
+    done: bool,
 }
 
 impl std::fmt::Debug for SocketRecv {
@@ -1032,7 +1217,10 @@ impl SocketRecv {
             slot_bytes,
             ready: (0..slots).map(|_| AtomicU64::new(0)).collect(),
             lens: (0..slots).map(|_| AtomicUsize::new(0)).collect(),
+            remote: (0..slots).map(|_| AtomicBool::new(false)).collect(),
             fill: (0..slots).map(|_| Mutex::new(Fill::default())).collect(),
+            hands: (0..nsocks).map(|_| Hand::default()).collect(),
+            accept_direct: true,
             released: AtomicU64::new(0),
             readers_done: AtomicUsize::new(0),
         });
@@ -1060,6 +1248,7 @@ impl SocketRecv {
             health: health.clone(),
             threads: Vec::new(),
             aborted: None,
+            rd: None,
         };
         me.data = data.iter().map(clone).collect::<Result<_>>()?;
         {
@@ -1079,9 +1268,145 @@ impl SocketRecv {
         Ok(me)
     }
 
+    /// Waits up to `wait` for a byte of the direct message being read.
+    fn wait_readable(&self, wait: Duration) {
+        use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
+        use std::os::fd::AsFd;
+        let Some(rd) = &self.rd else { return };
+        let mut fds: Vec<PollFd<'_>> = rd
+            .pieces
+            .iter()
+            .filter(|p| p.3 < p.2)
+            .map(|p| PollFd::new(self.data[p.0].as_fd(), PollFlags::POLLIN))
+            .collect();
+        let ms = u16::try_from(wait.as_millis()).unwrap_or(u16::MAX);
+        let _ = poll(&mut fds, PollTimeout::from(ms));
+    }
+
     fn head_ready(&self) -> Option<usize> {
         let i = (self.head % self.slots as u64) as usize;
         (self.shared.ready[i].load(Ordering::Acquire) == self.head + 1).then_some(i)
+    }
+
+    /// Wakes readers waiting for a direct payload to be read (they exit:
+    /// this end is closing).
+    fn wake_hands(&self) {
+        for h in self.shared.hands.iter() {
+            let _g = lock(&h.st);
+            h.cv.notify_all();
+        }
+    }
+
+    /// Moves what has arrived of the head's direct message into `dst`:
+    /// `Ok(Some(progressed))` while bytes are missing, `Ok(None)` once all
+    /// are there.
+    ///
+    /// # Safety
+    ///
+    /// As for [`RecvChannel::poll_read_remote`].
+    unsafe fn pump(&mut self, dst: *mut u8, len: usize) -> Result<Option<bool>> {
+        if let Some(r) = &self.aborted {
+            return Err(CoreError::Aborted(r.clone()));
+        }
+        let Some(i) = self.head_ready() else {
+            return Err(CoreError::InvalidArgument(
+                "read_remote without a direct slot from poll_peek_any".into(),
+            ));
+        };
+        let total = self.shared.lens[i].load(Ordering::Relaxed);
+        if !self.shared.remote[i].load(Ordering::Relaxed) || len != total {
+            return Err(CoreError::InvalidArgument(format!(
+                "read_remote of {len} bytes, but the head slot is not a direct message of that length"
+            )));
+        }
+        let head = self.head;
+        match &self.rd {
+            Some(rd) if rd.seq == head => {
+                if rd.dst != dst as usize || rd.len != len {
+                    return Err(CoreError::InvalidArgument(
+                        "read_remote continued with another destination".into(),
+                    ));
+                }
+                if rd.done {
+                    return Ok(None);
+                }
+            }
+            _ => {
+                let mut pieces = Vec::new();
+                for (s, off, plen) in stripes(head, len, self.data.len()) {
+                    let mut st = lock(&self.shared.hands[s].st);
+                    if st.seq != Some(head) || st.prefix.len() > plen {
+                        return Err(CoreError::Protocol {
+                            peer: self.peer,
+                            detail: format!(
+                                "socket link: direct message {head} is not waiting on data socket {s}"
+                            ),
+                        });
+                    }
+                    // SAFETY: `off + prefix.len() <= off + plen <= len`, inside
+                    // `dst` (caller's contract); the prefix is our own Vec.
+                    unsafe { sys::copy_to(&st.prefix, dst.wrapping_add(off)) };
+                    let got = st.prefix.len();
+                    st.prefix.clear();
+                    pieces.push((s, off, plen, got));
+                }
+                self.rd = Some(RemoteRead {
+                    seq: head,
+                    dst: dst as usize,
+                    len,
+                    pieces,
+                    done: false,
+                });
+            }
+        }
+        let Some(rd) = self.rd.as_mut() else {
+            return Ok(None);
+        };
+        let mut progressed = false;
+        let mut missing = false;
+        for (s, off, plen, got) in rd.pieces.iter_mut() {
+            while *got < *plen {
+                let fd = self.data[*s].as_raw_fd();
+                // SAFETY: `off + got .. off + plen` lies inside `dst`, which
+                // the caller lends us for this call; the reader of socket
+                // `s` waits (hand state) while we read its payload.
+                let r = unsafe { sys::recv_some(fd, dst.wrapping_add(*off + *got), *plen - *got) };
+                match r {
+                    Ok(Some(0)) => {
+                        let e = io::Error::new(
+                            io::ErrorKind::UnexpectedEof,
+                            "the peer closed the socket in the middle of a frame",
+                        );
+                        return Err(read_failed(&self.health, self.peer, *s, e));
+                    }
+                    Ok(Some(n)) => {
+                        *got += n;
+                        progressed = true;
+                    }
+                    Ok(None) => {
+                        missing = true;
+                        break;
+                    }
+                    Err(e) => return Err(read_failed(&self.health, self.peer, *s, e)),
+                }
+            }
+        }
+        if missing {
+            if !progressed {
+                if let Some(e) = self.health.error() {
+                    return Err(e);
+                }
+            }
+            return Ok(Some(progressed));
+        }
+        rd.done = true;
+        // Every byte is in; the readers may go on with their sockets.
+        for (s, ..) in &rd.pieces {
+            let hand = &self.shared.hands[*s];
+            lock(&hand.st).seq = None;
+            hand.cv.notify_all();
+        }
+        Ok(None)
     }
 
     /// An error if the link is dead and nothing more can arrive.
@@ -1126,12 +1451,27 @@ impl RecvChannel for SocketRecv {
     }
 
     fn poll_peek(&mut self) -> Result<Option<(SlotBuf, usize)>> {
+        match self.poll_peek_any()? {
+            None => Ok(None),
+            Some(Incoming::Inline(slot, len)) => Ok(Some((slot, len))),
+            Some(Incoming::Remote(_)) => Err(CoreError::Protocol {
+                peer: self.peer,
+                detail: "a direct (zero-copy) message reached a receiver that reads slots only"
+                    .into(),
+            }),
+        }
+    }
+
+    fn poll_peek_any(&mut self) -> Result<Option<Incoming>> {
         if let Some(r) = &self.aborted {
             return Err(CoreError::Aborted(r.clone()));
         }
         if let Some(i) = self.head_ready() {
             let len = self.shared.lens[i].load(Ordering::Relaxed);
-            return Ok(Some((
+            if self.shared.remote[i].load(Ordering::Relaxed) {
+                return Ok(Some(Incoming::Remote(len)));
+            }
+            return Ok(Some(Incoming::Inline(
                 SlotBuf {
                     ptr: self.shared.mem.slot_ptr(i),
                     cap: self.slot_bytes,
@@ -1143,6 +1483,34 @@ impl RecvChannel for SocketRecv {
         Ok(None)
     }
 
+    unsafe fn poll_read_remote(&mut self, dst: *mut u8, len: usize) -> Result<bool> {
+        // SAFETY: forwarded from this function's contract.
+        Ok(unsafe { self.pump(dst, len)? }.is_none())
+    }
+
+    unsafe fn read_remote(&mut self, dst: *mut u8, len: usize) -> Result<()> {
+        let mut last = Instant::now();
+        loop {
+            // SAFETY: forwarded from this function's contract.
+            match unsafe { self.pump(dst, len)? } {
+                None => return Ok(()),
+                Some(true) => last = Instant::now(),
+                Some(false) => {
+                    self.check_live()?;
+                    if last.elapsed() >= REMOTE_STALL {
+                        return Err(CoreError::Timeout {
+                            transport: NAME,
+                            peer: self.peer,
+                            waiting_for: "the rest of a direct message",
+                            after: last.elapsed(),
+                        });
+                    }
+                    self.wait_readable(Duration::from_millis(10));
+                }
+            }
+        }
+    }
+
     fn release(&mut self) -> Result<()> {
         if let Some(r) = &self.aborted {
             return Err(CoreError::Aborted(r.clone()));
@@ -1152,6 +1520,19 @@ impl RecvChannel for SocketRecv {
                 "release without a slot from poll_peek".into(),
             ));
         };
+        if self.shared.remote[i].load(Ordering::Relaxed) {
+            if !self
+                .rd
+                .as_ref()
+                .is_some_and(|rd| rd.seq == self.head && rd.done)
+            {
+                return Err(CoreError::InvalidArgument(
+                    "release of a direct slot before read_remote read it".into(),
+                ));
+            }
+            self.rd = None;
+            self.shared.remote[i].store(false, Ordering::Relaxed);
+        }
         self.shared.ready[i].store(0, Ordering::Relaxed);
         self.head += 1;
         // Release: the engine's reads of the slot and the reset of `ready`
@@ -1178,6 +1559,7 @@ impl RecvChannel for SocketRecv {
                 shut(s);
             }
             shut(&self.ctrl.sock);
+            self.wake_hands();
         }
     }
 }
@@ -1193,6 +1575,7 @@ impl Drop for SocketRecv {
             }
             shut(&self.ctrl.sock);
         }
+        self.wake_hands();
         for t in self.threads.drain(..) {
             let _ = t.join();
         }
@@ -1225,7 +1608,10 @@ pub(crate) mod fuzzing {
             slot_bytes,
             ready: (0..slots).map(|_| AtomicU64::new(0)).collect(),
             lens: (0..slots).map(|_| AtomicUsize::new(0)).collect(),
+            remote: (0..slots).map(|_| AtomicBool::new(false)).collect(),
             fill: (0..slots).map(|_| Mutex::new(Fill::default())).collect(),
+            hands: (0..nsocks).map(|_| Hand::default()).collect(),
+            accept_direct: false,
             released: AtomicU64::new(0),
             readers_done: AtomicUsize::new(0),
         });

@@ -1,6 +1,8 @@
-//! The one module with `unsafe`: slot memory shared between the engine (which
-//! reads and writes slots through the raw [`SlotBuf`] pointers the seam hands
-//! out) and the helper threads (which send from and receive into it).
+//! The one module with `unsafe` FFI: slot memory shared between the engine
+//! (which reads and writes slots through the raw [`SlotBuf`] pointers the
+//! seam hands out) and the helper threads (which send from and receive into
+//! it), and the system calls that move bytes between sockets and raw memory
+//! (slots, or the caller's buffers for direct transfers).
 //!
 //! Who may touch which bytes when is decided by the protocol in `link.rs`;
 //! the functions here only turn a `(slot, offset, len)` that the caller has
@@ -9,7 +11,11 @@
 //! [`SlotBuf`]: braid_core::transport::SlotBuf
 
 use std::alloc::Layout;
+use std::io;
+use std::os::fd::RawFd;
 use std::ptr::NonNull;
+
+use nix::libc;
 
 /// Alignment of the slot array (slots themselves are multiples of 64 bytes,
 /// so every slot is 64-byte aligned).
@@ -96,6 +102,117 @@ impl SlotMem {
         // initialised; the caller promises exclusive access to it.
         unsafe { std::slice::from_raw_parts_mut(self.slot_ptr(i).add(off), len) }
     }
+}
+
+/// Writes `head` then `len` bytes at `payload` with one `sendmsg`
+/// (`MSG_NOSIGNAL`, and `MSG_DONTWAIT` with `dontwait`), resuming `skip`
+/// bytes into the pair, until all is written or, with `dontwait`, the socket
+/// buffer is full. Returns how far it got (counting `skip`). The payload is
+/// passed to the kernel as a raw address, never as a Rust reference: the
+/// kernel copies it (or fails with `EFAULT`).
+///
+/// # Safety
+///
+/// `payload` must be valid for reads of `len` bytes, and nobody may write
+/// them, for the duration of the call.
+pub unsafe fn send_head_payload(
+    fd: RawFd,
+    head: &[u8],
+    payload: *const u8,
+    len: usize,
+    mut skip: usize,
+    dontwait: bool,
+) -> io::Result<usize> {
+    let total = head.len() + len;
+    let mut flags = libc::MSG_NOSIGNAL;
+    if dontwait {
+        flags |= libc::MSG_DONTWAIT;
+    }
+    while skip < total {
+        let mut iov = [libc::iovec {
+            iov_base: std::ptr::null_mut(),
+            iov_len: 0,
+        }; 2];
+        let mut n = 0;
+        if skip < head.len() {
+            iov[0] = libc::iovec {
+                iov_base: head[skip..].as_ptr() as *mut libc::c_void,
+                iov_len: head.len() - skip,
+            };
+            n = 1;
+        }
+        let off = skip.saturating_sub(head.len());
+        if off < len {
+            iov[n] = libc::iovec {
+                // `wrapping_add` keeps this safe; `off < len` keeps it in
+                // the caller's range.
+                iov_base: payload.wrapping_add(off) as *mut libc::c_void,
+                iov_len: len - off,
+            };
+            n += 1;
+        }
+        // SAFETY: a zeroed msghdr is a valid "no address, no control data"
+        // header.
+        let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+        msg.msg_iov = iov.as_mut_ptr();
+        msg.msg_iovlen = n as _;
+        // SAFETY: `msg` points at `n` iovecs over `head` (a live slice) and
+        // the payload range the caller vouches for; the kernel only reads
+        // them during the call.
+        let r = unsafe { libc::sendmsg(fd, &msg, flags) };
+        if r > 0 {
+            skip += r as usize;
+            continue;
+        }
+        if r == 0 {
+            return Err(io::Error::new(
+                io::ErrorKind::WriteZero,
+                "socket accepted no bytes",
+            ));
+        }
+        let e = io::Error::last_os_error();
+        match e.raw_os_error() {
+            Some(libc::EINTR) => {}
+            Some(libc::EAGAIN) if dontwait => return Ok(skip),
+            _ => return Err(e),
+        }
+    }
+    Ok(skip)
+}
+
+/// One non-blocking `recv` of at most `len` bytes into `dst`: `Ok(Some(n))`
+/// (0 at end of stream) or `Ok(None)` when nothing is there yet.
+///
+/// # Safety
+///
+/// `dst` must be valid for writes of `len` bytes, and nobody else may
+/// access them, for the duration of the call.
+pub unsafe fn recv_some(fd: RawFd, dst: *mut u8, len: usize) -> io::Result<Option<usize>> {
+    loop {
+        // SAFETY: the caller vouches for `dst..dst + len`; the kernel writes
+        // only there, during the call.
+        let r = unsafe { libc::recv(fd, dst as *mut libc::c_void, len, libc::MSG_DONTWAIT) };
+        if r >= 0 {
+            return Ok(Some(r as usize));
+        }
+        let e = io::Error::last_os_error();
+        match e.raw_os_error() {
+            Some(libc::EINTR) => {}
+            Some(libc::EAGAIN) => return Ok(None),
+            _ => return Err(e),
+        }
+    }
+}
+
+/// Copies `src` to `dst`.
+///
+/// # Safety
+///
+/// `dst` must be valid for writes of `src.len()` bytes that nobody else
+/// accesses meanwhile, and must not overlap `src`.
+pub unsafe fn copy_to(src: &[u8], dst: *mut u8) {
+    // SAFETY: forwarded from this function's contract.
+    unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst, src.len()) }
 }
 
 impl Drop for SlotMem {

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use braid_core::error::CoreError;
 use braid_core::transport::conformance::{connect_pair, desc};
-use braid_core::transport::Transport;
+use braid_core::transport::{Incoming, RecvChannel, Transport};
 use braid_transport_socket::{SocketConfig, SocketTransport};
 
 fn loopback(slot_bytes: usize, slots: usize, nsocks: usize) -> SocketTransport {
@@ -222,7 +222,20 @@ fn config_from_env() {
     assert!(matches!(bad, Err(CoreError::InvalidArgument(m)) if m.contains("BRAID_SOCKET_SLOTS")));
     assert!(matches!(bad_geometry, Err(CoreError::InvalidArgument(_))));
     let d = SocketConfig::default();
-    assert_eq!((d.nsocks(), d.slot_bytes(), d.slots()), (4, 512 * 1024, 8));
+    let cores = std::thread::available_parallelism().unwrap().get();
+    assert_eq!(
+        (d.nsocks(), d.slot_bytes(), d.slots(), d.direct()),
+        ((cores / 4).clamp(1, 4), 512 * 1024, 8, true)
+    );
+    std::env::set_var("BRAID_SOCKET_DIRECT", "0");
+    let off = SocketConfig::from_env();
+    std::env::set_var("BRAID_SOCKET_DIRECT", "maybe");
+    let bad_direct = SocketConfig::from_env();
+    std::env::remove_var("BRAID_SOCKET_DIRECT");
+    assert!(!off.unwrap().direct());
+    assert!(
+        matches!(bad_direct, Err(CoreError::InvalidArgument(m)) if m.contains("BRAID_SOCKET_DIRECT"))
+    );
 }
 
 /// Blobs meant for another pair of ranks are refused.
@@ -243,4 +256,205 @@ fn blobs_for_other_ranks_are_refused() {
         .err()
         .unwrap();
     assert!(matches!(e, CoreError::Protocol { .. }), "{e:?}");
+}
+
+/// Reads the head direct message into `out`, polling as the engine does.
+fn read_direct(rx: &mut dyn RecvChannel, out: &mut [u8]) -> Result<(), CoreError> {
+    let end = Instant::now() + Duration::from_secs(20);
+    loop {
+        // SAFETY: `out` is valid for `out.len()` writes and not touched
+        // otherwise until this returns.
+        if unsafe { rx.poll_read_remote(out.as_mut_ptr(), out.len()) }? {
+            return Ok(());
+        }
+        assert!(Instant::now() < end, "timed out reading a direct message");
+        std::thread::yield_now();
+    }
+}
+
+/// Direct (zero-copy) messages from 0 B to several slots, mixed with slot
+/// messages, striped over 1, 3 and 4 sockets, arrive intact and in order:
+/// direct ones as `Incoming::Remote`, read with `poll_read_remote`.
+#[test]
+fn direct_and_slot_messages_interleave() {
+    const SB: usize = 64 * 1024;
+    for nsocks in [1usize, 3, 4] {
+        let (t0, t1) = (loopback(SB, 4, nsocks), loopback(SB, 4, nsocks));
+        let (mut tx, mut rx) = connect_pair(&t0, &t1, 0, 1);
+        assert!(tx.can_send_direct());
+        assert!(!tx.direct_costs_receiver());
+        let sizes = [
+            1usize,
+            SB,
+            SB + 1,
+            3 * SB + 7,
+            0,
+            (3 << 20) + 5,
+            65_537,
+            4095,
+            1 << 20,
+        ];
+        let n = 3 * sizes.len() as u64;
+        let len_of = move |seq: u64| sizes[seq as usize % sizes.len()];
+        // Every third message goes through a slot (those must fit one).
+        let is_direct = move |seq: u64| seq % 3 != 1 || len_of(seq) > SB;
+        let sender = std::thread::spawn(move || {
+            // The direct buffers live until the receiver released them all.
+            let mut keep: Vec<Vec<u8>> = Vec::new();
+            for seq in 0..n {
+                let buf = wait("a credit", || tx.poll_acquire().unwrap());
+                let len = len_of(seq);
+                if is_direct(seq) {
+                    let v: Vec<u8> = (0..len).map(|i| byte(seq, i)).collect();
+                    // SAFETY: `v` stays alive and unchanged in `keep` until
+                    // poll_drained below.
+                    unsafe { tx.commit_direct(v.as_ptr(), len) }.unwrap();
+                    keep.push(v);
+                } else {
+                    // SAFETY: a host slot of `cap >= len` bytes, ours until commit.
+                    let s = unsafe { std::slice::from_raw_parts_mut(buf.ptr, len) };
+                    for (i, b) in s.iter_mut().enumerate() {
+                        *b = byte(seq, i);
+                    }
+                    tx.commit(len).unwrap();
+                }
+            }
+            wait("drain", || tx.poll_drained().unwrap().then_some(()));
+            drop(keep);
+            tx
+        });
+        for seq in 0..n {
+            let inc = wait("a message", || rx.poll_peek_any().unwrap());
+            let len = len_of(seq);
+            let got = match inc {
+                Incoming::Remote(l) => {
+                    assert!(is_direct(seq), "message {seq}: slot message came as Remote");
+                    assert_eq!(l, len, "message {seq}: wrong length");
+                    // Releasing before reading is refused (the payload is
+                    // still in the sockets).
+                    assert!(rx.release().is_err());
+                    let mut out = vec![0xAAu8; len];
+                    read_direct(&mut *rx, &mut out).unwrap();
+                    // SAFETY: as in read_direct; done already.
+                    assert!(unsafe { rx.poll_read_remote(out.as_mut_ptr(), len) }.unwrap());
+                    let mut other = vec![0u8; len];
+                    if len > 0 {
+                        // SAFETY: as above.
+                        let r = unsafe { rx.poll_read_remote(other.as_mut_ptr(), len) };
+                        assert!(r.is_err(), "another destination mid-read is refused");
+                    }
+                    out
+                }
+                Incoming::Inline(buf, l) => {
+                    assert!(!is_direct(seq), "message {seq}: direct message came inline");
+                    assert_eq!(l, len, "message {seq}: wrong length");
+                    // SAFETY: the slot holds `l` readable bytes until release.
+                    unsafe { std::slice::from_raw_parts(buf.ptr, l) }.to_vec()
+                }
+            };
+            if let Some(i) = got.iter().enumerate().position(|(i, b)| *b != byte(seq, i)) {
+                panic!("{nsocks} sockets: message {seq} ({len} bytes) corrupted at byte {i}");
+            }
+            rx.release().unwrap();
+        }
+        let _tx = sender.join().unwrap();
+        assert!(rx.poll_peek_any().unwrap().is_none());
+    }
+}
+
+/// `BRAID_SOCKET_DIRECT=0` (here: the config) switches direct sends off;
+/// `commit_direct` is then an error and the link keeps working.
+#[test]
+fn direct_can_be_switched_off() {
+    let cfg = SocketConfig::default()
+        .with_addr("127.0.0.1".parse().unwrap())
+        .with_geometry(65536, 4)
+        .with_nsocks(2)
+        .with_direct(false);
+    let (t0, t1) = (
+        SocketTransport::new(cfg.clone()).unwrap(),
+        SocketTransport::new(cfg).unwrap(),
+    );
+    let (mut tx, mut rx) = connect_pair(&t0, &t1, 0, 1);
+    assert!(!tx.can_send_direct());
+    let _ = wait("a credit", || tx.poll_acquire().unwrap());
+    let v = vec![1u8; 100_000];
+    // SAFETY: `v` outlives the call (which fails).
+    assert!(unsafe { tx.commit_direct(v.as_ptr(), v.len()) }.is_err());
+    tx.commit(3).unwrap();
+    let inc = wait("a message", || rx.poll_peek_any().unwrap());
+    assert!(matches!(inc, Incoming::Inline(_, 3)), "{inc:?}");
+}
+
+/// A sender that aborts while its writers are blocked on full sockets
+/// writing the caller's memory (the receiver has not read yet): the abort
+/// returns promptly, after which the buffer may go; the receiver reading
+/// the message gets the sender's reason, not "connection lost".
+#[test]
+fn sender_abort_during_a_direct_transfer() {
+    for nsocks in [1usize, 3] {
+        let (t0, t1) = (loopback(65536, 4, nsocks), loopback(65536, 4, nsocks));
+        let (mut tx, mut rx) = connect_pair(&t0, &t1, 0, 1);
+        let len = 256 << 20;
+        let v = vec![7u8; len];
+        let _ = wait("a credit", || tx.poll_acquire().unwrap());
+        // SAFETY: `v` outlives every use: `abort` below waits for the
+        // writers to leave it before returning.
+        unsafe { tx.commit_direct(v.as_ptr(), len) }.unwrap();
+        let inc = wait("the direct message", || rx.poll_peek_any().unwrap());
+        assert!(matches!(inc, Incoming::Remote(l) if l == len), "{inc:?}");
+        std::thread::sleep(Duration::from_millis(50));
+        let start = Instant::now();
+        tx.abort("the sender lost its GPU");
+        assert!(
+            start.elapsed() < Duration::from_secs(3),
+            "abort took {:?}",
+            start.elapsed()
+        );
+        drop(v);
+        let mut out = vec![0u8; len];
+        let e = read_direct(&mut *rx, &mut out).unwrap_err();
+        assert!(
+            matches!(&e, CoreError::PeerAborted { peer: 0, reason, .. } if reason.contains("lost its GPU")),
+            "{nsocks} sockets: {e:?}"
+        );
+        drop(tx);
+    }
+}
+
+/// A receiver that aborts in the middle of a direct message: the sender
+/// sees its reason, never reports the message drained, and its own abort
+/// and drop return promptly.
+#[test]
+fn receiver_abort_during_a_direct_transfer() {
+    let (t0, t1) = (loopback(65536, 4, 2), loopback(65536, 4, 2));
+    let (mut tx, mut rx) = connect_pair(&t0, &t1, 0, 1);
+    let len = 128 << 20;
+    let v = vec![9u8; len];
+    let _ = wait("a credit", || tx.poll_acquire().unwrap());
+    // SAFETY: `v` outlives every use: `abort` below waits for the writers.
+    unsafe { tx.commit_direct(v.as_ptr(), len) }.unwrap();
+    let _ = wait("the direct message", || rx.poll_peek_any().unwrap());
+    let mut out = vec![0u8; len];
+    // SAFETY: `out` is valid for `len` writes.
+    let _ = unsafe { rx.poll_read_remote(out.as_mut_ptr(), len) }.unwrap();
+    rx.abort("the receiver saw a bad checksum");
+    let e = wait("the abort", || match tx.poll_drained() {
+        Ok(true) => panic!("drained although the receiver never read it all"),
+        Ok(false) => None,
+        Err(e) => Some(e),
+    });
+    assert!(
+        matches!(&e, CoreError::PeerAborted { peer: 1, reason, .. } if reason.contains("bad checksum")),
+        "{e:?}"
+    );
+    let start = Instant::now();
+    tx.abort("giving up too");
+    drop(tx);
+    assert!(
+        start.elapsed() < Duration::from_secs(3),
+        "took {:?}",
+        start.elapsed()
+    );
+    drop(v);
 }

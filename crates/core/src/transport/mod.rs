@@ -150,6 +150,16 @@ pub trait SendChannel: Send {
     fn can_send_direct(&mut self) -> bool {
         false
     }
+    /// Whether the receiver pays for a direct slot: true where the receiver
+    /// copies the bytes out of this process itself (shared memory), so a
+    /// reference only moves a copy from the sender to the receiver; false
+    /// where the transport moves the bytes anyway (a socket's helpers write
+    /// them from the caller's memory instead of from a slot) and a direct
+    /// slot saves the sender a copy at no cost to the receiver. The engine
+    /// sends data the receiver reduces by reference only when this is false.
+    fn direct_costs_receiver(&mut self) -> bool {
+        true
+    }
     /// Publish the slot last returned by `poll_acquire` as a reference to
     /// `len` bytes at `ptr` in this process's memory instead of a copy: the
     /// receiver copies them out itself, so the data moves once instead of
@@ -206,5 +216,23 @@ pub trait RecvChannel: Send {
             transport: self.transport(),
             reason: "direct (single-copy) transfers are not supported".into(),
         })
+    }
+    /// Non-blocking form of [`RecvChannel::read_remote`]: moves what it can
+    /// of the current [`Incoming::Remote`] slot to `dst` and returns true
+    /// once all `len` bytes are there. Calls after a `false` must pass the
+    /// same `dst` and `len` and continue the same slot; the engine calls it
+    /// again (waiting with its own deadline, abort and liveness checks) until
+    /// it returns true, then `release`s. The default does the whole
+    /// [`RecvChannel::read_remote`] at once.
+    ///
+    /// # Safety
+    ///
+    /// `dst` must be valid for writes of `len` bytes of host memory, and
+    /// nothing else may access it until this returns true or an error. The
+    /// transport writes `dst` only inside these calls.
+    unsafe fn poll_read_remote(&mut self, dst: *mut u8, len: usize) -> Result<bool> {
+        // SAFETY: forwarded from this function's contract.
+        unsafe { self.read_remote(dst, len)? };
+        Ok(true)
     }
 }
