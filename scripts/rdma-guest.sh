@@ -24,10 +24,13 @@ die() {
     exit 1
 }
 
-# Common settings: a dead peer shows up within about 0.6 s of silence
-# (4.096 us * 2^14 = 67 ms, 7 tries); the guests run emulated, so waits
-# are generous; more ranks than vCPUs, so waiting ranks yield at once.
-export BRAID_IB_TIMEOUT=14 BRAID_IB_RETRY_CNT=6 BRAID_SPIN=0 BRAID_TIMEOUT=120
+# Common settings. The ACK timeout stays long (4.096 us * 2^20 = 4.3 s):
+# a timer that fires while an ACK is only late makes rdma_rxe retransmit,
+# and the 6.1 kernel's rdma_rxe can then break the connection ("remote
+# invalid request"; see the crate docs of braid-transport-ib). With 3
+# retries a dead peer shows up within about 17 s. The guests run emulated,
+# so waits are generous; more ranks than vCPUs, so waiting ranks yield.
+export BRAID_IB_TIMEOUT=20 BRAID_IB_RETRY_CNT=3 BRAID_SPIN=0 BRAID_TIMEOUT=120
 
 one() {
     local probe=$1 conf=$2 ibtests=$3
