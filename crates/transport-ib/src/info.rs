@@ -6,7 +6,7 @@
 /// `BRIB`: connect-info blobs.
 pub const BLOB_MAGIC: u32 = u32::from_le_bytes(*b"BRIB");
 /// Wire version; bump on any change of the formats in this module.
-pub const VERSION: u16 = 1;
+pub const VERSION: u16 = 2;
 
 const ROLE_RECV: u8 = 1;
 const ROLE_SEND: u8 = 2;
@@ -269,13 +269,15 @@ impl SendInfo {
 }
 
 /// What an immediate says. Layout: bits 28-31 the kind; for data, bits 0-11
-/// the slot index and bits 12-15 the number of pieces minus one; for
-/// credits, bits 0-27 the receiver's cumulative count of released slots
+/// the slot index, bits 12-15 the number of pieces minus one and bits 16-27
+/// the message's sequence number modulo 2^12 (so a notice that arrives twice
+/// or out of order is caught, not taken for a new message); for credits, bits 0-27 the receiver's cumulative count of released slots
 /// modulo 2^28.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Imm {
-    /// A piece of the message in `slot`, which has `pieces` pieces.
-    Data { slot: u16, pieces: u8 },
+    /// A piece of message `tag` (its sequence number modulo 2^12) in
+    /// `slot`, which has `pieces` pieces.
+    Data { slot: u16, pieces: u8, tag: u16 },
     /// The receiver released slots up to this count (mod 2^28).
     Credit(u32),
     /// The receiving end is connected (one per QP).
@@ -291,6 +293,8 @@ const K_CREDIT: u32 = 1;
 const K_READY: u32 = 2;
 const K_CLOSE: u32 = 3;
 const K_ABORT: u32 = 4;
+/// Mask of a data notice's message tag (sequence number modulo 2^12).
+pub const TAG_MASK: u32 = (1 << 12) - 1;
 /// Mask of a credit count.
 pub const CREDIT_MASK: u32 = (1 << 28) - 1;
 
@@ -298,8 +302,11 @@ impl Imm {
     /// The 32-bit value.
     pub fn encode(self) -> u32 {
         match self {
-            Imm::Data { slot, pieces } => {
-                (K_DATA << 28) | ((u32::from(pieces) - 1) & 0xf) << 12 | (u32::from(slot) & 0xfff)
+            Imm::Data { slot, pieces, tag } => {
+                (K_DATA << 28)
+                    | (u32::from(tag) & TAG_MASK) << 16
+                    | ((u32::from(pieces) - 1) & 0xf) << 12
+                    | (u32::from(slot) & 0xfff)
             }
             Imm::Credit(c) => (K_CREDIT << 28) | (c & CREDIT_MASK),
             Imm::Ready => K_READY << 28,
@@ -314,6 +321,7 @@ impl Imm {
             K_DATA => Ok(Imm::Data {
                 slot: (v & 0xfff) as u16,
                 pieces: ((v >> 12) & 0xf) as u8 + 1,
+                tag: ((v >> 16) & TAG_MASK) as u16,
             }),
             K_CREDIT => Ok(Imm::Credit(v & CREDIT_MASK)),
             K_READY => Ok(Imm::Ready),
@@ -321,6 +329,55 @@ impl Imm {
             K_ABORT => Ok(Imm::Abort),
             k => Err(format!("immediate of unknown kind {k} ({v:#010x})")),
         }
+    }
+}
+
+/// The receiver's bookkeeping of data notices: per slot, the pieces seen so
+/// far of the message due there next, and that message's sequence number.
+/// Message `seq` lives in slot `seq % slots`, and a sender reuses a slot
+/// only after the receiver released it, so the next notice for a slot must
+/// carry the tag of the message due there; any other tag is a notice
+/// delivered twice or out of order, which must never be taken for a new
+/// message.
+#[derive(Clone, Debug)]
+pub struct Arrivals {
+    due: Vec<(u8, u64)>,
+}
+
+impl Arrivals {
+    /// Nothing arrived yet in any of `slots` slots.
+    pub fn new(slots: usize) -> Arrivals {
+        Arrivals {
+            due: (0..slots as u64).map(|s| (0, s)).collect(),
+        }
+    }
+
+    /// Notes one data notice. `Ok(true)` when it completes its message
+    /// (every piece arrived), `Ok(false)` when pieces are still missing,
+    /// and an error for a notice that does not fit.
+    pub fn note(&mut self, slot: u16, pieces: u8, tag: u16) -> Result<bool, String> {
+        let slots = self.due.len();
+        let s = slot as usize;
+        let Some(d) = self.due.get_mut(s) else {
+            return Err(format!("data for slot {s} of {slots}"));
+        };
+        if u32::from(tag) != (d.1 as u32) & TAG_MASK {
+            return Err(format!(
+                "a notice for message {tag} (mod 4096) arrived in slot {s}, where message {} \
+                 was due: the RDMA device delivered a write twice or out of order \
+                 (Soft-RoCE does this after retransmissions; see BRAID_IB_TIMEOUT)",
+                d.1
+            ));
+        }
+        d.0 += 1;
+        if d.0 < pieces {
+            return Ok(false);
+        }
+        if d.0 > pieces {
+            return Err(format!("slot {s}: more pieces than the {pieces} announced"));
+        }
+        *d = (0, d.1 + slots as u64);
+        Ok(true)
     }
 }
 
@@ -387,13 +444,43 @@ mod tests {
     }
 
     #[test]
+    fn notices_are_accepted_once_in_order() {
+        let mut a = Arrivals::new(2);
+        // Message 0 in slot 0 (two pieces), message 1 in slot 1 (one).
+        assert_eq!(a.note(0, 2, 0), Ok(false));
+        assert_eq!(a.note(1, 1, 1), Ok(true));
+        assert_eq!(a.note(0, 2, 0), Ok(true));
+        // Message 2 is due in slot 0 next: message 0 again is a duplicate.
+        let e = a.note(0, 1, 0).unwrap_err();
+        assert!(e.contains("message 2 was due"), "{e}");
+        let mut a = Arrivals::new(2);
+        assert!(a.note(0, 1, 2).is_err(), "a message ahead of its turn");
+        assert!(a.note(2, 1, 2).is_err(), "a slot out of range");
+        // Tags wrap at 4096.
+        let mut a = Arrivals::new(1);
+        for seq in 0..5000u32 {
+            assert_eq!(a.note(0, 1, (seq & TAG_MASK) as u16), Ok(true), "{seq}");
+        }
+    }
+
+    #[test]
     fn immediates_round_trip() {
         for imm in [
             Imm::Data {
                 slot: 4095,
                 pieces: 16,
+                tag: 4095,
             },
-            Imm::Data { slot: 0, pieces: 1 },
+            Imm::Data {
+                slot: 0,
+                pieces: 1,
+                tag: 0,
+            },
+            Imm::Data {
+                slot: 7,
+                pieces: 3,
+                tag: 1234,
+            },
             Imm::Credit(CREDIT_MASK),
             Imm::Credit(5),
             Imm::Ready,

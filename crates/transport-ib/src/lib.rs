@@ -49,10 +49,10 @@
 //!   Writes on one QP land in order, so when the receiver's progress thread
 //!   has seen a notice from every QP of the message, the data and the length
 //!   are in place; it publishes the slot's length with a release store, so
-//!   `poll_peek` is one atomic load. (Carrying the immediate on the data
-//!   write itself was seen to end in "remote invalid request" completions
-//!   under sustained load between two Soft-RoCE guests; notices are single
-//!   packets.)
+//!   `poll_peek` is one atomic load. The immediate also carries the
+//!   message's sequence number mod 2^12: a notice that arrives twice or out
+//!   of order is a protocol error naming the peer, never a new message
+//!   (see *Soft-RoCE* below for how that happened).
 //! - **Credits.** `release` posts a zero-length write with an immediate
 //!   holding the receiver's cumulative count of released slots (mod 2^28) on
 //!   QP 0; the sender's progress thread stores it, so `poll_acquire` and
@@ -75,6 +75,39 @@
 //!   defaults): data is copied into a registered staging slot and written
 //!   by the HCA.
 //!
+//! # Soft-RoCE: retransmissions can break a connection
+//!
+//! Between two QEMU guests with the 6.1 kernel's `rdma_rxe`, connections
+//! used to fail after a while with "remote invalid request error" (verbs
+//! status 9). Packet captures in both guests (`tcpdump` on the RoCE port,
+//! every BTH decoded) and rxe's own state trace (dynamic debug) show why:
+//!
+//! 1. An ACK arrives late (the emulated guests are slow; with
+//!    `BRAID_IB_TIMEOUT=14`, 67 ms, about 300 retransmissions per two-guest
+//!    test run, no packet lost), so the requester's ACK timer fires and it
+//!    resends its oldest unfinished RDMA WRITE `W` from its first packet.
+//! 2. While `W` is being resent (rxe's `wqe_state_processing`), the late
+//!    ACK for `W`'s last packet arrives. rxe's completer then advances its
+//!    acknowledged PSN past `W` without retiring `W`.
+//! 3. At the next retry, rxe computes how far into `W` to resume from that
+//!    PSN, skips all of `W` and sends one extra zero-length `WRITE_ONLY`.
+//!    Every later packet goes out one PSN later than its first copy.
+//! 4. The responder takes the shifted packets beyond its expected PSN as
+//!    new: it executes a notice (WRITE WITH IMMEDIATE) a second time (a
+//!    duplicate credit or notice; this is the "stale credit" seen earlier),
+//!    and then a `WRITE_MIDDLE` that does not follow a `WRITE_FIRST`:
+//!    `ERR_MISSING_OPCODE_FIRST`, a NAK "invalid request", and both QPs go
+//!    to the error state.
+//!
+//! With a 4 ms timeout (`BRAID_IB_TIMEOUT=10`) the failure comes within
+//! seconds; with 1.07 s (18) a two-guest run on a busy host still saw 13
+//! retransmissions. It needs a retransmission of a multi-packet write, so
+//! braid cannot prevent it once the timer fires. What braid does: the default ACK timeout is
+//! NCCL's 4.3 s (`BRAID_IB_TIMEOUT=20`), far above a late ACK in the
+//! guests; the Soft-RoCE tests use it too (with fewer retries, so a dead
+//! peer still shows within about 17 s); and a notice delivered twice is
+//! reported as such instead of being taken for a message.
+//!
 //! # Choosing the device
 //!
 //! See [`probe`]: `BRAID_IB_HCA` (NCCL_IB_HCA syntax), active ports with
@@ -91,7 +124,7 @@
 //! | `BRAID_IB_HCA` | devices and ports to use (`mlx5_0:1,mlx5_1`, `^` excludes, `=` exact) | all |
 //! | `BRAID_IB_GID_INDEX` | GID index (RoCE) | RoCE v2 IPv4-mapped |
 //! | `BRAID_IB_QPS_PER_CONNECTION` | queue pairs per connection (each slot striped over them), 1–16 | 1 |
-//! | `BRAID_IB_TIMEOUT` | ACK timeout exponent: 4.096 µs × 2^n, 1–31 | 18 (≈1.07 s; with 6 retries a dead peer is reported within ≈7.5 s) |
+//! | `BRAID_IB_TIMEOUT` | ACK timeout exponent: 4.096 µs × 2^n, 1–31 | 20 (≈4.3 s, NCCL's; with 6 retries a dead peer is reported within ≈30 s). Keep it large on Soft-RoCE, see below |
 //! | `BRAID_IB_RETRY_CNT` | retries before a retry-exceeded error, 0–7 (7 means forever on Soft-RoCE) | 6 |
 //! | `BRAID_IB_SL`, `BRAID_IB_TC` | service level, traffic class | 0, 0 |
 //! | `BRAID_IB_SLOT_BYTES`, `BRAID_IB_SLOTS` | slot geometry per connection | 512 KiB × 8 |
@@ -167,12 +200,12 @@ impl Default for IbConfig {
         IbConfig {
             hca: None,
             gid_index: None,
-            // NCCL's default too. More QPs stripe each slot (tested in one
-            // guest), but between two Soft-RoCE guests, sustained streaming
-            // over 2 QPs ended in "remote invalid request" completions (see
-            // the README); 1 QP did not.
+            // NCCL's default too. More QPs stripe each slot.
             qps: 1,
-            timeout: 18,
+            // NCCL's default. An ACK timeout that fires while the ACK is
+            // merely late makes the HCA retransmit, and Soft-RoCE (6.1)
+            // can break a connection when that happens (crate docs).
+            timeout: 20,
             // Not 7: Soft-RoCE (rdma_rxe) takes 7 to mean "retry forever",
             // and a dead peer would never be reported.
             retry_cnt: 6,

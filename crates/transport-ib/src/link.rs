@@ -11,7 +11,7 @@ use braid_core::error::{CoreError, Result};
 use braid_core::transport::{RecvChannel, SendChannel, SlotBuf};
 use braid_core::types::MemKind;
 
-use crate::info::{unwrap_credit, Imm, CREDIT_MASK, MAX_SLOTS};
+use crate::info::{unwrap_credit, Arrivals, Imm, CREDIT_MASK, MAX_SLOTS, TAG_MASK};
 use crate::verbs::{self, Cq, Mr, Qp, Wc};
 use crate::NAME;
 
@@ -105,8 +105,8 @@ pub struct Shared {
 struct Poller {
     buf: Vec<ibverbs::ibv_wc>,
     wcs: Vec<Wc>,
-    /// Receiver: pieces and bytes seen so far per slot.
-    got: Vec<(u8, u64)>,
+    /// Receiver: the data notices seen so far.
+    got: Arrivals,
 }
 
 impl std::fmt::Debug for Shared {
@@ -158,7 +158,7 @@ impl Shared {
             poller: Mutex::new(Poller {
                 buf: vec![ibverbs::ibv_wc::default(); 32],
                 wcs: Vec::with_capacity(32),
-                got: vec![(0, 0); slots],
+                got: Arrivals::new(slots),
             }),
         })
     }
@@ -181,10 +181,23 @@ impl Shared {
         }
         let g = self.failure.lock().unwrap_or_else(|p| p.into_inner());
         Some(match g.clone()? {
-            Failure::Verbs(what) | Failure::Flushed(what) => CoreError::Peer {
+            Failure::Verbs(what) => CoreError::Peer {
                 transport: NAME,
                 peer: self.peer,
                 what,
+                source: None,
+            },
+            // Only flushes: the queue pair went to the error state without
+            // a failed request of this end, so this end's HCA rejected a
+            // request from the peer (its NAK fails the peer's request).
+            Failure::Flushed(what) => CoreError::Peer {
+                transport: NAME,
+                peer: self.peer,
+                what: format!(
+                    "{what}; the queue pair broke without an error of its own, so this end's \
+                     HCA rejected a request from the peer (Soft-RoCE does after retransmissions, \
+                     see BRAID_IB_TIMEOUT), or the peer reset its end"
+                ),
                 source: None,
             },
             Failure::PeerAborted(reason) => CoreError::PeerAborted {
@@ -366,7 +379,7 @@ fn progress(sh: Arc<Shared>) {
     }
 }
 
-fn handle(sh: &Shared, wc: Wc, got: &mut [(u8, u64)]) {
+fn handle(sh: &Shared, wc: Wc, got: &mut Arrivals) {
     tracing::trace!(peer = sh.peer, "IB completion {wc:?}");
     let op = wc.wr_id >> 56;
     let q = ((wc.wr_id >> 48) & 0xff) as usize;
@@ -431,31 +444,20 @@ fn handle(sh: &Shared, wc: Wc, got: &mut [(u8, u64)]) {
         return;
     };
     match Imm::decode(imm) {
-        Ok(Imm::Data { slot, pieces }) => {
-            let s = slot as usize;
-            let Some(g) = got.get_mut(s) else {
-                sh.fail(Failure::Protocol(format!(
-                    "data for slot {s} of {}",
-                    sh.slots
-                )));
-                return;
-            };
-            g.0 += 1;
-            if g.0 == pieces {
+        Ok(Imm::Data { slot, pieces, tag }) => match got.note(slot, pieces, tag) {
+            Ok(false) => {}
+            Ok(true) => {
                 // Every QP that carried a piece delivered its notice after
                 // the piece (in order on each QP): the data and the length
                 // the notices wrote are all in place.
+                let s = slot as usize;
                 let b = sh.ctrl.read_at(LENS_AT + 8 * s, 8);
                 let mut a = [0u8; 8];
                 a.copy_from_slice(&b);
                 sh.slot_len[s].store(u64::from_le_bytes(a) + 1, Ordering::Release);
-                *g = (0, 0);
-            } else if g.0 > pieces {
-                sh.fail(Failure::Protocol(format!(
-                    "slot {s}: more pieces than the {pieces} announced"
-                )));
             }
-        }
+            Err(e) => sh.fail(Failure::Protocol(e)),
+        },
         Ok(Imm::Credit(c)) => {
             // Serial-number arithmetic: a credit can only move forward, by at
             // most a window; an older value (seen once between two emulated
@@ -683,6 +685,7 @@ impl SendChannel for IbSend {
                 Some(Imm::Data {
                     slot: s as u16,
                     pieces: n as u8,
+                    tag: (self.committed as u32 & TAG_MASK) as u16,
                 }),
             )?;
         }
