@@ -823,15 +823,20 @@ mod tests {
         s
     }
 
-    fn wait_err(mut f: impl FnMut() -> Result<()>) -> CoreError {
+    /// Polls `f` until it gives something (10 s at most).
+    fn wait<T>(what: &str, mut f: impl FnMut() -> Option<T>) -> T {
         let end = Instant::now() + Duration::from_secs(10);
         loop {
-            if let Err(e) = f() {
-                return e;
+            if let Some(v) = f() {
+                return v;
             }
-            assert!(Instant::now() < end, "no error reported");
+            assert!(Instant::now() < end, "waited 10 s for {what}");
             std::thread::sleep(Duration::from_millis(1));
         }
+    }
+
+    fn wait_err(mut f: impl FnMut() -> Result<()>) -> CoreError {
+        wait("an error", || f().err())
     }
 
     /// Strangers (wrong token, garbage, silence, a duplicate index) are
@@ -1027,14 +1032,7 @@ mod tests {
     }
 
     fn wait_for_incoming(rx: &mut dyn RecvChannel) -> Incoming {
-        let end = Instant::now() + Duration::from_secs(10);
-        loop {
-            if let Some(i) = rx.poll_peek_any().unwrap() {
-                return i;
-            }
-            assert!(Instant::now() < end, "nothing arrived");
-            std::thread::sleep(Duration::from_millis(1));
-        }
+        wait("a message", || rx.poll_peek_any().unwrap())
     }
 
     /// A sender that dies in the middle of a direct payload: the bytes that
