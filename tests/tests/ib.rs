@@ -128,3 +128,59 @@ fn ib_killed_rank_gives_errors_not_hangs() {
         out.elapsed
     );
 }
+
+/// SIGSTOP one rank in the middle of a long series of AllReduces: its queue
+/// pairs live in the kernel and keep answering, so nothing fails at the
+/// verbs level; every other rank must still return an error naming it
+/// within the timeout (the stalled peer stops granting credits and sending
+/// data), not hang.
+#[test]
+fn ib_stalled_rank_gives_errors_not_hangs() {
+    let _g = serial();
+    let n = 3u32;
+    let victim = 1usize;
+    let timeout_s = 15;
+    let limit = Duration::from_secs(3 * timeout_s as u64 + 30);
+    let (id, _root) = root();
+    let kids: Vec<Child> = (0..n)
+        .map(|r| spawn("loop", &id, r, n, &["1000000", "65536"], timeout_s))
+        .collect();
+    let out = fault_run(
+        kids,
+        |k| {
+            let pid = nix::unistd::Pid::from_raw(k[victim].id() as i32);
+            nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGSTOP).expect("SIGSTOP");
+            // The survivors must exit by themselves; then the stalled rank
+            // goes (fault_run waits for every rank).
+            let t0 = std::time::Instant::now();
+            while t0.elapsed() < limit {
+                let running = k
+                    .iter_mut()
+                    .enumerate()
+                    .any(|(r, c)| r != victim && matches!(c.try_wait(), Ok(None)));
+                if !running {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            let _ = k[victim].kill();
+        },
+        limit + Duration::from_secs(10),
+    );
+    for (r, (code, text)) in out.ranks.iter().enumerate() {
+        if r == victim {
+            continue;
+        }
+        println!("rank {r}: {text}");
+        assert_eq!(*code, Some(3), "rank {r} should fail its AllReduce: {text}");
+        assert!(
+            text.contains("rank 1"),
+            "rank {r} does not name the stalled rank: {text}"
+        );
+    }
+    assert!(
+        out.elapsed < limit,
+        "survivors took {:?} with BRAID_TIMEOUT={timeout_s}: a hang",
+        out.elapsed
+    );
+}

@@ -100,16 +100,18 @@ fn matrix_2_ranks() {
 }
 
 /// Three ranks with single-copy transfers off: every byte goes through the
-/// slots (the other rank counts use single copy for pieces of 64 KiB and
-/// more, the default).
+/// slots (as for every collective below 8 MiB by default).
 #[test]
 fn matrix_3_ranks_two_copy() {
     matrix_env(3, &[("BRAID_DIRECT_MIN_BYTES", "18446744073709551615")]);
 }
 
+/// Four ranks with single copy for every collective (by default only
+/// collectives of 8 MiB and more use it): pieces of 64 KiB and more are
+/// read from the sender's memory.
 #[test]
-fn matrix_4_ranks() {
-    matrix(4);
+fn matrix_4_ranks_single_copy() {
+    matrix_env(4, &[("BRAID_SINGLE_COPY_MIN_BYTES", "0")]);
 }
 
 #[test]

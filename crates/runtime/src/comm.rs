@@ -74,6 +74,10 @@ struct Shared {
     small_allreduce: usize,
     move_piece: usize,
     direct_min: usize,
+    /// Collectives whose largest buffer is smaller than this move their
+    /// data through the slots (two copies that stay in cache) instead of
+    /// single-copy.
+    single_copy_min: usize,
     check_headers: bool,
     policy: WaitPolicy,
     abort: Arc<AtomicBool>,
@@ -356,6 +360,12 @@ impl Communicator {
                 // and leaves the sender free: side by side it was faster for
                 // Broadcast, AllGather and AllToAll from 1 to 64 MiB.
                 direct_min,
+                // Side by side on 2 and 4 ranks (2 cores): up to 1 MiB the
+                // slot path ran AllGather, Broadcast and AllToAll about 2x
+                // faster than single-copy (both copies stay in cache, no
+                // page pinning); at 4 MiB they were even; from 16 MiB
+                // single-copy was faster.
+                single_copy_min: env_bytes("BRAID_SINGLE_COPY_MIN_BYTES", 8 << 20)?,
                 move_piece,
                 // Mismatch detection (one 64-byte header per link per
                 // operation); BRAID_CHECK_MISMATCH=0 turns it off.
@@ -634,7 +644,11 @@ impl Communicator {
             bufs,
             policy: &sh.policy,
             abort: &sh.abort,
-            direct_min: sh.direct_min,
+            direct_min: if self.single_copy(&coll, dt) {
+                sh.direct_min
+            } else {
+                usize::MAX
+            },
             rank: sh.rank,
             headers: use_headers.then_some(&headers),
             progress: Some(&sh.progress),
@@ -671,6 +685,22 @@ impl Communicator {
         }
     }
 
+    /// Whether this collective may move its data single-copy: groups
+    /// always (their pieces are cut per message), collectives when their
+    /// largest buffer reaches `single_copy_min`. The same answer on every
+    /// rank, since the plans must cut pieces alike.
+    fn single_copy(&self, coll: &Collective, dt: DataType) -> bool {
+        if matches!(coll, Collective::Group(_)) {
+            return true;
+        }
+        let largest = coll
+            .buffer_counts(self.shared.nranks)
+            .ok()
+            .and_then(|c| c.into_iter().max())
+            .unwrap_or(0);
+        largest.saturating_mul(dt.size()) >= self.shared.single_copy_min
+    }
+
     fn program(&self, st: &mut State, coll: Collective, dt: DataType) -> Result<Arc<Program>> {
         let sh = &*self.shared;
         let cacheable = !matches!(coll, Collective::Group(_));
@@ -683,7 +713,11 @@ impl Communicator {
             rank: sh.rank,
             ring: sh.ring.clone(),
             piece_bytes: sh.piece,
-            move_piece_bytes: sh.move_piece,
+            move_piece_bytes: if self.single_copy(&coll, dt) {
+                sh.move_piece
+            } else {
+                sh.piece
+            },
             small_allreduce_bytes: sh.small_allreduce,
         };
         let prog = Arc::new(plan::plan(&coll, dt, &params)?);
