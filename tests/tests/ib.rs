@@ -131,9 +131,9 @@ fn ib_killed_rank_gives_errors_not_hangs() {
 
 /// SIGSTOP one rank in the middle of a long series of AllReduces: its queue
 /// pairs live in the kernel and keep answering, so nothing fails at the
-/// verbs level; every other rank must still return an error naming it
-/// within the timeout (the stalled peer stops granting credits and sending
-/// data), not hang.
+/// verbs level; every other rank must still return an error within the
+/// timeout (the stalled peer stops granting credits and sending data), a
+/// neighbour naming it, not hang.
 #[test]
 fn ib_stalled_rank_gives_errors_not_hangs() {
     let _g = serial();
@@ -167,6 +167,10 @@ fn ib_stalled_rank_gives_errors_not_hangs() {
         },
         limit + Duration::from_secs(10),
     );
+    // A stalled rank is alive: each survivor times out on the peer it waits
+    // for (or hears a peer's abort), which is the stalled rank only for its
+    // neighbours; at least one of them must name it.
+    let mut named = false;
     for (r, (code, text)) in out.ranks.iter().enumerate() {
         if r == victim {
             continue;
@@ -174,10 +178,12 @@ fn ib_stalled_rank_gives_errors_not_hangs() {
         println!("rank {r}: {text}");
         assert_eq!(*code, Some(3), "rank {r} should fail its AllReduce: {text}");
         assert!(
-            text.contains("rank 1"),
-            "rank {r} does not name the stalled rank: {text}"
+            text.contains("timed out") || text.contains("aborted"),
+            "rank {r} neither timed out nor heard an abort: {text}"
         );
+        named |= text.contains("waiting for rank 1");
     }
+    assert!(named, "no survivor named the stalled rank 1");
     assert!(
         out.elapsed < limit,
         "survivors took {:?} with BRAID_TIMEOUT={timeout_s}: a hang",
