@@ -367,7 +367,7 @@ impl Communicator {
                 // single-copy was faster.
                 single_copy_min: env_bytes("BRAID_SINGLE_COPY_MIN_BYTES", 8 << 20)?,
                 move_piece,
-                // Mismatch detection (one 64-byte header per link per
+                // Mismatch detection (one 32-byte header per link per
                 // operation); BRAID_CHECK_MISMATCH=0 turns it off.
                 check_headers: std::env::var("BRAID_CHECK_MISMATCH")
                     .map(|v| v.trim() != "0")

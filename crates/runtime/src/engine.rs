@@ -764,23 +764,31 @@ fn check_header(
         return Ok(true);
     };
     let ch = chans.receiver(from)?;
-    let (got, with_data) = match ch.poll_peek_any()? {
+    let mut b = [0u8; HEADER_BYTES];
+    let with_data = match ch.poll_peek_any()? {
         None => return Ok(false),
         Some(Incoming::Inline(slot, len))
             if len >= HEADER_BYTES && ch.mem_kind() == MemKind::Host =>
         {
-            let mut b = [0u8; HEADER_BYTES];
             // SAFETY: the host slot holds at least HEADER_BYTES bytes.
             unsafe {
                 std::ptr::copy_nonoverlapping(slot.ptr as *const u8, b.as_mut_ptr(), HEADER_BYTES)
             };
-            (b.to_vec(), len > HEADER_BYTES)
+            len > HEADER_BYTES
         }
         Some(Incoming::Inline(_, len)) | Some(Incoming::Remote(len)) => {
-            (vec![0u8; len.min(1 << 20)], false)
+            // Not a header: the check says what arrived instead.
+            let got = vec![0u8; len.min(1 << 20)];
+            return Err(fingerprint::check(from, ex.rank, &got, &want)
+                .err()
+                .map(|detail| CoreError::Protocol { peer: from, detail })
+                .unwrap_or_else(|| CoreError::Protocol {
+                    peer: from,
+                    detail: format!("{len} bytes of data where an operation header was due"),
+                }));
         }
     };
-    fingerprint::check(from, ex.rank, &got, &want)
+    fingerprint::check(from, ex.rank, &b, &want)
         .map_err(|detail| CoreError::Protocol { peer: from, detail })?;
     hdr.set(from, GOT, true);
     if with_data {

@@ -15,7 +15,7 @@ use braid_core::plan::{Collective, P2pKind, Program};
 use braid_core::{DataType, RedOp};
 
 /// Bytes of one header (one slot message of its own).
-pub const HEADER_BYTES: usize = 64;
+pub const HEADER_BYTES: usize = 32;
 const MAGIC: [u8; 4] = *b"BRHD";
 const NONE: u8 = 0xff;
 
