@@ -207,6 +207,16 @@ impl Collective {
     /// Element counts of each buffer, in buffer-index order (send, recv for
     /// collectives; one per operation for groups).
     pub fn buffer_counts(&self, nranks: u32) -> Result<Vec<usize>> {
+        match self {
+            Collective::Group(ops) => Ok(ops.iter().map(|o| o.count).collect()),
+            _ => Ok(self.collective_counts(nranks)?.to_vec()),
+        }
+    }
+
+    /// Element counts of a collective's send and receive buffers, without
+    /// allocating (the per-call checks use it). A group has no such pair:
+    /// `[0, 0]` (see [`Collective::buffer_counts`]).
+    pub fn collective_counts(&self, nranks: u32) -> Result<[usize; 2]> {
         let p = nranks as usize;
         let times = |c: usize| {
             c.checked_mul(p).ok_or_else(|| {
@@ -218,11 +228,11 @@ impl Collective {
         Ok(match *self {
             Collective::AllReduce { count, .. }
             | Collective::Broadcast { count, .. }
-            | Collective::Reduce { count, .. } => vec![count, count],
-            Collective::ReduceScatter { recv_count, .. } => vec![times(recv_count)?, recv_count],
-            Collective::AllGather { send_count } => vec![send_count, times(send_count)?],
-            Collective::AllToAll { count } => vec![times(count)?, times(count)?],
-            Collective::Group(ref ops) => ops.iter().map(|o| o.count).collect(),
+            | Collective::Reduce { count, .. } => [count, count],
+            Collective::ReduceScatter { recv_count, .. } => [times(recv_count)?, recv_count],
+            Collective::AllGather { send_count } => [send_count, times(send_count)?],
+            Collective::AllToAll { count } => [times(count)?, times(count)?],
+            Collective::Group(_) => [0, 0],
         })
     }
 
@@ -290,14 +300,22 @@ impl Collective {
                 )));
             }
         }
-        for c in self.buffer_counts(nranks)? {
+        let fits = |c: usize| {
             c.checked_mul(dtype.size())
                 .filter(|b| *b <= isize::MAX as usize)
+                .map(|_| ())
                 .ok_or_else(|| {
                     CoreError::InvalidArgument(format!(
                         "count {c} of {dtype} overflows the address space; use a smaller count"
                     ))
-                })?;
+                })
+        };
+        match self {
+            Collective::Group(ops) => ops.iter().try_for_each(|o| fits(o.count))?,
+            _ => self
+                .collective_counts(nranks)?
+                .into_iter()
+                .try_for_each(fits)?,
         }
         Ok(())
     }

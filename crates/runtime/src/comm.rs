@@ -114,7 +114,17 @@ struct State {
     headers: Headers,
     header_flags: Vec<u8>,
     broken: Option<String>,
-    cache: HashMap<(Collective, DataType), Arc<Program>>,
+    cache: HashMap<(Collective, DataType), Planned>,
+    /// The last collective run and its plan: a loop of the same call skips
+    /// hashing.
+    last: Option<(Collective, DataType, Planned)>,
+}
+
+/// A collective's plan and whether it moves data single-copy.
+#[derive(Clone, Debug)]
+struct Planned {
+    prog: Arc<Program>,
+    single_copy: bool,
 }
 
 /// How long a waiting rank spins before it yields the CPU. Spinning is what
@@ -388,6 +398,7 @@ impl Communicator {
                     header_flags: Vec::new(),
                     broken: None,
                     cache: HashMap::new(),
+                    last: None,
                 }),
                 bootstrap: Mutex::new(boot),
                 transports,
@@ -619,7 +630,8 @@ impl Communicator {
         st.seq += 1;
         let name = coll.name();
         let _span = info_span!("op", op = name, seq, rank = sh.rank).entered();
-        let prog = self.program(&mut st, coll.clone(), dt)?;
+        let planned = self.program(&mut st, &coll, dt)?;
+        let (prog, single_copy) = (&*planned.prog, planned.single_copy);
         debug!(ops = prog.ops.len(), "start");
         let st = &mut *st;
         let mut headers = std::mem::take(&mut st.headers);
@@ -630,13 +642,13 @@ impl Communicator {
                 &coll,
                 dt,
                 sh.rank,
-                &prog,
+                prog,
                 &mut st.p2p_send_seq,
                 &mut st.p2p_recv_seq,
             );
             true
         } else {
-            headers.fill_collective(&coll, dt, st.coll_seq, &prog, sh.nranks);
+            headers.fill_collective(&coll, dt, st.coll_seq, prog, sh.nranks);
             st.coll_seq += 1;
             true
         };
@@ -644,7 +656,7 @@ impl Communicator {
             bufs,
             policy: &sh.policy,
             abort: &sh.abort,
-            direct_min: if self.single_copy(&coll, dt) {
+            direct_min: if single_copy {
                 sh.direct_min
             } else {
                 usize::MAX
@@ -657,8 +669,13 @@ impl Communicator {
         // SAFETY: the typed entry points built `bufs` from live slices of the
         // right lengths (checked), borrowed for this whole call, aligned for
         // `dt`, aliasing only as the in-place plans allow.
-        let res = unsafe { engine::execute(&prog, &mut st.chans, &ex, &mut st.header_flags) };
+        let res = unsafe { engine::execute(prog, &mut st.chans, &ex, &mut st.header_flags) };
         st.headers = headers;
+        if !matches!(coll, Collective::Group(_)) {
+            // Put the plan back where the next identical call finds it
+            // (moved, not cloned: an Arc's count is two atomic operations).
+            st.last = Some((coll, dt, planned));
+        }
         sh.progress
             .finish(res.as_ref().err().map(|e| e.to_string()).as_deref());
         match res {
@@ -694,40 +711,47 @@ impl Communicator {
             return true;
         }
         let largest = coll
-            .buffer_counts(self.shared.nranks)
-            .ok()
-            .and_then(|c| c.into_iter().max())
+            .collective_counts(self.shared.nranks)
+            .map(|[s, r]| s.max(r))
             .unwrap_or(0);
         largest.saturating_mul(dt.size()) >= self.shared.single_copy_min
     }
 
-    fn program(&self, st: &mut State, coll: Collective, dt: DataType) -> Result<Arc<Program>> {
+    fn program(&self, st: &mut State, coll: &Collective, dt: DataType) -> Result<Planned> {
         let sh = &*self.shared;
         let cacheable = !matches!(coll, Collective::Group(_));
         if cacheable {
+            // The previous call's plan (moved out; `run` puts it back).
+            if let Some((c, d, _)) = &st.last {
+                if *d == dt && c == coll {
+                    if let Some((_, _, p)) = st.last.take() {
+                        return Ok(p);
+                    }
+                }
+            }
             if let Some(p) = st.cache.get(&(coll.clone(), dt)) {
                 return Ok(p.clone());
             }
         }
+        let single_copy = self.single_copy(coll, dt);
         let params = PlanParams {
             rank: sh.rank,
             ring: sh.ring.clone(),
             piece_bytes: sh.piece,
-            move_piece_bytes: if self.single_copy(&coll, dt) {
-                sh.move_piece
-            } else {
-                sh.piece
-            },
+            move_piece_bytes: if single_copy { sh.move_piece } else { sh.piece },
             small_allreduce_bytes: sh.small_allreduce,
         };
-        let prog = Arc::new(plan::plan(&coll, dt, &params)?);
+        let planned = Planned {
+            prog: Arc::new(plan::plan(coll, dt, &params)?),
+            single_copy,
+        };
         if cacheable {
             if st.cache.len() >= 256 {
                 st.cache.clear();
             }
-            st.cache.insert((coll, dt), prog.clone());
+            st.cache.insert((coll.clone(), dt), planned.clone());
         }
-        Ok(prog)
+        Ok(planned)
     }
 
     /// Run a collective described by `coll` on byte buffers holding elements
@@ -804,7 +828,7 @@ impl Communicator {
         self.run(coll.clone(), dt, &bufs)
     }
 
-    fn check_coll(&self, coll: &Collective, dt: DataType) -> Result<Vec<usize>> {
+    fn check_coll(&self, coll: &Collective, dt: DataType) -> Result<[usize; 2]> {
         if let Collective::Group(_) = coll {
             return Err(Error::InvalidArgument(
                 "point-to-point operations go through Communicator::group()".into(),
@@ -818,7 +842,7 @@ impl Communicator {
         };
         coll.validate(dt, self.shared.rank, self.shared.nranks)
             .map_err(inv)?;
-        coll.buffer_counts(self.shared.nranks).map_err(inv)
+        coll.collective_counts(self.shared.nranks).map_err(inv)
     }
 
     fn check_align(&self, coll: &Collective, what: &str, b: RawBuf, dt: DataType) -> Result<()> {
