@@ -15,6 +15,7 @@ pub mod sim;
 pub mod topo;
 pub mod transport;
 pub mod types;
+pub mod wire;
 
 pub use error::CoreError;
 pub use types::{DataType, RedOp};

@@ -12,6 +12,7 @@
 //! (NCCL has one P2P transport; the path class only decides its name).
 
 use crate::error::{CudaError, Result};
+use braid_core::wire::Reader;
 
 /// Bytes of a CUDA IPC handle (`CU_IPC_HANDLE_SIZE`).
 pub const HANDLE_BYTES: usize = 64;
@@ -69,50 +70,15 @@ pub struct LinkInfo {
     pub control: Vec<u8>,
 }
 
+/// A wire reader's error as this crate's.
+fn rd<T>(r: std::result::Result<T, braid_core::wire::ParseError>) -> Result<T> {
+    r.map_err(malformed)
+}
+
 fn malformed(detail: impl Into<String>) -> CudaError {
     CudaError::Malformed {
         what: "CUDA IPC connect-info",
         detail: detail.into(),
-    }
-}
-
-struct Reader<'a> {
-    b: &'a [u8],
-    at: usize,
-}
-
-impl<'a> Reader<'a> {
-    fn take(&mut self, n: usize) -> Result<&'a [u8]> {
-        let end = self
-            .at
-            .checked_add(n)
-            .filter(|&e| e <= self.b.len())
-            .ok_or_else(|| {
-                malformed(format!(
-                    "truncated: needs {} bytes at offset {}, has {}",
-                    n,
-                    self.at,
-                    self.b.len()
-                ))
-            })?;
-        let s = &self.b[self.at..end];
-        self.at = end;
-        Ok(s)
-    }
-    fn u16(&mut self) -> Result<u16> {
-        Ok(u16::from_le_bytes(
-            self.take(2)?.try_into().expect("2 bytes"),
-        ))
-    }
-    fn u32(&mut self) -> Result<u32> {
-        Ok(u32::from_le_bytes(
-            self.take(4)?.try_into().expect("4 bytes"),
-        ))
-    }
-    fn u64(&mut self) -> Result<u64> {
-        Ok(u64::from_le_bytes(
-            self.take(8)?.try_into().expect("8 bytes"),
-        ))
     }
 }
 
@@ -137,42 +103,40 @@ impl LinkInfo {
 
     /// Decode, rejecting truncated, oversized or foreign blobs.
     pub fn decode(b: &[u8]) -> Result<LinkInfo> {
-        let mut r = Reader { b, at: 0 };
-        let magic = r.u32()?;
+        let mut r = Reader::new(b);
+        let magic = rd(r.u32())?;
         if magic != MAGIC {
             return Err(malformed(format!(
                 "bad magic {magic:#010x}: the peer is not a braid CUDA IPC link (different transports or versions?)"
             )));
         }
-        let version = r.u16()?;
+        let version = rd(r.u16())?;
         if version != VERSION {
             return Err(malformed(format!(
                 "version {version}, this build speaks {VERSION}: run the same braid build on every rank"
             )));
         }
-        let n = r.u16()? as usize;
+        let n = rd(r.u16())? as usize;
         if n > 64 {
             return Err(malformed(format!("bus id of {n} bytes")));
         }
-        let bus_id = std::str::from_utf8(r.take(n)?)
+        let bus_id = std::str::from_utf8(rd(r.take(n))?)
             .map_err(|_| malformed("bus id is not UTF-8"))?
             .to_string();
-        let device = r.u32()?;
+        let device = rd(r.u32())?;
         let mut mem = [0u8; HANDLE_BYTES];
-        mem.copy_from_slice(r.take(HANDLE_BYTES)?);
-        let offset = r.u64()?;
-        let slot_bytes = r.u64()?;
-        let slots = r.u32()?;
+        mem.copy_from_slice(rd(r.take(HANDLE_BYTES))?);
+        let offset = rd(r.u64())?;
+        let slot_bytes = rd(r.u64())?;
+        let slots = rd(r.u32())?;
         if slots == 0 || slot_bytes == 0 || slot_bytes % 64 != 0 {
             return Err(malformed(format!(
                 "impossible geometry {slots} slots x {slot_bytes} bytes"
             )));
         }
-        let clen = r.u32()? as usize;
-        let control = r.take(clen)?.to_vec();
-        if r.at != b.len() {
-            return Err(malformed(format!("{} trailing bytes", b.len() - r.at)));
-        }
+        let clen = rd(r.u32())? as usize;
+        let control = rd(r.take(clen))?.to_vec();
+        rd(r.end())?;
         Ok(LinkInfo {
             bus_id,
             device,
@@ -210,26 +174,24 @@ impl SenderInfo {
     }
 
     pub fn decode(b: &[u8]) -> Result<SenderInfo> {
-        let mut r = Reader { b, at: 0 };
-        if r.u32()? != SENDER_MAGIC {
+        let mut r = Reader::new(b);
+        if rd(r.u32())? != SENDER_MAGIC {
             return Err(malformed("bad magic in sender info"));
         }
-        if r.u16()? != VERSION {
+        if rd(r.u16())? != VERSION {
             return Err(malformed("sender info of another version"));
         }
-        let n = r.u16()? as usize;
+        let n = rd(r.u16())? as usize;
         if n > 64 {
             return Err(malformed(format!("bus id of {n} bytes")));
         }
-        let bus_id = std::str::from_utf8(r.take(n)?)
+        let bus_id = std::str::from_utf8(rd(r.take(n))?)
             .map_err(|_| malformed("bus id is not UTF-8"))?
             .to_string();
-        let device = r.u32()?;
-        let clen = r.u32()? as usize;
-        let control = r.take(clen)?.to_vec();
-        if r.at != b.len() {
-            return Err(malformed(format!("{} trailing bytes", b.len() - r.at)));
-        }
+        let device = rd(r.u32())?;
+        let clen = rd(r.u32())? as usize;
+        let control = rd(r.take(clen))?.to_vec();
+        rd(r.end())?;
         Ok(SenderInfo {
             bus_id,
             device,

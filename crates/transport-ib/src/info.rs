@@ -3,6 +3,8 @@
 //! carries. Integers are little-endian; a blob has one exact length, so
 //! truncated, padded or foreign blobs are rejected, never half-parsed.
 
+use braid_core::wire::Reader;
+
 /// `BRIB`: connect-info blobs.
 pub const BLOB_MAGIC: u32 = u32::from_le_bytes(*b"BRIB");
 /// Wire version; bump on any change of the formats in this module.
@@ -76,45 +78,6 @@ pub struct RecvInfo {
 pub struct SendInfo {
     /// Queue pairs and control buffer.
     pub ep: Endpoint,
-}
-
-struct Reader<'a> {
-    b: &'a [u8],
-}
-
-impl<'a> Reader<'a> {
-    fn take(&mut self, n: usize) -> Result<&'a [u8], ParseError> {
-        if self.b.len() < n {
-            return Err("truncated".into());
-        }
-        let (h, t) = self.b.split_at(n);
-        self.b = t;
-        Ok(h)
-    }
-    fn arr<const N: usize>(&mut self) -> Result<[u8; N], ParseError> {
-        let mut a = [0u8; N];
-        a.copy_from_slice(self.take(N)?);
-        Ok(a)
-    }
-    fn u8(&mut self) -> Result<u8, ParseError> {
-        Ok(self.arr::<1>()?[0])
-    }
-    fn u16(&mut self) -> Result<u16, ParseError> {
-        Ok(u16::from_le_bytes(self.arr()?))
-    }
-    fn u32(&mut self) -> Result<u32, ParseError> {
-        Ok(u32::from_le_bytes(self.arr()?))
-    }
-    fn u64(&mut self) -> Result<u64, ParseError> {
-        Ok(u64::from_le_bytes(self.arr()?))
-    }
-    fn end(&self) -> Result<(), ParseError> {
-        if self.b.is_empty() {
-            Ok(())
-        } else {
-            Err(format!("{} unexpected trailing bytes", self.b.len()))
-        }
-    }
 }
 
 /// Checks a slot geometry and QP count.
@@ -233,7 +196,7 @@ impl RecvInfo {
 
     /// Parses and validates.
     pub fn decode(b: &[u8]) -> Result<RecvInfo, ParseError> {
-        let mut r = Reader { b };
+        let mut r = Reader::new(b);
         let ep = Endpoint::decode(&mut r, ROLE_RECV)?;
         let fifo_addr = r.u64()?;
         let fifo_rkey = r.u32()?;
@@ -261,7 +224,7 @@ impl SendInfo {
 
     /// Parses and validates.
     pub fn decode(b: &[u8]) -> Result<SendInfo, ParseError> {
-        let mut r = Reader { b };
+        let mut r = Reader::new(b);
         let ep = Endpoint::decode(&mut r, ROLE_SEND)?;
         r.end()?;
         Ok(SendInfo { ep })

@@ -24,6 +24,7 @@
 //! never reaches `shm_open`.
 
 use crate::segment::Layout;
+use braid_core::wire::Reader;
 
 const RECV_MAGIC: [u8; 4] = *b"BRSR";
 const SEND_MAGIC: [u8; 4] = *b"BRSS";
@@ -54,30 +55,6 @@ pub(crate) struct SendInfo {
     pub pid: u32,
     pub from: u32,
     pub to: u32,
-}
-
-struct Reader<'a> {
-    buf: &'a [u8],
-}
-
-impl<'a> Reader<'a> {
-    fn take(&mut self, n: usize) -> Result<&'a [u8], String> {
-        if self.buf.len() < n {
-            return Err("truncated".into());
-        }
-        let (a, b) = self.buf.split_at(n);
-        self.buf = b;
-        Ok(a)
-    }
-    fn u16(&mut self) -> Result<u16, String> {
-        Ok(u16::from_le_bytes(self.take(2)?.try_into().unwrap()))
-    }
-    fn u32(&mut self) -> Result<u32, String> {
-        Ok(u32::from_le_bytes(self.take(4)?.try_into().unwrap()))
-    }
-    fn u64(&mut self) -> Result<u64, String> {
-        Ok(u64::from_le_bytes(self.take(8)?.try_into().unwrap()))
-    }
 }
 
 fn check_header(r: &mut Reader<'_>, magic: [u8; 4], kind: &str) -> Result<(), String> {
@@ -139,7 +116,7 @@ impl RecvInfo {
         if buf.len() > RECV_FIXED + MAX_NAME {
             return Err(format!("oversized ({} bytes)", buf.len()));
         }
-        let mut r = Reader { buf };
+        let mut r = Reader::new(buf);
         check_header(&mut r, RECV_MAGIC, "receiver")?;
         let pid = check_pid(r.u32()?)?;
         let from = r.u32()?;
@@ -149,9 +126,7 @@ impl RecvInfo {
         let nonce = r.u64()?;
         let n = r.u16()? as usize;
         let name = r.take(n)?;
-        if !r.buf.is_empty() {
-            return Err(format!("{} unexpected trailing bytes", r.buf.len()));
-        }
+        r.end()?;
         let name = std::str::from_utf8(name)
             .ok()
             .filter(|s| valid_name(s))
@@ -191,12 +166,12 @@ impl SendInfo {
         if buf.len() > SEND_LEN {
             return Err(format!("oversized ({} bytes)", buf.len()));
         }
-        let mut r = Reader { buf };
+        let mut r = Reader::new(buf);
         check_header(&mut r, SEND_MAGIC, "sender")?;
         let pid = check_pid(r.u32()?)?;
         let from = r.u32()?;
         let to = r.u32()?;
-        debug_assert!(r.buf.is_empty());
+        debug_assert!(r.end().is_ok());
         Ok(SendInfo { pid, from, to })
     }
 }

@@ -3,6 +3,7 @@
 //! every blob has one exact length, so truncated, padded or foreign blobs
 //! are rejected instead of half-parsed.
 
+use braid_core::wire::Reader;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV4, SocketAddrV6};
 
 /// `BRSK`: connect-info blobs.
@@ -24,42 +25,6 @@ pub const MAX_NSOCKS: usize = 64;
 
 /// Why a blob was rejected.
 pub type ParseError = String;
-
-struct Reader<'a> {
-    b: &'a [u8],
-}
-
-impl<'a> Reader<'a> {
-    fn take(&mut self, n: usize) -> Result<&'a [u8], ParseError> {
-        if self.b.len() < n {
-            return Err("truncated".into());
-        }
-        let (h, t) = self.b.split_at(n);
-        self.b = t;
-        Ok(h)
-    }
-    fn arr<const N: usize>(&mut self) -> Result<[u8; N], ParseError> {
-        let mut a = [0u8; N];
-        a.copy_from_slice(self.take(N)?);
-        Ok(a)
-    }
-    fn u8(&mut self) -> Result<u8, ParseError> {
-        Ok(self.arr::<1>()?[0])
-    }
-    fn u16(&mut self) -> Result<u16, ParseError> {
-        Ok(u16::from_le_bytes(self.arr()?))
-    }
-    fn u32(&mut self) -> Result<u32, ParseError> {
-        Ok(u32::from_le_bytes(self.arr()?))
-    }
-    fn end(&self) -> Result<(), ParseError> {
-        if self.b.is_empty() {
-            Ok(())
-        } else {
-            Err(format!("{} unexpected trailing bytes", self.b.len()))
-        }
-    }
-}
 
 fn header(r: &mut Reader<'_>, role: u8) -> Result<(), ParseError> {
     if r.u32()? != BLOB_MAGIC {
@@ -143,7 +108,7 @@ impl RecvInfo {
 
     /// Parses and validates.
     pub fn decode(b: &[u8]) -> Result<RecvInfo, ParseError> {
-        let mut r = Reader { b };
+        let mut r = Reader::new(b);
         header(&mut r, ROLE_RECV)?;
         let fam = r.u8()?;
         let from = r.u32()?;
@@ -222,7 +187,7 @@ impl SendInfo {
 
     /// Parses and validates.
     pub fn decode(b: &[u8]) -> Result<SendInfo, ParseError> {
-        let mut r = Reader { b };
+        let mut r = Reader::new(b);
         header(&mut r, ROLE_SEND)?;
         if r.u8()? != 0 {
             return Err("reserved field is not zero".into());
@@ -280,7 +245,7 @@ impl Hello {
 
     /// Parses (the caller checks the values).
     pub fn decode(b: &[u8; Self::LEN]) -> Result<Hello, ParseError> {
-        let mut r = Reader { b };
+        let mut r = Reader::new(b);
         if r.u32()? != HELLO_MAGIC {
             return Err("not a braid socket hello (bad magic)".into());
         }
