@@ -92,6 +92,14 @@ fn ib_point_to_point_and_groups() {
     assert_ib_everywhere(&res);
 }
 
+/// `n` ranks running a long series of 64 KiB AllReduces (they print `ready`
+/// first), for the fault tests.
+fn long_loop(id: &UniqueId, n: u32, timeout_s: u32) -> Vec<Child> {
+    (0..n)
+        .map(|r| spawn("loop", id, r, n, &["1000000", "65536"], timeout_s))
+        .collect()
+}
+
 /// kill -9 one rank in the middle of a long series of AllReduces: every
 /// other rank returns an error that names it, well before BRAID_TIMEOUT.
 #[test]
@@ -101,9 +109,7 @@ fn ib_killed_rank_gives_errors_not_hangs() {
     let victim = 1u32;
     let timeout_s = 60;
     let (id, _root) = root();
-    let kids: Vec<Child> = (0..n)
-        .map(|r| spawn("loop", &id, r, n, &["1000000", "65536"], timeout_s))
-        .collect();
+    let kids = long_loop(&id, n, timeout_s);
     let out = fault_run(
         kids,
         |k| {
@@ -142,9 +148,7 @@ fn ib_stalled_rank_gives_errors_not_hangs() {
     let timeout_s = 15;
     let limit = Duration::from_secs(3 * timeout_s as u64 + 30);
     let (id, _root) = root();
-    let kids: Vec<Child> = (0..n)
-        .map(|r| spawn("loop", &id, r, n, &["1000000", "65536"], timeout_s))
-        .collect();
+    let kids = long_loop(&id, n, timeout_s);
     let out = fault_run(
         kids,
         |k| {

@@ -777,15 +777,10 @@ fn check_header(
             len > HEADER_BYTES
         }
         Some(Incoming::Inline(_, len)) | Some(Incoming::Remote(len)) => {
-            // Not a header: the check says what arrived instead.
-            let got = vec![0u8; len.min(1 << 20)];
-            return Err(fingerprint::check(from, ex.rank, &got, &want)
-                .err()
-                .map(|detail| CoreError::Protocol { peer: from, detail })
-                .unwrap_or_else(|| CoreError::Protocol {
-                    peer: from,
-                    detail: format!("{len} bytes of data where an operation header was due"),
-                }));
+            return Err(CoreError::Protocol {
+                peer: from,
+                detail: fingerprint::not_a_header(from, len),
+            });
         }
     };
     fingerprint::check(from, ex.rank, &b, &want)

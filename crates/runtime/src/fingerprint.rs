@@ -77,10 +77,7 @@ impl OpHeader {
     /// Decode a header message; an error says what arrived instead.
     pub fn decode(b: &[u8]) -> Result<OpHeader, String> {
         if b.len() != HEADER_BYTES || b[0..4] != MAGIC {
-            return Err(format!(
-                "expected an operation header, got {} bytes of data: the ranks called different operations",
-                b.len()
-            ));
+            return Err(data_not_header(b.len()));
         }
         let u32_at = |i: usize| u32::from_le_bytes([b[i], b[i + 1], b[i + 2], b[i + 3]]);
         let u64_at = |i: usize| {
@@ -238,6 +235,18 @@ impl Headers {
         }
         h
     }
+}
+
+fn data_not_header(len: usize) -> String {
+    format!(
+        "expected an operation header, got {len} bytes of data: the ranks called different operations"
+    )
+}
+
+/// What [`check`] says when `peer` sent `len` bytes of data (or a
+/// single-copy reference to them) where its operation header was due.
+pub fn not_a_header(peer: u32, len: usize) -> String {
+    format!("from rank {peer}: {}", data_not_header(len))
 }
 
 /// Compare a peer's header with ours; the error says what each side called.

@@ -159,10 +159,11 @@ impl Progress {
                 .copied()
                 .unwrap_or("?"),
             seq,
-            started: Instant::now()
-                - Duration::from_nanos(
-                    coarse_ns().saturating_sub(self.started_ns.load(Ordering::Relaxed)),
-                ),
+            started: {
+                let now = Instant::now();
+                let ago = coarse_ns().saturating_sub(self.started_ns.load(Ordering::Relaxed));
+                now.checked_sub(Duration::from_nanos(ago)).unwrap_or(now)
+            },
             stages: self.stages.load(Ordering::Relaxed),
             stage,
             waiting,
