@@ -7,6 +7,9 @@
 //! - [`ipc`]: CUDA IPC handles and link connect-info as bytes (pure).
 //! - [`link`] (inside [`driver`], as it touches slot memory): the device-slot FIFO over CUDA IPC that both GPU transports
 //!   use (`braid-transport-nvlink`, `braid-transport-pcie`).
+//! - [`schedule`]: a collective as one in-order list of stream commands
+//!   with GPU-side synchronisation (stream memory operations on counters
+//!   next to each slot ring), and an in-memory simulator for it (pure).
 //! - [`select`]: which GPU link two ranks use (pure).
 //!
 //! The driver and NVRTC are loaded at run time (cudarc `dynamic-loading`,
@@ -19,6 +22,7 @@ pub mod driver;
 pub mod error;
 pub mod ipc;
 pub mod kernels;
+pub mod schedule;
 pub mod select;
 
 pub use driver::link;
