@@ -4,10 +4,13 @@
 # On a machine with one (or more) NVIDIA GPUs, the CUDA driver and NVRTC
 # (libcuda.so.1, libnvrtc.so.12 or libnvrtc.so) -- no Rust toolchain and no
 # network needed -- it runs every collective with 2 and 4 ranks as separate
-# processes sharing GPU 0 through CUDA IPC (nvlink transport: same GPU), once
-# more with P2P disabled (pcie transport, staged through shared host memory),
-# and AllReduce over every datatype and operator. Every run checks the
-# results against braid's host reference (braid-perf -c 1: inputs written
+# processes sharing GPU 0 through CUDA IPC (nvlink transport: same GPU; the
+# stream engine: GPU-side synchronisation with stream memory operations),
+# AllReduce and AllGather again with the proxy engine (BRAID_CUDA_ENGINE=proxy)
+# and with P2P disabled (pcie transport, staged through shared host memory,
+# which uses the proxy engine), and AllReduce over every datatype and
+# operator. The header line of each run names the engine it used. Every run
+# checks the results against braid's host reference (braid-perf -c 1: inputs written
 # before each checked run, the output poisoned first) and prints busbw next
 # to the device-to-device copy bandwidth measured in the same run.
 #
@@ -60,6 +63,7 @@ run() { # label, env..., -- braid-perf args
         exit 2
     fi
     echo "## $label ($((SECONDS - t0)) s, exit $rc)"
+    grep -oE "\([a-z]+ engine\)" "$log" | head -1 | sed 's/^/# /'
     grep -E "copy bandwidth|^ +[0-9]" "$log" | sed -e 's/^# device: .*copy bandwidth/# d2d copy bandwidth/'
     grep -E "Out of bounds|Avg bus" "$log"
     if [ $rc -eq 0 ] && grep -q "Out of bounds values : 0 OK" "$log"; then
@@ -80,6 +84,10 @@ run "all_reduce np=2 every datatype x op" BRAID_GPU_CHECK=1 -- \
     all_reduce -np 2 -b 4K -e 1M -f 256 -d all -o all -n 2 -w 1
 run "all_reduce np=3 every op, f16 (odd ranks, odd pieces)" BRAID_GPU_CHECK=1 -- \
     all_reduce -np 3 -b 1000 -e 3M -f 3000 -d half -o all -n 2 -w 1
+run "all_reduce np=2 proxy engine (BRAID_CUDA_ENGINE=proxy)" BRAID_CUDA_ENGINE=proxy -- \
+    all_reduce -np 2 -b 4K -e 64M -f 16 -n 5 -w 1
+run "all_gather np=4 proxy engine" BRAID_CUDA_ENGINE=proxy -- \
+    all_gather -np 4 -b 4K -e 16M -f 64 -n 3 -w 1
 run "all_reduce np=2 staged through host memory (pcie, BRAID_P2P_DISABLE=1)" BRAID_P2P_DISABLE=1 -- \
     all_reduce -np 2 -b 4K -e 64M -f 16 -n 5 -w 1
 run "all_gather np=4 staged through host memory" BRAID_P2P_DISABLE=1 -- \

@@ -310,6 +310,30 @@ impl DeviceBuffer {
         })
     }
 
+    /// Copy `src` to byte `offset` of the buffer (synchronous).
+    pub fn write_at(&self, offset: usize, src: &[u8]) -> Result<()> {
+        if offset
+            .checked_add(src.len())
+            .is_none_or(|end| end > self.len)
+        {
+            return Err(CudaError::InvalidArgument(format!(
+                "writing {} bytes at offset {offset} into a device buffer of {}",
+                src.len(),
+                self.len
+            )));
+        }
+        self.dev.bind()?;
+        // SAFETY: `offset + src.len()` lies inside the buffer (checked).
+        check("cuMemcpyHtoD", unsafe {
+            sys::cuMemcpyHtoD_v2(
+                self.ptr + offset as u64,
+                src.as_ptr() as *const c_void,
+                src.len(),
+            )
+            .result()
+        })
+    }
+
     /// Copy the start of the buffer to `dst` (synchronous).
     pub fn read(&self, dst: &mut [u8]) -> Result<()> {
         if dst.len() > self.len {
@@ -572,6 +596,50 @@ impl Stream {
                 flag.dptr,
                 value,
                 sys::CUstreamWaitValue_flags::CU_STREAM_WAIT_VALUE_GEQ as u32,
+            )
+            .result()
+        })
+    }
+
+    /// Make later work on this stream wait until the 32-bit word at device
+    /// address `dptr` is at least `value` (wrap-around aware, as
+    /// [`Stream::wait_value_geq`]).
+    ///
+    /// # Safety
+    ///
+    /// `dptr` must be a 4-byte aligned device address (own memory, an IPC
+    /// mapping, or device-mapped host memory) that stays valid until the
+    /// stream has passed the wait.
+    pub unsafe fn wait_value_geq_at(&self, dptr: u64, value: u32) -> Result<()> {
+        self.dev.bind()?;
+        // SAFETY: forwarded from this function's contract.
+        check("cuStreamWaitValue32", unsafe {
+            sys::cuStreamWaitValue32_v2(
+                self.raw,
+                dptr,
+                value,
+                sys::CUstreamWaitValue_flags::CU_STREAM_WAIT_VALUE_GEQ as u32,
+            )
+            .result()
+        })
+    }
+
+    /// Write the 32-bit `value` to device address `dptr` once the stream
+    /// gets there, after a memory fence: everything the stream wrote before
+    /// is visible to whoever sees the value.
+    ///
+    /// # Safety
+    ///
+    /// As for [`Stream::wait_value_geq_at`].
+    pub unsafe fn write_value(&self, dptr: u64, value: u32) -> Result<()> {
+        self.dev.bind()?;
+        // SAFETY: forwarded from this function's contract.
+        check("cuStreamWriteValue32", unsafe {
+            sys::cuStreamWriteValue32_v2(
+                self.raw,
+                dptr,
+                value,
+                sys::CUstreamWriteValue_flags::CU_STREAM_WRITE_VALUE_DEFAULT as u32,
             )
             .result()
         })

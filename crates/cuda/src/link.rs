@@ -20,7 +20,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use braid_core::transport::{
-    PeerDesc, PendingRecv, PendingSend, RecvChannel, SendChannel, SlotBuf, Transport,
+    DeviceRing, PeerDesc, PendingRecv, PendingSend, RecvChannel, SendChannel, SlotBuf, Transport,
 };
 use braid_core::types::MemKind;
 use braid_core::CoreError;
@@ -28,6 +28,13 @@ use braid_transport_shm::ShmTransport;
 
 use super::{Device, DeviceBuffer, IpcMapping};
 use crate::ipc::{LinkInfo, SenderInfo};
+
+/// Bytes after the slots of a ring holding its two counters (`posted` at
+/// offset 0, `freed` at offset 128: separate cache lines), for the stream
+/// engine (see [`braid_core::transport::DeviceRing`]).
+pub const COUNTER_BYTES: usize = 256;
+/// Offset of `freed` in the counter area.
+const FREED_AT: u64 = 128;
 
 /// Bytes of one control message (the payload length, little-endian u64).
 const CTRL_MSG: usize = 8;
@@ -88,8 +95,17 @@ pub fn listen(
     peer: &PeerDesc,
 ) -> braid_core::error::Result<(Box<dyn PendingRecv>, Vec<u8>)> {
     let geo = geo.validate()?;
-    let ring = DeviceBuffer::alloc(dev, geo.slot_bytes * geo.slots)
+    let ring_bytes = geo.slot_bytes * geo.slots;
+    let ring = DeviceBuffer::alloc(dev, ring_bytes + COUNTER_BYTES)
         .map_err(|e| peer_err(name, peer.rank, format!("allocating the slot ring: {e}")))?;
+    ring.write_at(ring_bytes, &[0u8; COUNTER_BYTES])
+        .map_err(|e| {
+            peer_err(
+                name,
+                peer.rank,
+                format!("clearing the ring's counters: {e}"),
+            )
+        })?;
     let mem = ring
         .ipc_handle()
         .map_err(|e| peer_err(name, peer.rank, format!("exporting the slot ring: {e}")))?;
@@ -236,6 +252,18 @@ impl PendingSend for PendingIpcSend {
     }
 }
 
+/// The ring at `base` with its counters after the slots.
+fn ring_view(base: u64, geo: Geometry) -> DeviceRing {
+    let counters = base + (geo.slot_bytes * geo.slots) as u64;
+    DeviceRing {
+        base,
+        slot_bytes: geo.slot_bytes,
+        slots: geo.slots,
+        posted: counters,
+        freed: counters + FREED_AT,
+    }
+}
+
 /// Sending end: the receiver's ring, mapped here.
 struct IpcSend {
     name: &'static str,
@@ -275,6 +303,9 @@ impl SendChannel for IpcSend {
     }
     fn slots(&self) -> usize {
         self.geo.slots
+    }
+    fn device_ring(&self) -> Option<DeviceRing> {
+        Some(ring_view(self.base, self.geo))
     }
     fn poll_acquire(&mut self) -> braid_core::error::Result<Option<SlotBuf>> {
         // A control slot free means the receiver released the device slot
@@ -334,6 +365,9 @@ impl RecvChannel for IpcRecv {
     }
     fn slot_bytes(&self) -> usize {
         self.geo.slot_bytes
+    }
+    fn device_ring(&self) -> Option<DeviceRing> {
+        Some(ring_view(self.ring.ptr(), self.geo))
     }
     fn poll_peek(&mut self) -> braid_core::error::Result<Option<(SlotBuf, usize)>> {
         let Some((c, clen)) = self.ctrl.poll_peek()? else {

@@ -325,8 +325,101 @@ fn a_missing_wait_is_caught() {
     // Greedy runs rank 0 first, until it blocks: it reaches the read of
     // rank 1's first piece before rank 1 ran at all.
     let e = simulate(ranks, &links, Interleave::Greedy, 0)
-        .err()
-        .expect("a schedule without its first wait went through unnoticed")
+        .expect_err("a schedule without its first wait went through unnoticed")
         .to_string();
     assert!(e.contains("before piece"), "{e}");
+}
+
+/// Point-to-point groups (what `braid-perf sendrecv` runs on the GPU, and
+/// all-pairs exchanges with a different count per pair): every stage of a
+/// group holds one piece of every transfer, so this is where the stream's
+/// serialisation in rounds matters.
+#[test]
+fn point_to_point_groups() {
+    use braid_core::plan::{P2p, P2pKind};
+    let count = |from: u32, to: u32| 100 + 37 * from as usize + 11 * to as usize;
+    for p in 1..=5u32 {
+        for all_pairs in [false, true] {
+            for order in ORDERS {
+                let links: Vec<Links> = (0..p).map(|r| Links::uniform(r, p, 2, 4096)).collect();
+                let mut ranks = Vec::new();
+                let mut groups = Vec::new();
+                for r in 0..p {
+                    let peers: Vec<u32> = if all_pairs {
+                        (0..p).filter(|&q| q != r).collect()
+                    } else {
+                        vec![(r + 1) % p]
+                    };
+                    let mut ops = Vec::new();
+                    for &q in &peers {
+                        ops.push(P2p {
+                            kind: P2pKind::Send,
+                            peer: q,
+                            count: count(r, q),
+                        });
+                    }
+                    let froms: Vec<u32> = if all_pairs {
+                        (0..p).filter(|&q| q != r).collect()
+                    } else {
+                        vec![(r + p - 1) % p]
+                    };
+                    for &q in &froms {
+                        ops.push(P2p {
+                            kind: P2pKind::Recv,
+                            peer: q,
+                            count: count(q, r),
+                        });
+                    }
+                    let prog = plan(
+                        &Collective::Group(ops.clone()),
+                        DataType::I32,
+                        &PlanParams::new(r, p, 256),
+                    )
+                    .unwrap();
+                    let cmds = schedule(&prog, &links[r as usize], &mut Cursor::new(p))
+                        .unwrap_or_else(|e| panic!("p={p}: {e}"));
+                    let storages: Vec<Vec<u8>> = ops
+                        .iter()
+                        .map(|o| match o.kind {
+                            P2pKind::Send => gen_at(
+                                DataType::I32,
+                                RedOp::Sum,
+                                r as usize,
+                                1000 * o.peer as usize,
+                                o.count,
+                            ),
+                            P2pKind::Recv => vec![GARBAGE; 4 * o.count],
+                        })
+                        .collect();
+                    ranks.push(SimRank {
+                        cmds,
+                        buffers: (0..storages.len()).map(|b| (b, 0)).collect(),
+                        storages,
+                        reduction: None,
+                    });
+                    groups.push(ops);
+                }
+                let (out, _) = simulate(ranks, &links, order, 0)
+                    .unwrap_or_else(|e| panic!("p={p} all_pairs={all_pairs} {order:?}: {e}"));
+                for r in 0..p {
+                    for (i, o) in groups[r as usize].iter().enumerate() {
+                        if o.kind == P2pKind::Recv && o.peer != r {
+                            let want = gen_at(
+                                DataType::I32,
+                                RedOp::Sum,
+                                o.peer as usize,
+                                1000 * r as usize,
+                                o.count,
+                            );
+                            assert_eq!(
+                                out[r as usize][i], want,
+                                "p={p} all_pairs={all_pairs} {order:?}: rank {r} from {}",
+                                o.peer
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
 }

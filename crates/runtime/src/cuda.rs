@@ -9,7 +9,24 @@
 //! The host communicator and its links are untouched: host collectives keep
 //! running over shm/socket, device collectives over these links.
 //!
-//! # How a device collective runs (first version: a proxy thread)
+//! # How a device collective runs
+//!
+//! Two engines; every rank of a communicator uses the same one.
+//!
+//! - **stream** (the default when every link is a device ring: NVLink,
+//!   PCIe P2P, or ranks sharing one GPU): the whole collective goes on the
+//!   caller's stream with GPU-side synchronisation between the ranks
+//!   (stream memory operations on counters beside each slot ring; see
+//!   `cuda_stream` and [`braid_cuda::schedule`]). No host thread per step;
+//!   a watchdog thread turns dead or stalled peers into errors and drains
+//!   the stream so it never hangs.
+//! - **proxy** (links staged through host memory, or
+//!   `BRAID_CUDA_ENGINE=proxy`), described below.
+//!
+//! `BRAID_CUDA_ENGINE=stream|proxy` forces one (stream fails at set-up,
+//! naming the rank, where some link is not a device ring).
+//!
+//! ## The proxy engine
 //!
 //! The caller's thread only enqueues: it records an event on the caller's
 //! stream (the inputs are ready when the stream reaches it), hands the
@@ -25,10 +42,8 @@
 //! NVRTC reduction kernels on its internal stream, synchronising that stream
 //! before it publishes a slot to a peer or gives one back (credits travel in
 //! a shared-memory FIFO per link). So cross-process synchronisation blocks
-//! the proxy thread per step, not the caller's thread nor the GPU. The
-//! better design the issue describes (flags in IPC-mapped memory waited on
-//! with stream memory operations, no host round trip per step) is not built
-//! yet. When the program is done the proxy writes the sequence number into
+//! the proxy thread per step, not the caller's thread nor the GPU. When the
+//! program is done the proxy writes the sequence number into
 //! the completion word, which releases the caller's stream. If an operation
 //! fails, the proxy still releases the stream (so the GPU never hangs),
 //! marks the communicator broken, tells the peers, and every later call (and
@@ -48,12 +63,14 @@ use braid_core::transport::{PeerDesc, SlotBuf, Transport};
 use braid_core::types::MemKind;
 use braid_core::{CoreError, DataType, RedOp};
 use braid_cuda::link::Geometry;
+use braid_cuda::schedule::Cursor;
 use braid_cuda::{Device, DeviceBuffer, Event, GpuLink, HostFlag, Kernels, P2pPolicy, Stream};
 use braid_transport_nvlink::NvlinkTransport;
 use braid_transport_pcie::PcieTransport;
 use tracing::info;
 
 use crate::comm::{Communicator, LinkSetup};
+use crate::cuda_stream::{self, Rings, Shared, Watchdog};
 use crate::engine::{Channels, WaitPolicy};
 use crate::error::{Error, Result};
 
@@ -72,6 +89,8 @@ struct Inner {
     dev: Arc<Device>,
     flag: Arc<HostFlag>,
     state: Mutex<Issue>,
+    /// `Some` in stream mode.
+    stream_mode: Option<StreamMode>,
     broken: Arc<Mutex<Option<String>>>,
     abort: Arc<AtomicBool>,
     worker: Mutex<Option<JoinHandle<()>>>,
@@ -89,17 +108,43 @@ impl std::fmt::Debug for Inner {
     }
 }
 
-/// What the caller's side keeps: the queue to the proxy and the sequence.
+/// What the caller's side keeps: the queue to the proxy (proxy mode), the
+/// piece cursor and the last collective's completion event (stream mode),
+/// and the sequence.
 struct Issue {
     tx: Option<mpsc::Sender<Job>>,
+    cursor: Cursor,
+    last: Option<Event>,
     seq: u32,
 }
 
-/// A device buffer as the device engine sees it.
-#[derive(Clone, Copy, Debug)]
-struct DevBuf {
-    ptr: u64,
-    len: usize,
+/// The stream engine's fixed parts.
+struct StreamMode {
+    rings: Rings,
+    kernels: Arc<Kernels>,
+    shared: Arc<Shared>,
+}
+
+use crate::cuda_stream::DevBuf;
+
+/// Which engine: `BRAID_CUDA_ENGINE` (`stream`, `proxy`, or unset: auto).
+fn engine_from_env() -> Result<Option<bool>> {
+    parse_engine(std::env::var("BRAID_CUDA_ENGINE").ok())
+}
+
+/// `Some(true)`: stream forced, `Some(false)`: proxy forced, `None`: auto.
+fn parse_engine(v: Option<String>) -> Result<Option<bool>> {
+    match v {
+        Some(v) => match v.trim().to_ascii_lowercase().as_str() {
+            "" | "auto" => Ok(None),
+            "stream" => Ok(Some(true)),
+            "proxy" => Ok(Some(false)),
+            _ => Err(Error::Env(format!(
+                "BRAID_CUDA_ENGINE={v}: use stream, proxy or auto"
+            ))),
+        },
+        None => Ok(None),
+    }
 }
 
 struct Job {
@@ -295,12 +340,78 @@ impl CudaComm {
             piece as usize
         };
 
+        // Stream mode needs every link of every rank to be a device ring.
+        let forced = engine_from_env()?;
+        let rings = Rings::of(&chans, rank, nranks);
+        let can = forced != Some(false) && rings.is_some();
+        let all = comm.allgather_bytes(&[can as u8])?;
+        let unable = all.iter().position(|b| b.first() != Some(&1));
+        if forced == Some(true) {
+            if let Some(q) = unable {
+                return Err(Error::InvalidArgument(format!(
+                    "BRAID_CUDA_ENGINE=stream, but rank {q} has a device link that is not a ring in GPU memory (staged through host memory) or chose the proxy engine"
+                )));
+            }
+        }
         let flag = Arc::new(HostFlag::new(&dev)?);
+        let broken: Arc<Mutex<Option<String>>> = Arc::new(Mutex::new(None));
+        let abort = Arc::new(AtomicBool::new(false));
+        if let (None, Some(rings)) = (unable, rings) {
+            let shared = Arc::new(Shared::new(nranks));
+            let dog = Watchdog {
+                rank,
+                dev: dev.clone(),
+                rings: rings.clone(),
+                chans,
+                flag: flag.clone(),
+                shared: shared.clone(),
+                policy: policy_wait,
+                abort: abort.clone(),
+                broken: broken.clone(),
+            };
+            let worker = std::thread::Builder::new()
+                .name(format!("braid-cuda-watchdog-{rank}"))
+                .spawn(move || dog.run())
+                .map_err(|e| {
+                    Error::InvalidArgument(format!("cannot start the watchdog thread: {e}"))
+                })?;
+            info!(
+                rank,
+                device = dev.bus_id(),
+                piece,
+                engine = "stream",
+                "braid: device communicator ready"
+            );
+            return Ok(CudaComm {
+                inner: Arc::new(Inner {
+                    rank,
+                    nranks,
+                    ring: comm.ring().to_vec(),
+                    piece,
+                    small_allreduce,
+                    dev,
+                    flag,
+                    state: Mutex::new(Issue {
+                        tx: None,
+                        cursor: Cursor::new(nranks),
+                        last: None,
+                        seq: 0,
+                    }),
+                    stream_mode: Some(StreamMode {
+                        rings,
+                        kernels,
+                        shared,
+                    }),
+                    broken,
+                    abort,
+                    worker: Mutex::new(Some(worker)),
+                    transports,
+                }),
+            });
+        }
         let stream = Stream::new(&dev)?;
         let scratch_in = DeviceBuffer::alloc(&dev, piece)?;
         let scratch_out = DeviceBuffer::alloc(&dev, piece)?;
-        let broken: Arc<Mutex<Option<String>>> = Arc::new(Mutex::new(None));
-        let abort = Arc::new(AtomicBool::new(false));
         let (tx, rx) = mpsc::channel::<Job>();
         let mut proxy = Proxy {
             rank,
@@ -323,6 +434,7 @@ impl CudaComm {
             rank,
             device = dev.bus_id(),
             piece,
+            engine = "proxy",
             "braid: device communicator ready"
         );
         Ok(CudaComm {
@@ -336,8 +448,11 @@ impl CudaComm {
                 flag,
                 state: Mutex::new(Issue {
                     tx: Some(tx),
+                    cursor: Cursor::new(nranks),
+                    last: None,
                     seq: 0,
                 }),
+                stream_mode: None,
                 broken,
                 abort,
                 worker: Mutex::new(Some(worker)),
@@ -354,6 +469,16 @@ impl CudaComm {
     /// The transport used to reach each rank (`"self"` for this rank).
     pub fn transports(&self) -> &[&'static str] {
         &self.inner.transports
+    }
+
+    /// The engine in use: `"stream"` (GPU-side synchronisation) or
+    /// `"proxy"` (a host thread per communicator drives the steps).
+    pub fn engine(&self) -> &'static str {
+        if self.inner.stream_mode.is_some() {
+            "stream"
+        } else {
+            "proxy"
+        }
     }
 
     /// This rank.
@@ -497,6 +622,9 @@ impl CudaComm {
             small_allreduce_bytes: self.inner.small_allreduce,
         };
         let prog = Arc::new(plan::plan(coll, dt, &params)?);
+        if let Some(m) = &self.inner.stream_mode {
+            return self.enqueue_stream(m, &prog, bufs, keep, stream);
+        }
         let start = Event::new(&self.inner.dev, false)?;
         let mut st = self.lock()?;
         let seq = st.seq.wrapping_add(1);
@@ -521,10 +649,62 @@ impl CudaComm {
     }
 }
 
+impl CudaComm {
+    /// Stream mode: queue the whole collective on `stream`.
+    fn enqueue_stream(
+        &self,
+        m: &StreamMode,
+        prog: &Program,
+        bufs: [DevBuf; 2],
+        keep: Vec<Arc<DeviceBuffer>>,
+        stream: &Stream,
+    ) -> Result<()> {
+        let mut st = self.lock()?;
+        let mut cursor = st.cursor.clone();
+        // Nothing is queued before the schedule is known to be valid.
+        let cmds = braid_cuda::schedule::schedule(prog, &m.rings.links, &mut cursor)?;
+        let ev = Event::new(&self.inner.dev, false)?;
+        if let Some(prev) = &st.last {
+            // The previous collective of this communicator comes first, on
+            // whatever stream it was issued.
+            stream.wait_event(prev)?;
+        }
+        let seq = st.seq.wrapping_add(1);
+        let queued = cuda_stream::issue(&cmds, prog, &bufs, &m.rings, &m.kernels, stream);
+        // From here the cursor has moved for every peer: a partly queued
+        // collective is drained by the watchdog's rescue.
+        st.cursor = cursor;
+        st.seq = seq;
+        // SAFETY: the completion word lives as long as the communicator,
+        // whose watchdog outlives all queued work.
+        let fin = unsafe { stream.write_value(self.inner.flag.device_ptr(), seq) }
+            .map_err(Error::from)
+            .and_then(|_| stream.record(&ev).map_err(Error::from));
+        st.last = Some(ev);
+        m.shared.queued(seq, &st.cursor, keep);
+        let r = queued.map_err(Error::from).and(fin);
+        if let Err(e) = &r {
+            let msg = format!(
+                "queuing a device collective failed on rank {}: {e}",
+                self.inner.rank
+            );
+            if let Ok(mut b) = self.inner.broken.lock() {
+                b.get_or_insert(msg);
+            }
+        }
+        r
+    }
+}
+
 impl Drop for Inner {
     fn drop(&mut self) {
         if let Ok(mut st) = self.state.lock() {
             st.tx = None;
+        }
+        if let Some(m) = &self.stream_mode {
+            m.shared
+                .shutdown
+                .store(true, std::sync::atomic::Ordering::Release);
         }
         if let Some(w) = self.worker.lock().ok().and_then(|mut w| w.take()) {
             let _ = w.join();
@@ -1001,6 +1181,19 @@ mod tests {
                 "{s}"
             );
         }
+    }
+
+    #[test]
+    fn engine_choice_parses_and_rejects_garbage() {
+        assert_eq!(parse_engine(None).unwrap(), None);
+        assert_eq!(parse_engine(Some(" Auto ".into())).unwrap(), None);
+        assert_eq!(parse_engine(Some("stream".into())).unwrap(), Some(true));
+        assert_eq!(parse_engine(Some("PROXY".into())).unwrap(), Some(false));
+        let e = parse_engine(Some("gpu".into())).unwrap_err().to_string();
+        assert!(
+            e.contains("BRAID_CUDA_ENGINE=gpu") && e.contains("stream, proxy"),
+            "{e}"
+        );
     }
 
     #[test]

@@ -606,9 +606,10 @@ impl<'a> Runner<'a> {
         }
         if let Some(d) = &self.dev {
             h += &format!(
-                "# device: {} ({}), collectives on a CUDA stream; device-to-device copy bandwidth measured in this run: {:.2} GB/s (cuMemcpyDtoDAsync, {} MiB x 20)\n",
+                "# device: {} ({}), collectives on a CUDA stream ({} engine); device-to-device copy bandwidth measured in this run: {:.2} GB/s (cuMemcpyDtoDAsync, {} MiB x 20)\n",
                 d.cc.device().name(),
                 d.cc.device().bus_id(),
+                d.cc.engine(),
                 d.copy_bw,
                 d.copy_bytes >> 20
             );

@@ -98,6 +98,26 @@ pub trait Transport: Send + Sync {
     ) -> Result<(Box<dyn PendingSend>, Vec<u8>)>;
 }
 
+/// A link whose slots are a ring in GPU memory with two 32-bit counters
+/// beside it, as seen from one end: what a device engine needs to drive the
+/// link from a GPU stream (stream memory operations) instead of through
+/// [`SendChannel::commit`] / [`RecvChannel::release`]. All addresses are
+/// device addresses valid in this process while the channel lives. Both ends
+/// of a link must use the same way; the counters start at 0.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DeviceRing {
+    /// Address of slot 0; slot `i` starts at `base + i * slot_bytes`.
+    pub base: u64,
+    /// Bytes per slot.
+    pub slot_bytes: usize,
+    /// Number of slots.
+    pub slots: usize,
+    /// Counter written by the sender: pieces posted so far (mod 2^32).
+    pub posted: u64,
+    /// Counter written by the receiver: pieces consumed so far (mod 2^32).
+    pub freed: u64,
+}
+
 /// A sending end between phase 1 and phase 2.
 pub trait PendingSend: Send {
     /// Phase 2: attach to the receiver described by `receiver_info`. Must not
@@ -145,6 +165,10 @@ pub trait SendChannel: Send {
     fn check_peer(&mut self) -> Result<()>;
     /// Tell the peer that this side gave up (best effort, never blocks).
     fn abort(&mut self, reason: &str);
+    /// The link as a device ring, where it is one (see [`DeviceRing`]).
+    fn device_ring(&self) -> Option<DeviceRing> {
+        None
+    }
     /// Whether [`SendChannel::commit_direct`] may be used: the receiver can
     /// copy straight out of this process's memory.
     fn can_send_direct(&mut self) -> bool {
@@ -198,6 +222,10 @@ pub trait RecvChannel: Send {
     fn check_peer(&mut self) -> Result<()>;
     /// Tell the peer that this side gave up (best effort, never blocks).
     fn abort(&mut self, reason: &str);
+    /// The link as a device ring, where it is one (see [`DeviceRing`]).
+    fn device_ring(&self) -> Option<DeviceRing> {
+        None
+    }
     /// Like `poll_peek`, but also reports slots published with
     /// [`SendChannel::commit_direct`]. Transports without direct transfers
     /// keep this default.
