@@ -4,9 +4,15 @@
 #
 #   scripts/compare-mpi.sh OUTDIR [NPS] [ITERS]     (ROUNDS=2: alternations)
 #
-# braid's buffers get madvise(MADV_HUGEPAGE) (-H 1); Open MPI runs in its
-# fastest configuration here (../shared/peers/mpi-best.sh: vader BTL, glibc
-# malloc on transparent huge pages). Run it on an otherwise idle machine.
+# braid's buffers are 2 MiB-aligned with madvise(MADV_HUGEPAGE) (-H 1), and
+# braid is told so: BRAID_SINGLE_COPY_MIN_BYTES=524288 (unless set), what
+# braid uses by itself where THP is `always` and what a caller with
+# huge-page buffers under THP `madvise` should set (see
+# single_copy_default in crates/runtime/src/comm.rs: on 4 KiB pages
+# process_vm_readv is 3x slower, so the default there is 8 MiB). Open MPI
+# runs in its fastest configuration here (../shared/peers/mpi-best.sh:
+# vader BTL, glibc malloc on transparent huge pages). Run it on an
+# otherwise idle machine.
 set -euo pipefail
 out=${1:?usage: compare-mpi.sh OUTDIR [NPS] [ITERS]}; mkdir -p "$out"
 nps=${2:-2 4}
@@ -15,6 +21,7 @@ here=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 peers=${PEERS:-$here/../shared/peers}
 cargo build --release -q -p braid-perf --manifest-path "$here/Cargo.toml"
 perf=$here/target/release/braid-perf
+export BRAID_SINGLE_COPY_MIN_BYTES=${BRAID_SINGLE_COPY_MIN_BYTES:-524288}
 # Alternate braid and Open MPI, rank count by rank count, ROUNDS times, so
 # that both meet the same machine; the table keeps each side's best round.
 rounds=${ROUNDS:-2}
@@ -64,6 +71,7 @@ for c, n, s, t, b, mb, mt in sorted(rows):
     ratio = b / mb if s > 8 else mt / t
     print(f"{c:15} {n:>3} {s:>9} {t:>9.2f} {b:>11.2f} {mt:>9.2f} {mb:>9.2f} {ratio:>6.2f}")
 print(f"best of {os.environ.get('ROUNDS', '2')} alternating rounds per side; ratio: busbw braid/mpi (out of place; Broadcast in place, as MPI_Bcast); for 8 bytes: time mpi/braid")
+print(f"both sides on 2 MiB huge pages; braid with BRAID_SINGLE_COPY_MIN_BYTES={os.environ.get('BRAID_SINGLE_COPY_MIN_BYTES')}")
 PY
 # Plots: braid's last round against Open MPI's, one picture per collective
 # and rank count (busbw and latency against size).

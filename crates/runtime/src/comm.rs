@@ -151,6 +151,36 @@ fn spin_budget(me: &PeerDesc, peers: &[PeerDesc]) -> u32 {
 }
 
 /// A byte count from the environment, or `default` when unset.
+/// Where the kernel says whether anonymous memory gets transparent huge
+/// pages (`always`, `madvise` or `never`, the chosen one in brackets).
+const THP_ENABLED: &str = "/sys/kernel/mm/transparent_hugepage/enabled";
+
+/// The smallest largest-buffer size at which collectives read peers'
+/// buffers with `process_vm_readv` instead of passing data through slots.
+///
+/// What decides it is the page size of the callers' buffers, which braid
+/// cannot see: `process_vm_readv` pins every page it reads, which on 4 KiB
+/// pages ran at 14 GB/s on these VMs against memcpy's 52 GB/s, but at
+/// 39 GB/s on 2 MiB pages (`/tmp/cma` test: 1 MiB read, fresh buffers).
+/// Side by side on 2 ranks (Broadcast, AllGather, AllToAll): on 4 KiB-page
+/// buffers the slot path was about 2x faster up to 4 MiB and single-copy
+/// won from 16 MiB; on 2 MiB-aligned huge-page buffers single-copy was
+/// faster from 512 KiB (1.3-2x at 1-4 MiB) and even at 128-256 KiB. So:
+/// 512 KiB where every anonymous mapping gets huge pages (THP `always`),
+/// else 8 MiB. Callers whose buffers are on huge pages under THP `madvise`
+/// (e.g. glibc's `hugetlb` tunable, or `madvise(MADV_HUGEPAGE)`) should set
+/// `BRAID_SINGLE_COPY_MIN_BYTES=524288`.
+fn single_copy_default(thp_file: &str) -> usize {
+    let always = std::fs::read_to_string(thp_file)
+        .map(|s| s.contains("[always]"))
+        .unwrap_or(false);
+    if always {
+        512 << 10
+    } else {
+        8 << 20
+    }
+}
+
 fn env_bytes(name: &str, default: usize) -> Result<usize> {
     match std::env::var(name) {
         Ok(v) if !v.trim().is_empty() => v.trim().parse().map_err(|_| {
@@ -370,12 +400,11 @@ impl Communicator {
                 // and leaves the sender free: side by side it was faster for
                 // Broadcast, AllGather and AllToAll from 1 to 64 MiB.
                 direct_min,
-                // Side by side on 2 and 4 ranks (2 cores): up to 1 MiB the
-                // slot path ran AllGather, Broadcast and AllToAll about 2x
-                // faster than single-copy (both copies stay in cache, no
-                // page pinning); at 4 MiB they were even; from 16 MiB
-                // single-copy was faster.
-                single_copy_min: env_bytes("BRAID_SINGLE_COPY_MIN_BYTES", 8 << 20)?,
+                // See `single_copy_default`.
+                single_copy_min: env_bytes(
+                    "BRAID_SINGLE_COPY_MIN_BYTES",
+                    single_copy_default(THP_ENABLED),
+                )?,
                 move_piece,
                 // Mismatch detection (one 32-byte header per link per
                 // operation); BRAID_CHECK_MISMATCH=0 turns it off.
@@ -1274,6 +1303,22 @@ pub(crate) fn decode_blobs(b: &[u8], p: usize, from: u32) -> Result<Vec<(Vec<u8>
 #[cfg(test)]
 mod peer_desc_tests {
     use super::*;
+
+    #[test]
+    fn single_copy_threshold_follows_the_thp_mode() {
+        let dir = std::env::temp_dir().join(format!("braid-thp-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let f = dir.join("enabled");
+        let at = |text: &str| {
+            std::fs::write(&f, text).unwrap();
+            single_copy_default(f.to_str().unwrap())
+        };
+        assert_eq!(at("[always] madvise never\n"), 512 << 10);
+        assert_eq!(at("always [madvise] never\n"), 8 << 20);
+        assert_eq!(at("always madvise [never]\n"), 8 << 20);
+        std::fs::remove_dir_all(&dir).unwrap();
+        assert_eq!(single_copy_default("/nonexistent/braid/thp"), 8 << 20);
+    }
 
     #[test]
     fn peer_descriptions_round_trip_with_fabrics() {
