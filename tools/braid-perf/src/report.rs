@@ -164,8 +164,23 @@ pub fn import_mpi_csv(text: &str, label: Option<&str>) -> Result<Report, String>
         }
         tag.get_or_insert_with(|| get(c_tag).unwrap_or("").to_string());
         let wrong: i64 = num(get(c_wrong)?, "wrong", lineno)?;
+        let collective = mpi_coll_name(get(c_coll)?);
+        let meas = Some(JsonMeas {
+            time_us: num(get(c_time)?, "time_us", lineno)?,
+            algbw_gbps: num(get(c_alg)?, "algbw_GBps", lineno)?,
+            busbw_gbps: num(get(c_bus)?, "busbw_GBps", lineno)?,
+            wrong: u64::try_from(wrong).ok(),
+        });
+        // MPI_Bcast works in place (one buffer): its rows compare with
+        // braid's in-place Broadcast; every other MPI call here is out of
+        // place.
+        let (out_of_place, in_place) = if collective == "broadcast" {
+            (None, meas)
+        } else {
+            (meas, None)
+        };
         rows.push(Row {
-            collective: mpi_coll_name(get(c_coll)?),
+            collective,
             nranks: num(get(c_nr)?, "nranks", lineno)?,
             size: num(get(c_size)?, "size", lineno)?,
             count: num(get(c_count)?, "count", lineno)?,
@@ -173,29 +188,22 @@ pub fn import_mpi_csv(text: &str, label: Option<&str>) -> Result<Report, String>
             redop: get(c_redop)?.to_string(),
             root: num(get(c_root)?, "root", lineno)?,
             cycle: 0,
-            out_of_place: Some(JsonMeas {
-                time_us: num(get(c_time)?, "time_us", lineno)?,
-                algbw_gbps: num(get(c_alg)?, "algbw_GBps", lineno)?,
-                busbw_gbps: num(get(c_bus)?, "busbw_GBps", lineno)?,
-                wrong: u64::try_from(wrong).ok(),
-            }),
-            in_place: None,
+            out_of_place,
+            in_place,
         });
     }
     if rows.is_empty() {
         return Err("the CSV has a header but no rows".into());
     }
     let n = rows.len() as f64;
+    let meas = |r: &Row| r.out_of_place.clone().or_else(|| r.in_place.clone());
     let avg = rows
         .iter()
-        .filter_map(|r| r.out_of_place.as_ref())
+        .filter_map(meas)
         .map(|m| m.busbw_gbps)
         .sum::<f64>()
         / n;
-    let oob = rows
-        .iter()
-        .filter_map(|r| r.out_of_place.as_ref()?.wrong)
-        .sum();
+    let oob = rows.iter().filter_map(|r| meas(r)?.wrong).sum();
     let label = label
         .map(str::to_string)
         .or_else(|| {
@@ -225,14 +233,20 @@ mod tests {
     const CSV: &str = "tag,impl,nranks,coll,size,count,type,redop,root,time_us,time_max_us,algbw_GBps,busbw_GBps,wrong,iters,pagefaults_per_iter
 np2_shm_thp,mpi,2,allreduce,8,2,float,sum,-1,0.412,0.500,0.0194,0.0194,0,1000,0.0
 np2_shm_thp,mpi,2,allgather,1048576,262144,float,none,-1,150.000,160.000,6.9905,3.4953,0,100,0.0
+np2_shm_thp,mpi,2,bcast,1048576,262144,float,none,0,30.000,31.000,34.9525,34.9525,0,100,0.0
 ";
 
     #[test]
     fn imports_mpi_coll_bench_csv() {
         let r = import_mpi_csv(CSV, None).unwrap();
         assert_eq!(r.label, "openmpi np2_shm_thp");
-        assert_eq!(r.rows.len(), 2);
+        assert_eq!(r.rows.len(), 3);
         assert_eq!(r.rows[0].collective, "all_reduce");
+        // MPI_Bcast works in place: compared with braid's in-place rows.
+        assert_eq!(r.rows[2].collective, "broadcast");
+        assert!(r.rows[2].out_of_place.is_none());
+        assert_eq!(r.rows[2].in_place.as_ref().unwrap().busbw_gbps, 34.9525);
+        assert!((r.avg_busbw_gbps - (0.0194 + 3.4953 + 34.9525) / 3.0).abs() < 1e-9);
         assert_eq!(r.rows[1].collective, "all_gather");
         assert_eq!(r.rows[1].size, 1048576);
         let m = r.rows[1].out_of_place.as_ref().unwrap();
