@@ -161,7 +161,7 @@ const THP_ENABLED: &str = "/sys/kernel/mm/transparent_hugepage/enabled";
 /// What decides it is the page size of the callers' buffers, which braid
 /// cannot see: `process_vm_readv` pins every page it reads, which on 4 KiB
 /// pages ran at 14 GB/s on these VMs against memcpy's 52 GB/s, but at
-/// 39 GB/s on 2 MiB pages (`/tmp/cma` test: 1 MiB read, fresh buffers).
+/// 39-48 GB/s on 2 MiB pages (`scripts/cma-pages.c`, 1 MiB reads).
 /// Side by side on 2 ranks (Broadcast, AllGather, AllToAll): on 4 KiB-page
 /// buffers the slot path was about 2x faster up to 4 MiB and single-copy
 /// won from 16 MiB; on 2 MiB-aligned huge-page buffers single-copy was
