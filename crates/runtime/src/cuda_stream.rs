@@ -17,7 +17,8 @@
 //! channels (shared-memory FIFOs used here only for liveness and abort
 //! reasons). While work is pending it checks the peers every 10 ms and
 //! fails the communicator when a peer aborted, when a dead or closed peer
-//! stays in the way for [`DEAD_PEER_GRACE`], when [`CudaComm::abort`] was
+//! still owes pieces to queued work after [`DEAD_PEER_GRACE`], when
+//! [`CudaComm::abort`] was
 //! called, or when nothing completed for `BRAID_TIMEOUT` (naming the peer
 //! whose counter is behind). Failing publishes the reason to every peer and
 //! then *rescues* this rank's stream: on a side stream it writes every
@@ -137,6 +138,17 @@ impl Shared {
         }
         self.issued.store(seq, Ordering::Release);
     }
+}
+
+/// Read a ring counter through the side stream (`None` if that fails).
+fn read_counter(side: Option<&Stream>, addr: u64) -> Option<u32> {
+    let side = side?;
+    let mut b = [0u8; 4];
+    // SAFETY: `addr` is a counter word of a live ring; `b` holds 4 bytes and
+    // the side stream is synchronised before `b` is read.
+    unsafe { side.copy_dtoh(b.as_mut_ptr(), addr, 4) }.ok()?;
+    side.synchronize().ok()?;
+    Some(u32::from_le_bytes(b))
 }
 
 /// `a` is at or past `b` (wrap-around aware).
@@ -275,6 +287,7 @@ impl Watchdog {
         let mut last_check = Instant::now();
         let mut in_the_way: Option<(u32, Instant, String)> = None;
         let mut rescue_since: Option<Instant> = None;
+        let mut gave_up = false;
         loop {
             let issued = self.shared.issued.load(Ordering::Acquire);
             let done = self.flag.load();
@@ -306,10 +319,13 @@ impl Watchdog {
                         self.rescue(r);
                     }
                     if now.duration_since(t0) > self.policy.timeout.max(Duration::from_secs(10)) {
-                        tracing::error!(
-                            rank = self.rank,
-                            "braid: the device stream did not drain after the communicator failed; giving up on it"
-                        );
+                        if !gave_up {
+                            gave_up = true;
+                            tracing::error!(
+                                rank = self.rank,
+                                "braid: the device stream did not drain after the communicator failed (it may wait for the caller's own work); giving up on it"
+                            );
+                        }
                         if self.shared.shutdown.load(Ordering::Acquire) {
                             break;
                         }
@@ -337,7 +353,12 @@ impl Watchdog {
                         } if !why.ends_with("closed its end") => {
                             reason = Some(format!("rank {}: {e}", self.rank));
                         }
-                        _ if pending => {
+                        // Dead or gone (also after a normal exit): an
+                        // error only while our stream still waits for data
+                        // from it (a peer that finished had posted all it
+                        // sends us; slots it must free are the timeout's
+                        // business).
+                        _ if pending && self.needs_data_from(rescue.as_ref(), peer) => {
                             let t0 = match &in_the_way {
                                 Some((p, t, _)) if *p == peer => *t,
                                 _ => now,
@@ -420,6 +441,20 @@ impl Watchdog {
         let _ = side.synchronize();
     }
 
+    /// Whether our queued work still waits for pieces from `peer`: its
+    /// `posted` counter (in our memory) is behind what we queued. True when
+    /// the counter cannot be read.
+    fn needs_data_from(&self, side: Option<&Stream>, peer: u32) -> bool {
+        let want = match self.shared.release.lock() {
+            Ok(r) => r.get(peer as usize).map(|v| v.0),
+            Err(_) => None,
+        };
+        match (self.rings.inc.get(peer as usize).copied().flatten(), want) {
+            (Some(i), Some(want)) => read_counter(side, i.posted).is_none_or(|v| !reached(v, want)),
+            _ => true,
+        }
+    }
+
     /// Which peer a stalled stream waits for: the first whose `posted`
     /// counter (in this rank's memory) is behind what was queued, else the
     /// first whose `freed` counter is.
@@ -430,15 +465,7 @@ impl Watchdog {
             .lock()
             .map(|r| r.clone())
             .unwrap_or_default();
-        let read = |addr: u64| -> Option<u32> {
-            let side = side?;
-            let mut b = [0u8; 4];
-            // SAFETY: a counter word of a live ring; `b` holds 4 bytes and
-            // the side stream is synchronised before `b` is read.
-            unsafe { side.copy_dtoh(b.as_mut_ptr(), addr, 4) }.ok()?;
-            side.synchronize().ok()?;
-            Some(u32::from_le_bytes(b))
-        };
+        let read = |addr: u64| read_counter(side, addr);
         let timeout = |peer: u32, transport: &'static str, waiting_for: &'static str| {
             CoreError::Timeout {
                 transport,
