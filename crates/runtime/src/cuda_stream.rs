@@ -257,6 +257,155 @@ pub(crate) fn issue(
     Ok(())
 }
 
+/// What the watchdog sees at one tick (gathered by [`Watchdog::run`]).
+#[derive(Clone, Debug, Default)]
+pub(crate) struct Obs {
+    /// Sequence number of the last collective queued.
+    pub issued: u32,
+    /// Sequence number the stream has completed.
+    pub done: u32,
+    /// The communicator is being dropped.
+    pub shutdown: bool,
+    /// The communicator already failed.
+    pub broken: bool,
+    /// `CudaComm::abort` was called.
+    pub aborted: bool,
+    /// A peer whose link reported a problem at this tick.
+    pub peer: Option<PeerObs>,
+}
+
+/// A peer's problem.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct PeerObs {
+    pub peer: u32,
+    /// It gave up and said why (not merely closed or gone).
+    pub aborted: bool,
+    /// Queued work still waits for pieces from it.
+    pub owes_data: bool,
+    /// The error, for the message.
+    pub what: String,
+}
+
+/// The watchdog's time limits.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Limits {
+    /// No completed collective for this long while work is pending: fail.
+    pub timeout: Duration,
+    /// A dead or closed peer that owes data for this long: fail.
+    pub grace: Duration,
+}
+
+/// Why the communicator fails.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) enum Failure {
+    /// The caller aborted.
+    Aborted,
+    /// A peer aborted, or died / left while owing data (the message).
+    Peer(String),
+    /// Nothing completed for this long (the caller names the peer).
+    Stalled(Duration),
+}
+
+/// What the watchdog does next.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) enum Verdict {
+    /// Nothing to do for a while.
+    Sleep(Duration),
+    /// Mark the communicator broken, tell the peers.
+    Fail(Failure),
+    /// Broken with work pending: release the stream's waits (`give_up`:
+    /// the stream has not drained for long; say so, once).
+    Rescue { give_up: bool },
+    /// Dropped and nothing pending: the thread ends.
+    Exit,
+}
+
+/// The watchdog's decisions as a pure state machine (no clock, no I/O:
+/// `now` and the observations come in, a verdict goes out), so the rules
+/// are tested without a GPU.
+#[derive(Clone, Debug)]
+pub(crate) struct Watch {
+    last_done: u32,
+    /// Since when no collective completed while work was pending.
+    since: Instant,
+    /// A dead or closed peer owing data, and since when.
+    in_the_way: Option<(u32, Instant, String)>,
+    rescue_since: Option<Instant>,
+    gave_up: bool,
+}
+
+impl Watch {
+    pub fn new(now: Instant, done: u32) -> Watch {
+        Watch {
+            last_done: done,
+            since: now,
+            in_the_way: None,
+            rescue_since: None,
+            gave_up: false,
+        }
+    }
+
+    pub fn step(&mut self, now: Instant, o: &Obs, lim: Limits) -> Verdict {
+        let pending = !reached(o.done, o.issued);
+        if o.done != self.last_done || !pending {
+            self.last_done = o.done;
+            self.since = now;
+            self.in_the_way = None;
+        }
+        if !pending {
+            self.rescue_since = None;
+        }
+        if o.broken {
+            if !pending {
+                return if o.shutdown {
+                    Verdict::Exit
+                } else {
+                    Verdict::Sleep(Duration::from_millis(5))
+                };
+            }
+            let t0 = *self.rescue_since.get_or_insert(now);
+            let late = now.duration_since(t0) > lim.timeout.max(Duration::from_secs(10));
+            if late && o.shutdown {
+                return Verdict::Exit;
+            }
+            let give_up = late && !self.gave_up;
+            self.gave_up |= late;
+            return Verdict::Rescue { give_up };
+        }
+        if !pending && o.shutdown {
+            return Verdict::Exit;
+        }
+        if o.aborted {
+            return Verdict::Fail(Failure::Aborted);
+        }
+        if let Some(p) = &o.peer {
+            if p.aborted {
+                return Verdict::Fail(Failure::Peer(p.what.clone()));
+            }
+            if pending && p.owes_data {
+                let t0 = match &self.in_the_way {
+                    Some((q, t, _)) if *q == p.peer => *t,
+                    _ => now,
+                };
+                self.in_the_way = Some((p.peer, t0, p.what.clone()));
+            }
+        }
+        if let Some((_, t0, what)) = &self.in_the_way {
+            if now.duration_since(*t0) >= lim.grace {
+                return Verdict::Fail(Failure::Peer(what.clone()));
+            }
+        }
+        if pending && now.duration_since(self.since) >= lim.timeout {
+            return Verdict::Fail(Failure::Stalled(now.duration_since(self.since)));
+        }
+        Verdict::Sleep(if pending {
+            Duration::from_micros(200)
+        } else {
+            Duration::from_millis(2)
+        })
+    }
+}
+
 /// The watchdog thread's state.
 pub(crate) struct Watchdog {
     pub rank: u32,
@@ -282,115 +431,68 @@ impl Watchdog {
                 None
             }
         };
-        let mut last_done = self.flag.load();
-        let mut since = Instant::now();
+        let mut w = Watch::new(Instant::now(), self.flag.load());
+        let limits = Limits {
+            timeout: self.policy.timeout,
+            grace: DEAD_PEER_GRACE.min(self.policy.timeout),
+        };
         let mut last_check = Instant::now();
-        let mut in_the_way: Option<(u32, Instant, String)> = None;
-        let mut rescue_since: Option<Instant> = None;
-        let mut gave_up = false;
         loop {
-            let issued = self.shared.issued.load(Ordering::Acquire);
+            let now = Instant::now();
             let done = self.flag.load();
             if let Ok(mut k) = self.shared.keep.lock() {
                 while k.front().is_some_and(|(s, _)| reached(done, *s)) {
                     k.pop_front();
                 }
             }
-            let pending = !reached(done, issued);
-            let now = Instant::now();
-            if done != last_done {
-                last_done = done;
-                since = now;
-                in_the_way = None;
+            let mut obs = Obs {
+                issued: self.shared.issued.load(Ordering::Acquire),
+                done,
+                shutdown: self.shared.shutdown.load(Ordering::Acquire),
+                broken: self.broken(),
+                aborted: self.abort.load(Ordering::Relaxed),
+                peer: None,
+            };
+            if !obs.broken && now.duration_since(last_check) >= Duration::from_millis(10) {
+                last_check = now;
+                obs.peer = self.check_peers().map(|(peer, e)| {
+                    let aborted = matches!(&e, CoreError::PeerAborted { reason, .. }
+                        if !reason.ends_with("closed its end"));
+                    PeerObs {
+                        peer,
+                        aborted,
+                        owes_data: !aborted
+                            && !reached(obs.done, obs.issued)
+                            && self.needs_data_from(rescue.as_ref(), peer),
+                        what: e.to_string(),
+                    }
+                });
             }
-            if !pending {
-                since = now;
-                in_the_way = None;
-                rescue_since = None;
-                if self.shared.shutdown.load(Ordering::Acquire) {
-                    break;
-                }
-            }
-            if self.broken() {
-                if pending {
-                    // Drive our stream through whatever it still waits for.
-                    let t0 = *rescue_since.get_or_insert(now);
+            match w.step(now, &obs, limits) {
+                Verdict::Exit => break,
+                Verdict::Sleep(d) => std::thread::sleep(d),
+                Verdict::Rescue { give_up } => {
+                    if give_up {
+                        tracing::error!(
+                            rank = self.rank,
+                            "braid: the device stream did not drain after the communicator failed (it may wait for the caller's own work); giving up on it"
+                        );
+                    }
                     if let Some(r) = &rescue {
                         self.rescue(r);
                     }
-                    if now.duration_since(t0) > self.policy.timeout.max(Duration::from_secs(10)) {
-                        if !gave_up {
-                            gave_up = true;
-                            tracing::error!(
-                                rank = self.rank,
-                                "braid: the device stream did not drain after the communicator failed (it may wait for the caller's own work); giving up on it"
-                            );
-                        }
-                        if self.shared.shutdown.load(Ordering::Acquire) {
-                            break;
-                        }
-                    }
                     std::thread::sleep(Duration::from_millis(1));
-                } else if self.shared.shutdown.load(Ordering::Acquire) {
-                    break;
-                } else {
-                    std::thread::sleep(Duration::from_millis(5));
                 }
-                continue;
-            }
-            let mut reason = None;
-            if self.abort.load(Ordering::Relaxed) {
-                reason = Some(format!(
-                    "rank {}: the device communicator was aborted",
-                    self.rank
-                ));
-            } else if now.duration_since(last_check) >= Duration::from_millis(10) {
-                last_check = now;
-                if let Some((peer, e)) = self.check_peers() {
-                    match e {
-                        CoreError::PeerAborted {
-                            reason: ref why, ..
-                        } if !why.ends_with("closed its end") => {
-                            reason = Some(format!("rank {}: {e}", self.rank));
-                        }
-                        // Dead or gone (also after a normal exit): an
-                        // error only while our stream still waits for data
-                        // from it (a peer that finished had posted all it
-                        // sends us; slots it must free are the timeout's
-                        // business).
-                        _ if pending && self.needs_data_from(rescue.as_ref(), peer) => {
-                            let t0 = match &in_the_way {
-                                Some((p, t, _)) if *p == peer => *t,
-                                _ => now,
-                            };
-                            in_the_way = Some((peer, t0, e.to_string()));
-                        }
-                        _ => {}
-                    }
-                }
-                if let Some((_, t0, what)) = &in_the_way {
-                    if now.duration_since(*t0) >= DEAD_PEER_GRACE.min(self.policy.timeout) {
-                        reason = Some(format!("rank {}: {what}", self.rank));
-                    }
+                Verdict::Fail(f) => {
+                    let why = match f {
+                        Failure::Aborted => "the device communicator was aborted".to_string(),
+                        Failure::Peer(what) => what,
+                        Failure::Stalled(after) => self.stalled_on(rescue.as_ref(), after),
+                    };
+                    // From the next tick on, `broken` makes it rescue.
+                    self.fail(format!("rank {}: {why}", self.rank));
                 }
             }
-            if reason.is_none() && pending && now.duration_since(since) >= self.policy.timeout {
-                reason = Some(format!(
-                    "rank {}: {}",
-                    self.rank,
-                    self.stalled_on(rescue.as_ref(), now.duration_since(since))
-                ));
-            }
-            if let Some(r) = reason {
-                // The broken branch above drains the stream from now on.
-                self.fail(r);
-                continue;
-            }
-            std::thread::sleep(if pending {
-                Duration::from_micros(200)
-            } else {
-                Duration::from_millis(2)
-            });
         }
     }
 
@@ -662,6 +764,139 @@ mod tests {
             at(Loc::Out { peer: 0, slot: 0 }, 1).is_err(),
             "no ring to self"
         );
+    }
+
+    const LIM: Limits = Limits {
+        timeout: Duration::from_secs(30),
+        grace: Duration::from_secs(5),
+    };
+
+    fn obs(issued: u32, done: u32) -> Obs {
+        Obs {
+            issued,
+            done,
+            ..Obs::default()
+        }
+    }
+
+    fn gone(peer: u32, owes_data: bool) -> Option<PeerObs> {
+        Some(PeerObs {
+            peer,
+            aborted: false,
+            owes_data,
+            what: format!("rank {peer} is gone"),
+        })
+    }
+
+    #[test]
+    fn a_stalled_stream_fails_after_the_timeout_and_progress_resets_it() {
+        let t0 = Instant::now();
+        let s = |secs: u64| t0 + Duration::from_secs(secs);
+        let mut w = Watch::new(t0, 0);
+        assert!(matches!(w.step(s(0), &obs(1, 0), LIM), Verdict::Sleep(_)));
+        assert!(matches!(w.step(s(29), &obs(2, 0), LIM), Verdict::Sleep(_)));
+        // One collective completed at 29 s: the clock starts again.
+        assert!(matches!(w.step(s(29), &obs(2, 1), LIM), Verdict::Sleep(_)));
+        assert!(matches!(w.step(s(58), &obs(2, 1), LIM), Verdict::Sleep(_)));
+        assert_eq!(
+            w.step(s(60), &obs(2, 1), LIM),
+            Verdict::Fail(Failure::Stalled(Duration::from_secs(31)))
+        );
+        // Idle for hours: never a timeout.
+        let mut w = Watch::new(t0, 7);
+        assert!(matches!(
+            w.step(s(99_999), &obs(7, 7), LIM),
+            Verdict::Sleep(_)
+        ));
+        // Sequence numbers wrap.
+        let mut w = Watch::new(t0, u32::MAX);
+        assert!(matches!(
+            w.step(s(1), &obs(1, u32::MAX), LIM),
+            Verdict::Sleep(_)
+        ));
+        assert!(matches!(
+            w.step(s(40), &obs(1, u32::MAX), LIM),
+            Verdict::Fail(_)
+        ));
+        assert!(matches!(w.step(s(41), &obs(1, 1), LIM), Verdict::Sleep(_)));
+    }
+
+    #[test]
+    fn a_gone_peer_fails_only_while_it_owes_data() {
+        let t0 = Instant::now();
+        let s = |secs: u64| t0 + Duration::from_secs(secs);
+        let mut w = Watch::new(t0, 0);
+        // Pending, the peer left but everything it sends us was posted.
+        let mut o = obs(3, 2);
+        o.peer = gone(1, false);
+        for t in [0, 4, 6, 20] {
+            assert!(matches!(w.step(s(t), &o, LIM), Verdict::Sleep(_)), "{t}");
+        }
+        // It owes us pieces: an error naming it after the grace period.
+        let mut w = Watch::new(t0, 0);
+        o.peer = gone(1, true);
+        assert!(matches!(w.step(s(0), &o, LIM), Verdict::Sleep(_)));
+        assert!(matches!(w.step(s(4), &o, LIM), Verdict::Sleep(_)));
+        assert_eq!(
+            w.step(s(5), &o, LIM),
+            Verdict::Fail(Failure::Peer("rank 1 is gone".into()))
+        );
+        // Idle: a peer that left is not an error.
+        let mut w = Watch::new(t0, 3);
+        let mut o = obs(3, 3);
+        o.peer = gone(2, true);
+        assert!(matches!(w.step(s(100), &o, LIM), Verdict::Sleep(_)));
+    }
+
+    #[test]
+    fn aborts_fail_at_once_even_when_idle() {
+        let t0 = Instant::now();
+        let mut w = Watch::new(t0, 4);
+        let mut o = obs(4, 4);
+        o.peer = Some(PeerObs {
+            peer: 2,
+            aborted: true,
+            owes_data: false,
+            what: "rank 2 aborted: out of memory".into(),
+        });
+        assert_eq!(
+            w.step(t0, &o, LIM),
+            Verdict::Fail(Failure::Peer("rank 2 aborted: out of memory".into()))
+        );
+        let mut o = obs(5, 4);
+        o.aborted = true;
+        assert_eq!(w.step(t0, &o, LIM), Verdict::Fail(Failure::Aborted));
+    }
+
+    #[test]
+    fn broken_rescues_until_drained_then_exits_on_drop() {
+        let t0 = Instant::now();
+        let s = |secs: u64| t0 + Duration::from_secs(secs);
+        let mut w = Watch::new(t0, 0);
+        let mut o = obs(3, 1);
+        o.broken = true;
+        assert_eq!(w.step(s(0), &o, LIM), Verdict::Rescue { give_up: false });
+        assert_eq!(w.step(s(30), &o, LIM), Verdict::Rescue { give_up: false });
+        // Not drained after the timeout: said once, the rescue goes on.
+        assert_eq!(w.step(s(31), &o, LIM), Verdict::Rescue { give_up: true });
+        assert_eq!(w.step(s(32), &o, LIM), Verdict::Rescue { give_up: false });
+        // Dropped while still stuck: the thread ends.
+        o.shutdown = true;
+        assert_eq!(w.step(s(33), &o, LIM), Verdict::Exit);
+        // Drained: waits for the drop, then ends.
+        let mut w = Watch::new(t0, 0);
+        let mut o = obs(3, 3);
+        o.broken = true;
+        assert!(matches!(w.step(s(1), &o, LIM), Verdict::Sleep(_)));
+        o.shutdown = true;
+        assert_eq!(w.step(s(2), &o, LIM), Verdict::Exit);
+        // Dropped with work pending and nothing wrong: it waits.
+        let mut w = Watch::new(t0, 0);
+        let mut o = obs(2, 1);
+        o.shutdown = true;
+        assert!(matches!(w.step(s(1), &o, LIM), Verdict::Sleep(_)));
+        o.done = 2;
+        assert_eq!(w.step(s(2), &o, LIM), Verdict::Exit);
     }
 
     #[test]
