@@ -1415,6 +1415,9 @@ impl SocketRecv {
             return Err(CoreError::Aborted(r.clone()));
         }
         if let Err(e) = self.ctrl.flush() {
+            // A sender that closed normally may have shut its sockets
+            // before our control reader saw its Close: wait for the verdict.
+            self.health.await_verdict();
             if !self.health.peer_closed.load(Ordering::Acquire) {
                 self.health.lost("sending credits", &e);
             }
@@ -1539,6 +1542,8 @@ impl RecvChannel for SocketRecv {
         // happen before a reader (Acquire in `claim`) refills it.
         self.shared.released.store(self.head, Ordering::Release);
         if let Err(e) = self.ctrl.credit(self.head) {
+            // As in `check_live`: a normal close may still be on its way.
+            self.health.await_verdict();
             if !self.health.peer_closed.load(Ordering::Acquire) {
                 self.health.lost("sending a credit", &e);
             }
