@@ -109,7 +109,7 @@ impl TransportTable {
     }
 
     /// The fabrics this rank's transports are attached to, for
-    /// [`PeerDesc::fabrics`].
+    /// [`PeerDesc::fabrics`](braid_core::transport::PeerDesc::fabrics).
     pub fn fabrics(&self) -> Vec<(String, String)> {
         self.entries
             .iter()

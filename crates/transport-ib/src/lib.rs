@@ -114,7 +114,7 @@
 //! link layer InfiniBand or Ethernet, the RoCE v2 IPv4 GID by default
 //! (`BRAID_IB_GID_INDEX`), the NIC on this process's NUMA node first. The
 //! port's *fabric* (`ib:<subnet prefix>` or `roce`) goes to every rank at
-//! start-up ([`Transport::fabric`]); IB connects two ranks when both have a
+//! start-up ([`Transport::fabric`](braid_core::transport::Transport::fabric)); IB connects two ranks when both have a
 //! port on the same fabric.
 //!
 //! # Environment

@@ -31,7 +31,7 @@
 //!   abort reason) in the segment. `check_peer` reports the peer's abort or
 //!   close as [`CoreError::PeerAborted`], and a dead peer process
 //!   (`kill(pid, 0)` fails with `ESRCH`, or `/proc/<pid>/stat` says zombie) as
-//!   [`CoreError::Peer`] "process <pid> is gone". A receiver whose sender
+//!   [`CoreError::Peer`] "process `<pid>` is gone". A receiver whose sender
 //!   closed normally keeps working until it has read every committed slot.
 //!
 //! # Memory orderings

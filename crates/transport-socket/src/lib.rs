@@ -59,7 +59,7 @@
 //!   no two helpers ever write the same bytes.
 //! - **Failures.** EOF, `ECONNRESET` or any I/O error on any socket of a link
 //!   is recorded by the helper that saw it; `check_peer` and every poll then
-//!   return [`CoreError::Peer`] "connection lost: <cause>" (with the I/O
+//!   return [`CoreError::Peer`] "connection lost: `<cause>`" (with the I/O
 //!   error as source). `abort(reason)` sends an abort frame with the reason
 //!   over the control socket (best effort, at most ~50 ms) and shuts every
 //!   socket down; the peer reports [`CoreError::PeerAborted`] with that

@@ -2,7 +2,7 @@
 //!
 //! The binary (`src/main.rs`) parses the command line ([`cli`]), starts
 //! local ranks for `-np` ([`launch`]) or joins the launcher's communicator,
-//! runs the sweep ([`bench`]), prints nccl-tests' table ([`format`]), and
+//! runs the sweep ([`bench`](mod@bench)), prints nccl-tests' table ([`format`](mod@format)), and
 //! writes JSON ([`report`]) and plots ([`plot`]).
 
 pub mod bench;

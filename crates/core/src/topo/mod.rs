@@ -15,7 +15,7 @@
 //!   import and export, including partial vendor files (only `cpu` and `pci`
 //!   with `class` and `busid`).
 //! - [`json`]: JSON export of the model, its graph and its paths.
-//! - [`plan`]: pure planning over the fused topology of all ranks: the
+//! - [`plan`](mod@plan): pure planning over the fused topology of all ranks: the
 //!   transport per rank pair and the ring orders (channels).
 //! - [`render`]: text for people (summary, nvidia-smi-style matrix, plan).
 //!

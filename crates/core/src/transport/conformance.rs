@@ -45,7 +45,7 @@ use crate::types::MemKind;
 /// Makes a fresh transport instance (one per simulated rank).
 pub type Factory = dyn Fn() -> Box<dyn Transport>;
 
-/// What a factory passed to [`transport_conformance_tests!`] may return.
+/// What a factory passed to [`transport_conformance_tests!`](crate::transport_conformance_tests) may return.
 pub trait IntoTransport {
     /// Box it as a trait object.
     fn into_transport(self) -> Box<dyn Transport>;
@@ -1006,7 +1006,7 @@ pub fn oversized_commit_rejected(factory: &Factory) {
 /// `Box<dyn Transport>`). Use once per module.
 /// Case 11: direct (single-copy) transfers, where the transport offers them:
 /// a reference to a buffer larger than a slot arrives as
-/// [`Incoming::Remote`], reads back exactly, and `poll_drained` turns true
+/// [`Incoming::Remote`](super::Incoming::Remote), reads back exactly, and `poll_drained` turns true
 /// only after the receiver released it. A transport without them must
 /// refuse `commit_direct` with an error (and keep working).
 pub fn direct_transfers_when_offered(factory: &Factory) {
