@@ -356,7 +356,8 @@ impl CudaComm {
         let flag = Arc::new(HostFlag::new(&dev)?);
         let broken: Arc<Mutex<Option<String>>> = Arc::new(Mutex::new(None));
         let abort = Arc::new(AtomicBool::new(false));
-        if let (None, Some(rings)) = (unable, rings) {
+        // The engine's thread: the watchdog (stream) or the proxy.
+        let (worker, stream_mode, tx, engine) = if let (None, Some(rings)) = (unable, rings) {
             let shared = Arc::new(Shared::new(nranks));
             let dog = Watchdog {
                 rank,
@@ -371,70 +372,41 @@ impl CudaComm {
             };
             let worker = std::thread::Builder::new()
                 .name(format!("braid-cuda-watchdog-{rank}"))
-                .spawn(move || dog.run())
-                .map_err(|e| {
-                    Error::InvalidArgument(format!("cannot start the watchdog thread: {e}"))
-                })?;
-            info!(
+                .spawn(move || dog.run());
+            let mode = StreamMode {
+                rings,
+                kernels,
+                shared,
+            };
+            (worker, Some(mode), None, "stream")
+        } else {
+            let (tx, rx) = mpsc::channel::<Job>();
+            let mut proxy = Proxy {
                 rank,
-                device = dev.bus_id(),
-                piece,
-                engine = "stream",
-                "braid: device communicator ready"
-            );
-            return Ok(CudaComm {
-                inner: Arc::new(Inner {
-                    rank,
-                    nranks,
-                    ring: comm.ring().to_vec(),
-                    piece,
-                    small_allreduce,
-                    dev,
-                    flag,
-                    state: Mutex::new(Issue {
-                        tx: None,
-                        cursor: Cursor::new(nranks),
-                        last: None,
-                        seq: 0,
-                    }),
-                    stream_mode: Some(StreamMode {
-                        rings,
-                        kernels,
-                        shared,
-                    }),
-                    broken,
-                    abort,
-                    worker: Mutex::new(Some(worker)),
-                    transports,
-                }),
-            });
-        }
-        let stream = Stream::new(&dev)?;
-        let scratch_in = DeviceBuffer::alloc(&dev, piece)?;
-        let scratch_out = DeviceBuffer::alloc(&dev, piece)?;
-        let (tx, rx) = mpsc::channel::<Job>();
-        let mut proxy = Proxy {
-            rank,
-            dev: dev.clone(),
-            kernels,
-            stream,
-            scratch_in,
-            scratch_out,
-            chans,
-            policy: policy_wait,
-            abort: abort.clone(),
-            broken: broken.clone(),
-            flag: flag.clone(),
+                dev: dev.clone(),
+                kernels,
+                stream: Stream::new(&dev)?,
+                scratch_in: DeviceBuffer::alloc(&dev, piece)?,
+                scratch_out: DeviceBuffer::alloc(&dev, piece)?,
+                chans,
+                policy: policy_wait,
+                abort: abort.clone(),
+                broken: broken.clone(),
+                flag: flag.clone(),
+            };
+            let worker = std::thread::Builder::new()
+                .name(format!("braid-cuda-proxy-{rank}"))
+                .spawn(move || proxy.run(rx));
+            (worker, None, Some(tx), "proxy")
         };
-        let worker = std::thread::Builder::new()
-            .name(format!("braid-cuda-proxy-{rank}"))
-            .spawn(move || proxy.run(rx))
-            .map_err(|e| Error::InvalidArgument(format!("cannot start the proxy thread: {e}")))?;
+        let worker = worker.map_err(|e| {
+            Error::InvalidArgument(format!("cannot start the {engine} engine's thread: {e}"))
+        })?;
         info!(
             rank,
             device = dev.bus_id(),
             piece,
-            engine = "proxy",
+            engine,
             "braid: device communicator ready"
         );
         Ok(CudaComm {
@@ -447,12 +419,12 @@ impl CudaComm {
                 dev,
                 flag,
                 state: Mutex::new(Issue {
-                    tx: Some(tx),
+                    tx,
                     cursor: Cursor::new(nranks),
                     last: None,
                     seq: 0,
                 }),
-                stream_mode: None,
+                stream_mode,
                 broken,
                 abort,
                 worker: Mutex::new(Some(worker)),
