@@ -70,7 +70,7 @@ use braid_transport_pcie::PcieTransport;
 use tracing::info;
 
 use crate::comm::{Communicator, LinkSetup};
-use crate::cuda_stream::{self, Rings, Shared, Watchdog};
+use crate::cuda_stream::{self, DevBuf, Rings, Shared, Watchdog};
 use crate::engine::{Channels, WaitPolicy};
 use crate::error::{Error, Result};
 
@@ -124,8 +124,6 @@ struct StreamMode {
     kernels: Arc<Kernels>,
     shared: Arc<Shared>,
 }
-
-use crate::cuda_stream::DevBuf;
 
 /// Which engine: `BRAID_CUDA_ENGINE` (`stream`, `proxy`, or unset: auto).
 fn engine_from_env() -> Result<Option<bool>> {
@@ -474,7 +472,8 @@ impl CudaComm {
         self.inner.abort.store(true, Ordering::SeqCst);
     }
 
-    /// Block until the proxy finished every operation issued so far; the
+    /// Block until every operation issued so far is done (the proxy ran it,
+    /// or in stream mode the GPU passed its end); the
     /// error that broke the communicator, if any. (The caller's streams
     /// still need their own synchronisation for the data.)
     pub fn synchronize(&self) -> Result<()> {
