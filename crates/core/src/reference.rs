@@ -6,7 +6,48 @@
 //! multi-process suite and `braid-perf -c` compare against code that is not
 //! the code under test.
 
+use crate::plan::Collective;
 use crate::types::{DataType, RedOp};
+
+/// The six collectives the test suites sweep (point-to-point groups aside).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kind {
+    AllReduce,
+    ReduceScatter,
+    AllGather,
+    Broadcast,
+    Reduce,
+    AllToAll,
+}
+
+impl Kind {
+    /// Every kind, in a fixed order.
+    pub const ALL: [Kind; 6] = [
+        Kind::AllReduce,
+        Kind::ReduceScatter,
+        Kind::AllGather,
+        Kind::Broadcast,
+        Kind::Reduce,
+        Kind::AllToAll,
+    ];
+
+    /// The collective of this kind: `count` is the per-rank count as
+    /// [`Collective`] names it (ReduceScatter's receive count, AllGather's
+    /// send count); `op` and `root` are used where the kind has them.
+    pub fn collective(self, count: usize, op: RedOp, root: u32) -> Collective {
+        match self {
+            Kind::AllReduce => Collective::AllReduce { count, op },
+            Kind::ReduceScatter => Collective::ReduceScatter {
+                recv_count: count,
+                op,
+            },
+            Kind::AllGather => Collective::AllGather { send_count: count },
+            Kind::Broadcast => Collective::Broadcast { count, root },
+            Kind::Reduce => Collective::Reduce { count, op, root },
+            Kind::AllToAll => Collective::AllToAll { count },
+        }
+    }
+}
 
 /// Filler written into receive buffers before an operation, to catch
 /// elements that were never written.

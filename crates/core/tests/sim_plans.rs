@@ -6,17 +6,7 @@ use braid_core::plan::{plan, Collective, P2p, P2pKind, PlanParams};
 use braid_core::sim::{run, RankSetup};
 use braid_core::{DataType, RedOp};
 
-use braid_core::reference::{assert_elems_eq, gen, reduced, GARBAGE};
-
-#[derive(Clone, Copy, PartialEq)]
-enum Kind {
-    AllReduce,
-    ReduceScatter,
-    AllGather,
-    Broadcast,
-    Reduce,
-    AllToAll,
-}
+use braid_core::reference::{assert_elems_eq, gen, reduced, Kind, GARBAGE};
 
 struct Case {
     kind: Kind,
@@ -38,18 +28,7 @@ const MOVE_PIECE_FACTOR: usize = 3;
 
 impl Case {
     fn coll(&self) -> Collective {
-        let (count, op, root) = (self.count, self.op, self.root as u32);
-        match self.kind {
-            Kind::AllReduce => Collective::AllReduce { count, op },
-            Kind::ReduceScatter => Collective::ReduceScatter {
-                recv_count: count,
-                op,
-            },
-            Kind::AllGather => Collective::AllGather { send_count: count },
-            Kind::Broadcast => Collective::Broadcast { count, root },
-            Kind::Reduce => Collective::Reduce { count, op, root },
-            Kind::AllToAll => Collective::AllToAll { count },
-        }
+        self.kind.collective(self.count, self.op, self.root as u32)
     }
 
     fn name(&self) -> String {
@@ -196,19 +175,10 @@ impl Case {
     }
 }
 
-const KINDS: [Kind; 6] = [
-    Kind::AllReduce,
-    Kind::ReduceScatter,
-    Kind::AllGather,
-    Kind::Broadcast,
-    Kind::Reduce,
-    Kind::AllToAll,
-];
-
 #[test]
 fn all_collectives_1_to_16_ranks_f32_sum() {
     for p in 1..=16 {
-        for kind in KINDS {
+        for kind in Kind::ALL {
             for count in [0, 1, 7, 3 * p, 1023] {
                 for in_place in [false, true] {
                     if in_place && kind == Kind::AllToAll {
@@ -266,7 +236,7 @@ fn reductions_every_datatype_and_op() {
 fn many_loops_with_large_pieces_and_every_root() {
     for p in [2, 3, 4, 7] {
         for root in 0..p {
-            for kind in KINDS {
+            for kind in Kind::ALL {
                 Case {
                     kind,
                     p,

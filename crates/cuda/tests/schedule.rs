@@ -6,42 +6,9 @@
 //! collectives back to back on one cursor.
 
 use braid_core::plan::{plan, Collective, PlanParams};
-use braid_core::reference::{assert_elems_eq, gen, gen_at, reduced, GARBAGE};
+use braid_core::reference::{assert_elems_eq, gen, gen_at, reduced, Kind, GARBAGE};
 use braid_core::{DataType, RedOp};
 use braid_cuda::schedule::{schedule, simulate, Cmd, Cursor, Interleave, Links, Loc, SimRank};
-
-#[derive(Clone, Copy, Debug, PartialEq)]
-enum Kind {
-    AllReduce,
-    ReduceScatter,
-    AllGather,
-    Broadcast,
-    Reduce,
-    AllToAll,
-}
-
-const KINDS: [Kind; 6] = [
-    Kind::AllReduce,
-    Kind::ReduceScatter,
-    Kind::AllGather,
-    Kind::Broadcast,
-    Kind::Reduce,
-    Kind::AllToAll,
-];
-
-fn coll(kind: Kind, count: usize, op: RedOp, root: u32) -> Collective {
-    match kind {
-        Kind::AllReduce => Collective::AllReduce { count, op },
-        Kind::ReduceScatter => Collective::ReduceScatter {
-            recv_count: count,
-            op,
-        },
-        Kind::AllGather => Collective::AllGather { send_count: count },
-        Kind::Broadcast => Collective::Broadcast { count, root },
-        Kind::Reduce => Collective::Reduce { count, op, root },
-        Kind::AllToAll => Collective::AllToAll { count },
-    }
-}
 
 /// Element offset of repetition `i`'s inputs in the generator (so that
 /// back-to-back collectives move different data).
@@ -96,7 +63,7 @@ impl Case {
     fn run(&self, order: Interleave) {
         let (p, n, dt, op) = (self.p as usize, self.count, self.dt, self.op);
         let es = dt.size();
-        let c = coll(self.kind, n, op, self.root);
+        let c = self.kind.collective(n, op, self.root);
         let counts = c.buffer_counts(self.p).unwrap();
         let name = format!(
             "{} p={p} n={n} {dt} {op} root={} slots={} piece={} small={} start={} {order:?}",
@@ -198,7 +165,7 @@ const ORDERS: [Interleave; 4] = [
 
 #[test]
 fn every_collective_two_slots_every_interleaving() {
-    for kind in KINDS {
+    for kind in Kind::ALL {
         for p in 1..=5u32 {
             for order in ORDERS {
                 Case {
@@ -251,7 +218,7 @@ fn operators_datatypes_and_avg() {
 
 #[test]
 fn back_to_back_collectives_deep_fifos_and_counter_wrap() {
-    for kind in KINDS {
+    for kind in Kind::ALL {
         for (slots, start) in [(2, u32::MAX as u64 - 5), (8, 0), (3, (1u64 << 32) - 1)] {
             Case {
                 kind,

@@ -20,7 +20,7 @@ use std::process::ExitCode;
 use std::time::Instant;
 
 use braid::{Collective, Communicator, Config, DataType, Error, RedOp, UniqueId};
-use braid_core::reference::{first_wrong, gen, gen_at, reduced, GARBAGE};
+use braid_core::reference::{first_wrong, gen, gen_at, reduced, Kind, GARBAGE};
 
 /// A byte buffer aligned for every datatype (backed by u64s).
 struct AlignedBuf {
@@ -70,36 +70,6 @@ fn bytemuck_bytes_mut(w: &mut [u64]) -> &mut [u8] {
     unsafe { std::slice::from_raw_parts_mut(w.as_mut_ptr() as *mut u8, w.len() * 8) }
 }
 
-#[derive(Clone, Copy, Debug, PartialEq)]
-enum Kind {
-    AllReduce,
-    ReduceScatter,
-    AllGather,
-    Broadcast,
-    Reduce,
-    AllToAll,
-}
-
-const KINDS: [Kind; 6] = [
-    Kind::AllReduce,
-    Kind::ReduceScatter,
-    Kind::AllGather,
-    Kind::Broadcast,
-    Kind::Reduce,
-    Kind::AllToAll,
-];
-
-fn coll(kind: Kind, n: usize, op: RedOp, root: u32) -> Collective {
-    match kind {
-        Kind::AllReduce => Collective::AllReduce { count: n, op },
-        Kind::ReduceScatter => Collective::ReduceScatter { recv_count: n, op },
-        Kind::AllGather => Collective::AllGather { send_count: n },
-        Kind::Broadcast => Collective::Broadcast { count: n, root },
-        Kind::Reduce => Collective::Reduce { count: n, op, root },
-        Kind::AllToAll => Collective::AllToAll { count: n },
-    }
-}
-
 /// A case's input and expected receive buffer (None: not checked), computed
 /// once by the reference for both the in-place and out-of-place runs.
 struct Prepared {
@@ -116,7 +86,8 @@ fn prepare(
 ) -> Result<Prepared, String> {
     let (r, p) = (comm.rank() as usize, comm.nranks() as usize);
     let root = (n % p) as u32;
-    let counts = coll(kind, n, op, root)
+    let counts = kind
+        .collective(n, op, root)
         .buffer_counts(p as u32)
         .map_err(|e| e.to_string())?;
     let input = gen(dt, op, r, counts[0]);
@@ -145,7 +116,7 @@ fn case(
     let (r, p) = (comm.rank() as usize, comm.nranks() as usize);
     let es = dt.size();
     let root = (n % p) as u32;
-    let c = coll(kind, n, op, root);
+    let c = kind.collective(n, op, root);
     let counts = c.buffer_counts(p as u32).map_err(|e| e.to_string())?;
     let input = &prep.input;
     let (got, untouched): (Vec<u8>, Option<Vec<u8>>) = if in_place {
@@ -193,7 +164,7 @@ fn matrix(comm: &Communicator, sizes: &[usize]) -> u32 {
     let mut cases = 0;
     let t0 = Instant::now();
     for &n in sizes {
-        for kind in KINDS {
+        for kind in Kind::ALL {
             let ops: &[RedOp] = match kind {
                 Kind::AllReduce | Kind::ReduceScatter | Kind::Reduce => &RedOp::ALL,
                 _ => &[RedOp::Sum],
