@@ -586,19 +586,10 @@ impl Stream {
     /// Make later work on this stream wait until the 32-bit word `flag` is
     /// at least `value` (wrap-around aware: `(int32)(*flag - value) >= 0`).
     pub fn wait_value_geq(&self, flag: &HostFlag, value: u32) -> Result<()> {
-        self.dev.bind()?;
         // SAFETY: the flag's device pointer maps pinned host memory that
         // lives as long as the HostFlag (the caller keeps it alive until the
-        // stream passed the wait).
-        check("cuStreamWaitValue32", unsafe {
-            sys::cuStreamWaitValue32_v2(
-                self.raw,
-                flag.dptr,
-                value,
-                sys::CUstreamWaitValue_flags::CU_STREAM_WAIT_VALUE_GEQ as u32,
-            )
-            .result()
-        })
+        // stream passed the wait); it is a 4-byte aligned word.
+        unsafe { self.wait_value_geq_at(flag.dptr, value) }
     }
 
     /// Make later work on this stream wait until the 32-bit word at device

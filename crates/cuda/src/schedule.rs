@@ -265,6 +265,19 @@ pub fn schedule(prog: &Program, links: &Links, cur: &mut Cursor) -> Result<Vec<C
             let inp = input.map(|i| i.2);
             let out = output.map(|o| o.2);
             let missing = || CoreError::InvalidArgument(format!("malformed op {op:?}"));
+            // `dst = in (+) src`, then the Avg division where asked.
+            let reduce_into = |cmds: &mut Vec<Cmd>, src: Region, dst: Region, fin: bool| {
+                cmds.push(Cmd::Reduce {
+                    dst: buf(dst),
+                    a: inp.ok_or_else(missing)?,
+                    b: buf(src),
+                    len,
+                });
+                if fin && divide {
+                    cmds.push(Cmd::Divide { dst: buf(dst), len });
+                }
+                Ok::<(), CoreError>(())
+            };
             match *op {
                 Op::Copy { src, dst, finalize } => {
                     if src != dst {
@@ -299,17 +312,7 @@ pub fn schedule(prog: &Program, links: &Links, cur: &mut Cursor) -> Result<Vec<C
                 }),
                 Op::RecvReduceCopy {
                     src, dst, finalize, ..
-                } => {
-                    cmds.push(Cmd::Reduce {
-                        dst: buf(dst),
-                        a: inp.ok_or_else(missing)?,
-                        b: buf(src),
-                        len,
-                    });
-                    if finalize && divide {
-                        cmds.push(Cmd::Divide { dst: buf(dst), len });
-                    }
-                }
+                } => reduce_into(&mut cmds, src, dst, finalize)?,
                 Op::RecvCopySend { dst, .. } => {
                     let i = inp.ok_or_else(missing)?;
                     cmds.push(Cmd::Copy {
@@ -326,15 +329,7 @@ pub fn schedule(prog: &Program, links: &Links, cur: &mut Cursor) -> Result<Vec<C
                 Op::RecvReduceCopySend {
                     src, dst, finalize, ..
                 } => {
-                    cmds.push(Cmd::Reduce {
-                        dst: buf(dst),
-                        a: inp.ok_or_else(missing)?,
-                        b: buf(src),
-                        len,
-                    });
-                    if finalize && divide {
-                        cmds.push(Cmd::Divide { dst: buf(dst), len });
-                    }
+                    reduce_into(&mut cmds, src, dst, finalize)?;
                     cmds.push(Cmd::Copy {
                         dst: out.ok_or_else(missing)?,
                         src: buf(dst),

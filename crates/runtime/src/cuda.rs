@@ -630,16 +630,20 @@ impl CudaComm {
         keep: Vec<Arc<DeviceBuffer>>,
         stream: &Stream,
     ) -> Result<()> {
-        let mut st = self.lock()?;
+        let mut guard = self.lock()?;
+        let st = &mut *guard;
         let mut cursor = st.cursor.clone();
         // Nothing is queued before the schedule is known to be valid.
         let cmds = braid_cuda::schedule::schedule(prog, &m.rings.links, &mut cursor)?;
-        let ev = Event::new(&self.inner.dev, false)?;
-        if let Some(prev) = &st.last {
-            // The previous collective of this communicator comes first, on
-            // whatever stream it was issued.
-            stream.wait_event(prev)?;
-        }
+        // One event per communicator, re-recorded at the end of each
+        // collective: the previous collective comes first, on whatever
+        // stream it was issued (a wait on a never-recorded event is a no-op;
+        // a wait takes the event's state when it is queued).
+        let ev: &Event = match &mut st.last {
+            Some(ev) => ev,
+            slot @ None => slot.insert(Event::new(&self.inner.dev, false)?),
+        };
+        stream.wait_event(ev)?;
         let seq = st.seq.wrapping_add(1);
         let queued = cuda_stream::issue(&cmds, prog, &bufs, &m.rings, &m.kernels, stream);
         // From here the cursor has moved for every peer: a partly queued
@@ -650,8 +654,7 @@ impl CudaComm {
         // whose watchdog outlives all queued work.
         let fin = unsafe { stream.write_value(self.inner.flag.device_ptr(), seq) }
             .map_err(Error::from)
-            .and_then(|_| stream.record(&ev).map_err(Error::from));
-        st.last = Some(ev);
+            .and_then(|_| stream.record(ev).map_err(Error::from));
         m.shared.queued(seq, &st.cursor, keep);
         let r = queued.map_err(Error::from).and(fin);
         if let Err(e) = &r {

@@ -116,7 +116,10 @@ struct Aligned {
 unsafe impl Send for Aligned {}
 
 impl Aligned {
-    fn new(len: usize, align: usize) -> Result<Aligned, BenchError> {
+    /// `len` bytes aligned to `align`, advised onto huge pages first when
+    /// `huge`, then every byte set to `fill` (the first touch). Returns
+    /// whether the huge-page advice was taken.
+    fn new(len: usize, align: usize, huge: bool, fill: u8) -> Result<(Aligned, bool), BenchError> {
         let layout = std::alloc::Layout::from_size_align(len.max(1), align)
             .map_err(|_| BenchError::Usage(format!("cannot lay out {len} bytes")))?;
         // SAFETY: the layout has a non-zero size.
@@ -126,26 +129,20 @@ impl Aligned {
                 "cannot allocate {len} bytes for a buffer: lower -e"
             ))
         })?;
-        Ok(Aligned { ptr, layout })
+        let a = Aligned { ptr, layout };
+        // SAFETY: the allocation holds `layout.size()` bytes, owned by `a`;
+        // nothing reads them as initialised before `write_bytes` below.
+        let uninit: &mut [std::mem::MaybeUninit<u8>] =
+            unsafe { std::slice::from_raw_parts_mut(ptr.as_ptr().cast(), layout.size()) };
+        let advised = huge && advise_huge(uninit);
+        // SAFETY: as above; this initialises every byte.
+        unsafe { std::ptr::write_bytes(ptr.as_ptr(), fill, layout.size()) };
+        Ok((a, advised))
     }
 
-    /// The whole allocation, uninitialised.
-    fn uninit(&mut self) -> &mut [std::mem::MaybeUninit<u8>] {
-        // SAFETY: the allocation holds `layout.size()` bytes, owned by self.
-        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr().cast(), self.layout.size()) }
-    }
-
-    /// Fill every byte with `b` (the first touch) and return the bytes.
-    fn fill(&mut self, b: u8) -> &mut [u8] {
-        // SAFETY: the allocation holds `layout.size()` writable bytes.
-        unsafe { std::ptr::write_bytes(self.ptr.as_ptr(), b, self.layout.size()) };
-        self.bytes()
-    }
-
-    /// The bytes (initialised by `fill` in `Buffers::new` before any use).
+    /// The bytes.
     fn bytes(&mut self) -> &mut [u8] {
-        // SAFETY: every byte was written by `fill` when the buffers were
-        // made (the only constructor of `Buffers` calls it).
+        // SAFETY: `new` initialised all `layout.size()` bytes, owned by self.
         unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.layout.size()) }
     }
 }
@@ -185,11 +182,7 @@ impl Buffers {
             } else {
                 (len, 4096)
             };
-            let mut a = Aligned::new(len, align)?;
-            // Advise before the first touch (`fill` writes every page).
-            let huge = hugepages && advise_huge(a.uninit());
-            a.fill(GARBAGE);
-            Ok((a, huge))
+            Aligned::new(len, align, hugepages, GARBAGE)
         };
         let (send, h1) = alloc()?;
         let (recv, h2) = alloc()?;
