@@ -111,7 +111,15 @@ fn matrix_3_ranks_two_copy() {
 /// read from the sender's memory.
 #[test]
 fn matrix_4_ranks_single_copy() {
-    matrix_env(4, &[("BRAID_SINGLE_COPY_MIN_BYTES", "0")]);
+    // Also every local copy with streaming stores (braid_core::copy), which
+    // by default only collectives larger than the cache use.
+    matrix_env(
+        4,
+        &[
+            ("BRAID_SINGLE_COPY_MIN_BYTES", "0"),
+            ("BRAID_STREAM_MIN_BYTES", "0"),
+        ],
+    );
 }
 
 #[test]

@@ -7,6 +7,7 @@
 //! - [`transport`]: the transport seam (slot FIFOs with credits) and its
 //!   conformance suite.
 
+pub mod copy;
 pub mod error;
 pub mod plan;
 pub mod reduce;

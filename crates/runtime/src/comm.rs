@@ -78,6 +78,9 @@ struct Shared {
     /// data through the slots (two copies that stay in cache) instead of
     /// single-copy.
     single_copy_min: usize,
+    /// Collectives whose buffers (this rank's, all together) take at least
+    /// this many bytes copy with streaming stores (`braid_core::copy`).
+    stream_min: usize,
     check_headers: bool,
     policy: WaitPolicy,
     abort: Arc<AtomicBool>,
@@ -150,7 +153,6 @@ fn spin_budget(me: &PeerDesc, peers: &[PeerDesc]) -> u32 {
     }
 }
 
-/// A byte count from the environment, or `default` when unset.
 /// Where the kernel says whether anonymous memory gets transparent huge
 /// pages (`always`, `madvise` or `never`, the chosen one in brackets).
 const THP_ENABLED: &str = "/sys/kernel/mm/transparent_hugepage/enabled";
@@ -181,6 +183,49 @@ fn single_copy_default(thp_file: &str) -> usize {
     }
 }
 
+/// Where Linux describes CPU 0's caches (`index*/level`, `index*/size`).
+const CPU0_CACHES: &str = "/sys/devices/system/cpu/cpu0/cache";
+
+/// The size of the largest cache CPU 0 has (its last level), from `dir`
+/// laid out as [`CPU0_CACHES`]; `None` if it says nothing usable.
+fn last_level_cache(dir: &std::path::Path) -> Option<usize> {
+    let mut best: Option<(u32, usize)> = None;
+    for e in std::fs::read_dir(dir).ok()?.flatten() {
+        let read = |f: &str| std::fs::read_to_string(e.path().join(f)).ok();
+        let (Some(level), Some(size)) = (read("level"), read("size")) else {
+            continue;
+        };
+        let Ok(level) = level.trim().parse::<u32>() else {
+            continue;
+        };
+        let size = size.trim();
+        let (digits, unit) = match size.strip_suffix('K') {
+            Some(d) => (d, 1 << 10),
+            None => match size.strip_suffix('M') {
+                Some(d) => (d, 1 << 20),
+                None => (size, 1),
+            },
+        };
+        let Ok(n) = digits.parse::<usize>() else {
+            continue;
+        };
+        if best.is_none_or(|(l, _)| level > l) {
+            best = Some((level, n.saturating_mul(unit)));
+        }
+    }
+    best.map(|(_, b)| b)
+}
+
+/// The default of `BRAID_STREAM_MIN_BYTES` for `local` ranks on this host:
+/// collectives whose buffers, times the ranks sharing the last-level cache,
+/// exceed that cache copy with streaming stores (their destinations would
+/// not stay cached anyway; `braid_core::copy`). 32 MiB when sysfs says
+/// nothing.
+fn stream_default(caches: &std::path::Path, local: usize) -> usize {
+    last_level_cache(caches).unwrap_or(32 << 20) / local.max(1)
+}
+
+/// A byte count from the environment, or `default` when unset.
 fn env_bytes(name: &str, default: usize) -> Result<usize> {
     match std::env::var(name) {
         Ok(v) if !v.trim().is_empty() => v.trim().parse().map_err(|_| {
@@ -404,6 +449,13 @@ impl Communicator {
                 single_copy_min: env_bytes(
                     "BRAID_SINGLE_COPY_MIN_BYTES",
                     single_copy_default(THP_ENABLED),
+                )?,
+                stream_min: env_bytes(
+                    "BRAID_STREAM_MIN_BYTES",
+                    stream_default(
+                        std::path::Path::new(CPU0_CACHES),
+                        peers.iter().filter(|p| p.host_id == me.host_id).count(),
+                    ),
                 )?,
                 move_piece,
                 // Mismatch detection (one 32-byte header per link per
@@ -690,6 +742,7 @@ impl Communicator {
             } else {
                 usize::MAX
             },
+            stream_copies: bufs.iter().map(|b| b.len).sum::<usize>() >= sh.stream_min,
             rank: sh.rank,
             headers: use_headers.then_some(&headers),
             progress: Some(&sh.progress),
@@ -1318,6 +1371,44 @@ mod peer_desc_tests {
         assert_eq!(at("always madvise [never]\n"), 8 << 20);
         std::fs::remove_dir_all(&dir).unwrap();
         assert_eq!(single_copy_default("/nonexistent/braid/thp"), 8 << 20);
+    }
+
+    /// The streaming threshold is the largest (last-level) cache of a
+    /// recorded sysfs tree, shared by the local ranks; unreadable or
+    /// malformed entries are skipped.
+    #[test]
+    fn streaming_threshold_is_the_last_level_cache_per_local_rank() {
+        let dir = std::env::temp_dir().join(format!("braid-caches-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        // This VM's CPU 0: L1d, L1i, L2 and L3 (listed out of order).
+        for (idx, level, size) in [
+            ("index3", "3", "32768K\n"),
+            ("index0", "1", "48K\n"),
+            ("index1", "1", "32K\n"),
+            ("index2", "2", "1024K\n"),
+            ("index9", "4", "lots\n"),
+        ] {
+            let d = dir.join(idx);
+            std::fs::create_dir_all(&d).unwrap();
+            std::fs::write(d.join("level"), level).unwrap();
+            std::fs::write(d.join("size"), size).unwrap();
+        }
+        std::fs::create_dir_all(dir.join("index7")).unwrap(); // no files
+        assert_eq!(last_level_cache(&dir), Some(32 << 20));
+        assert_eq!(stream_default(&dir, 1), 32 << 20);
+        assert_eq!(stream_default(&dir, 2), 16 << 20);
+        assert_eq!(stream_default(&dir, 0), 32 << 20);
+        std::fs::write(dir.join("index3/size"), "2M").unwrap();
+        assert_eq!(last_level_cache(&dir), Some(2 << 20));
+        std::fs::remove_dir_all(&dir).unwrap();
+        assert_eq!(
+            last_level_cache(std::path::Path::new("/nonexistent/braid")),
+            None
+        );
+        assert_eq!(
+            stream_default(std::path::Path::new("/nonexistent/braid"), 4),
+            8 << 20
+        );
     }
 
     #[test]

@@ -272,6 +272,9 @@ pub struct Exec<'a> {
     /// Pieces of at least this many bytes of pure data movement go by
     /// reference where the link allows it (single copy); `usize::MAX` never.
     pub direct_min: usize,
+    /// Copies between the caller's buffers use streaming stores (the
+    /// operation's buffers exceed the cache; `braid_core::copy`).
+    pub stream_copies: bool,
     /// This rank (for messages).
     pub rank: u32,
     /// Operation headers to send and to check (mismatch detection); `None`
@@ -693,8 +696,14 @@ unsafe fn try_op(
         match *op {
             Op::Copy { src, dst, finalize } => {
                 let (s, d) = (region_ptr(ex, src)?, region_ptr(ex, dst)?);
+                let n = src.len;
                 if s != d {
-                    std::ptr::copy(s, d, src.len);
+                    let apart = s as usize + n <= d as usize || d as usize + n <= s as usize;
+                    if ex.stream_copies && apart {
+                        braid_core::copy::copy_streaming(d, s, n);
+                    } else {
+                        std::ptr::copy(s, d, n);
+                    }
                 }
                 if finalize {
                     finalize_region(prog, d, src.len)?;
