@@ -112,12 +112,15 @@ fn matrix_3_ranks_two_copy() {
 #[test]
 fn matrix_4_ranks_single_copy() {
     // Also every local copy with streaming stores (braid_core::copy), which
-    // by default only collectives larger than the cache use.
+    // by default only collectives larger than the cache use, and direct
+    // transfers shared with their senders in chunks of 4 KiB (by default
+    // only transfers of 512 KiB and more are shared, in 256 KiB chunks).
     matrix_env(
         4,
         &[
             ("BRAID_SINGLE_COPY_MIN_BYTES", "0"),
             ("BRAID_STREAM_MIN_BYTES", "0"),
+            ("BRAID_SHM_HELP_CHUNK", "4096"),
         ],
     );
 }

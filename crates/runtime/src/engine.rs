@@ -170,12 +170,20 @@ impl<'a> Waiter<'a> {
         }
     }
 
-    /// Called when nothing could move. `blocked` names what we wait for.
+    /// Called when nothing could move. `blocked` names what we wait for;
+    /// `helping` are the peers this operation sent direct slots to, whose
+    /// copies we take a share of meanwhile ([`SendChannel::poll_help`]).
     fn idle(
         &mut self,
         chans: &mut Channels,
         blocked: (u32, &'static str),
+        helping: &[u32],
     ) -> Result<(), CoreError> {
+        for &peer in helping {
+            if chans.sender(peer)?.poll_help()? {
+                return Ok(());
+            }
+        }
         self.iters = self.iters.saturating_add(1);
         if self.iters < self.policy.spin {
             // A PAUSE costs ~40 ns on recent x86 cores, as much as seeing a
@@ -377,7 +385,7 @@ pub unsafe fn execute(
                     &mut hdr,
                 )?
             } {
-                waiter.idle(chans, blocked)?;
+                waiter.idle(chans, blocked, &direct)?;
             }
             waiter.progressed();
             continue;
@@ -420,7 +428,7 @@ pub unsafe fn execute(
             }
             match (moved, blocked) {
                 (true, _) | (_, None) => waiter.progressed(),
-                (false, Some(b)) => waiter.idle(chans, b)?,
+                (false, Some(b)) => waiter.idle(chans, b, &direct)?,
             }
         }
     }
@@ -428,7 +436,7 @@ pub unsafe fn execute(
     // them before the caller gets its buffers back.
     for &peer in &direct {
         while !chans.sender(peer)?.poll_drained()? {
-            waiter.idle(chans, (peer, WAIT_DRAIN))?;
+            waiter.idle(chans, (peer, WAIT_DRAIN), &direct)?;
         }
         waiter.progressed();
     }

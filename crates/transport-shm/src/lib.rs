@@ -33,6 +33,32 @@
 //!   (`kill(pid, 0)` fails with `ESRCH`, or `/proc/<pid>/stat` says zombie) as
 //!   [`CoreError::Peer`] "process `<pid>` is gone". A receiver whose sender
 //!   closed normally keeps working until it has read every committed slot.
+//! - **Direct (single-copy) transfers.** At connect time the receiver probes
+//!   whether it may read the sender's memory (`process_vm_readv` of a known
+//!   word). If so, `commit_direct` publishes a slot whose length word has
+//!   the top bit set and whose first word is the address of the bytes in
+//!   the sender's memory; the receiver copies them with `process_vm_readv`
+//!   straight into their destination, then releases the slot.
+//! - **Shared direct transfers.** A direct transfer of at least two chunks
+//!   (`BRAID_SHM_HELP_CHUNK`, default 256 KiB, at most 64 chunks) is split
+//!   between both processes, since the sender's core is otherwise idle
+//!   while the receiver copies: the receiver writes its destination address
+//!   and the chunk size into the slot's second and third words and opens a
+//!   claim word (`generation | slot | next chunk`) in the control block.
+//!   Both sides claim chunks from it (the receiver with `fetch_add`, the
+//!   sender with a compare-and-swap that fails if the offer changed); the
+//!   receiver reads its chunks, the sender — from `poll_help`, which the
+//!   engine calls while it waits for anything — writes its own with
+//!   `process_vm_writev` and counts them in `done`. The receiver reports
+//!   the transfer complete once it ran out of chunks and `done` covers the
+//!   sender's; a chunk the sender could not write is flagged in `failed`
+//!   and copied by the receiver. Before the receiver gives up on a transfer
+//!   (an error, `abort`, drop) it closes the claim word and waits for the
+//!   sender's claimed chunks (at most one second, or until the sender's
+//!   process is gone), so nothing writes the destination after the engine
+//!   got it back. Side by side on 2 ranks, Broadcast of 16 and 64 MiB ran
+//!   1.3-1.6x faster with sharing than without; `BRAID_SHM_HELP=0` turns it
+//!   off.
 //!
 //! # Memory orderings
 //!
@@ -50,8 +76,8 @@
 //!
 //! # Tuning
 //!
-//! `BRAID_SHM_SLOT_BYTES` (default 512 KiB; at least 4096, a multiple of 64)
-//! and `BRAID_SHM_SLOTS` (default 8; 2 to 1024), read by
+//! `BRAID_SHM_SLOT_BYTES` (default 128 KiB; at least 4096, a multiple of 64)
+//! and `BRAID_SHM_SLOTS` (default 16; 2 to 1024), read by
 //! [`ShmTransport::new`]. The segment is mapped with `MAP_POPULATE`, touched
 //! page by page on creation and advised `MADV_HUGEPAGE`, so the hot path does
 //! not take first-use page faults.
@@ -152,6 +178,64 @@ pub const ENV_DIRECT: &str = "BRAID_SHM_DIRECT";
 /// Marks a slot length word whose slot holds the sender-side address of the
 /// payload (a direct transfer) instead of the payload.
 const DIRECT_FLAG: u64 = 1 << 63;
+
+/// Environment variable: `0` stops receivers from sharing the copy of a
+/// direct transfer with its sender (see [`ShmRecv::poll_read_remote`]).
+pub const ENV_HELP: &str = "BRAID_SHM_HELP";
+
+/// Environment variable: the smallest chunk of a shared direct transfer
+/// (bytes, a multiple of 4096; default 256 KiB). Transfers shorter than two
+/// chunks are not shared. Small values are for tests.
+pub const ENV_HELP_CHUNK: &str = "BRAID_SHM_HELP_CHUNK";
+
+/// Default smallest chunk of a shared direct transfer: side by side, 256 KiB
+/// pieces of a 2 MiB transfer split between two processes ran 1.5-1.8x
+/// faster than one reader.
+const HELP_CHUNK_MIN: usize = 256 * 1024;
+/// A shared direct transfer is cut into at most this many chunks.
+const HELP_CHUNKS_MAX: usize = 64;
+
+/// The receiver's smallest chunk, or `None` when sharing is off
+/// ([`ENV_HELP`] is `0`).
+fn help_chunk_min() -> Result<Option<usize>> {
+    if std::env::var(ENV_HELP).is_ok_and(|v| v.trim() == "0") {
+        return Ok(None);
+    }
+    match std::env::var(ENV_HELP_CHUNK) {
+        Ok(v) if !v.trim().is_empty() => match v.trim().parse::<usize>() {
+            Ok(n) if n >= 4096 && n % 4096 == 0 => Ok(Some(n)),
+            _ => Err(CoreError::InvalidArgument(format!(
+                "{ENV_HELP_CHUNK}={v:?}: give a multiple of 4096 bytes, e.g. 262144"
+            ))),
+        },
+        _ => Ok(Some(HELP_CHUNK_MIN)),
+    }
+}
+
+/// How the receiver cuts a shared direct transfer of `len` bytes with
+/// chunks of at least `min`: (chunk bytes, chunks). The chunk size travels
+/// in the slot, so only the receiver decides it.
+fn help_split(len: usize, min: usize) -> (usize, usize) {
+    let chunk = len
+        .div_ceil(HELP_CHUNKS_MAX)
+        .next_multiple_of(4096)
+        .max(min);
+    (chunk, len.div_ceil(chunk))
+}
+
+/// The claim word of [`segment::Help`]: generation (22 bits, never 0 for
+/// an offer), slot index (10 bits, `MAX_SLOTS` is 1024) and next chunk.
+/// Generations only need to differ between offers the sender can confuse:
+/// at most `slots` offers happen while the sender is inside one
+/// `poll_help`, since each needs a slot it committed.
+fn pack_claim(generation: u32, slot: usize, chunk: u32) -> u64 {
+    (u64::from(generation) & 0x3f_ffff) << 42 | ((slot as u64) & 0x3ff) << 32 | u64::from(chunk)
+}
+
+/// (generation, slot, chunk) of a claim word.
+fn unpack_claim(w: u64) -> (u32, usize, u32) {
+    ((w >> 42) as u32, ((w >> 32) & 0x3ff) as usize, w as u32)
+}
 
 fn direct_enabled() -> bool {
     std::env::var(ENV_DIRECT)
@@ -558,6 +642,9 @@ impl PendingRecv for ShmPendingRecv {
             peeked: false,
             remote: None,
             aborted: None,
+            help_chunk: help_chunk_min()?,
+            generation: 0,
+            sharing: None,
         }))
     }
 }
@@ -628,6 +715,7 @@ impl PendingSend for ShmPendingSend {
             tail_cache: 0,
             acquired: false,
             direct: false,
+            help_failed: false,
             aborted: None,
         }))
     }
@@ -649,6 +737,8 @@ struct ShmSend {
     acquired: bool,
     /// The receiver proved it can read our memory (cached once seen).
     direct: bool,
+    /// A write into the receiver's memory failed: no more helping.
+    help_failed: bool,
     /// Set by our own `abort`.
     aborted: Option<String>,
 }
@@ -782,6 +872,84 @@ impl SendChannel for ShmSend {
         Ok(self.load_tail()? == self.head)
     }
 
+    /// Writes one chunk of the direct transfer the receiver offered to share
+    /// (see `ShmRecv::poll_read_remote`), if a chunk is left.
+    fn poll_help(&mut self) -> Result<bool> {
+        if !self.direct || self.aborted.is_some() || self.help_failed {
+            return Ok(false);
+        }
+        // Acquire: pairs with the receiver's Release store of the claim
+        // word, after it wrote the destination into the slot.
+        let w = self.seg.header().help.0.claim.load(Ordering::Acquire);
+        let (generation, idx, k) = unpack_claim(w);
+        if generation == 0 || idx >= self.slots as usize {
+            return Ok(false);
+        }
+        // Relaxed: our own store (this thread) when we committed the slot.
+        let word = self.seg.len_word(idx).load(Ordering::Relaxed);
+        if word & DIRECT_FLAG == 0 {
+            return Ok(false);
+        }
+        let len = (word & !DIRECT_FLAG) as usize;
+        let slot = self.seg.slot_ptr(idx).cast::<u64>();
+        // SAFETY: slots are page-aligned and at least 4096 bytes; the third
+        // word holds the receiver's chunk size, written before the claim
+        // word we loaded with Acquire (a stale slot is rejected below, after
+        // the claim, before anything is written).
+        let chunk = unsafe { slot.add(2).read_volatile() } as usize;
+        if chunk < 4096 || k as usize >= len.div_ceil(chunk) {
+            return Ok(false);
+        }
+        // Only a slot we committed and the receiver has not released can be
+        // on offer; anything else is a stale word: leave it.
+        let tail = self.load_tail()?;
+        let t = tail + (idx as u64 + self.slots - tail % self.slots) % self.slots;
+        if t >= self.head {
+            return Ok(false);
+        }
+        let h = &self.seg.header().help.0;
+        // Claim chunk k; losing the race (the receiver claimed it, or a new
+        // offer replaced this one) is not an error: try again next time.
+        if h.claim
+            .compare_exchange(w, w + 1, Ordering::AcqRel, Ordering::Relaxed)
+            .is_err()
+        {
+            return Ok(false);
+        }
+        // SAFETY: the slot is committed and not released (checked above), so
+        // it holds our address in word 0 (our own write) and the receiver's
+        // destination in word 1 (written before the claim word we loaded
+        // with Acquire; not rewritten while the claim stays open).
+        let (src, dst) = unsafe { (slot.read_volatile(), slot.add(1).read_volatile()) };
+        let off = k as usize * chunk;
+        let n = chunk.min(len - off);
+        // SAFETY: `src..src+len` is the memory we passed to `commit_direct`,
+        // valid and unchanged until the receiver released the slot (its
+        // contract), which it does only after this chunk is counted done.
+        let res = unsafe {
+            segment::write_process(
+                self.peer_pid,
+                dst + off as u64,
+                (src as usize + off) as *const u8,
+                n,
+            )
+        };
+        if res.is_err() {
+            // The receiver copies the chunk itself (whatever the reason:
+            // a permission quirk or a receiver that went away); stop helping
+            // on this channel.
+            self.help_failed = true;
+            h.failed.store(
+                u64::from(generation) << 32 | u64::from(k),
+                Ordering::Release,
+            );
+        }
+        // Release: our writes into the destination happen before the
+        // receiver's Acquire load that sees this count.
+        h.done.fetch_add(1, Ordering::Release);
+        Ok(true)
+    }
+
     fn check_peer(&mut self) -> Result<()> {
         let hdr = self.seg.header();
         let recv = &hdr.receiver.0;
@@ -839,7 +1007,33 @@ struct ShmRecv {
     remote: Option<(u64, usize)>,
     /// Set by our own `abort`.
     aborted: Option<String>,
+    /// Smallest chunk of a direct transfer shared with the sender; `None`:
+    /// not shared ([`ENV_HELP`], [`ENV_HELP_CHUNK`]).
+    help_chunk: Option<usize>,
+    /// Generation of the last shared transfer (22 bits, never 0).
+    generation: u32,
+    /// The direct transfer being shared with the sender, if any.
+    sharing: Option<Sharing>,
 }
+
+/// A direct transfer the receiver offered to share ([`segment::Help`]).
+#[derive(Debug)]
+struct Sharing {
+    generation: u32,
+    dst: *mut u8,
+    len: usize,
+    chunk: usize,
+    chunks: u32,
+    /// Chunks this side claimed (and copied).
+    mine: u32,
+    /// Our claims ran past the last chunk: the rest is the sender's.
+    exhausted: bool,
+}
+
+// SAFETY: `dst` is only a destination address the engine lent us for the
+// transfer (`poll_read_remote`'s contract); the channel, like every channel,
+// is used by one thread at a time.
+unsafe impl Send for Sharing {}
 
 impl ShmRecv {
     /// Loads `head` (Acquire: pairs with the sender's Release in `commit`,
@@ -857,6 +1051,170 @@ impl ShmRecv {
         }
         self.head_cache = h;
         Ok(h)
+    }
+
+    /// The error for a failed read of the sender's memory.
+    fn read_error(&self, e: nix::errno::Errno) -> CoreError {
+        // A peer that gave up before it died said why: that reason is the
+        // cause to report, not the failed read that followed.
+        if let Some(reason) = abort_reason(&self.seg.header().sender.0) {
+            return CoreError::PeerAborted {
+                transport: NAME,
+                peer: self.peer,
+                reason,
+            };
+        }
+        if e == nix::errno::Errno::ESRCH {
+            CoreError::Peer {
+                transport: NAME,
+                peer: self.peer,
+                what: format!("process {} is gone", self.peer_pid),
+                source: None,
+            }
+        } else {
+            CoreError::Peer {
+                transport: NAME,
+                peer: self.peer,
+                what: format!("reading its memory (process_vm_readv) failed: {e}"),
+                source: Some(Box::new(e)),
+            }
+        }
+    }
+
+    /// The (sender address, length) of the peeked direct slot, checked
+    /// against the `len` the engine expects.
+    fn direct_slot(&self, len: usize) -> Result<u64> {
+        let Some((addr, rlen)) = self.remote.filter(|_| self.peeked) else {
+            return Err(CoreError::InvalidArgument(
+                "shm read_remote without a direct slot from poll_peek_any".into(),
+            ));
+        };
+        if len != rlen {
+            return Err(protocol(
+                self.peer,
+                format!("direct slot of {rlen} bytes read as {len}"),
+            ));
+        }
+        Ok(addr)
+    }
+
+    /// Offers the peeked direct slot (`len` bytes from `addr` to `dst`) to
+    /// the sender: `dst` goes into the slot's second word, then a fresh
+    /// claim word opens the chunks to both sides.
+    fn offer(&mut self, dst: *mut u8, len: usize, chunk: usize, chunks: usize) {
+        self.generation = (self.generation % 0x3f_ffff) + 1;
+        let idx = (self.tail % self.slots) as usize;
+        let slot = self.seg.slot_ptr(idx).cast::<u64>();
+        // SAFETY: the peeked slot is published and not released, page-aligned
+        // and at least 4096 bytes: its second and third u64 are ours to write
+        // (the sender wrote only the first word and rewrites the slot only
+        // after we release it).
+        unsafe {
+            slot.add(1).write_volatile(dst as u64);
+            slot.add(2).write_volatile(chunk as u64);
+        }
+        let h = &self.seg.header().help.0;
+        h.done.store(0, Ordering::Relaxed);
+        h.failed.store(0, Ordering::Relaxed);
+        // Release: the destination word and the reset counters are visible
+        // to the sender's Acquire load of a claim word of this generation.
+        h.claim
+            .store(pack_claim(self.generation, idx, 0), Ordering::Release);
+        self.sharing = Some(Sharing {
+            generation: self.generation,
+            dst,
+            len,
+            chunk,
+            chunks: chunks as u32,
+            mine: 0,
+            exhausted: false,
+        });
+    }
+
+    /// Takes back an offer (error, abort, drop): no chunk can be claimed
+    /// any more, and the chunks the sender claimed are waited for (until it
+    /// finished them, or its process is gone, or one second passed: a
+    /// sender stopped in the middle of a chunk for longer than that could
+    /// still write the destination afterwards; its bytes are the right ones).
+    fn withdraw(&mut self) {
+        let Some(sh) = self.sharing.take() else {
+            return;
+        };
+        let h = &self.seg.header().help.0;
+        let idx = (self.tail % self.slots) as usize;
+        let w = h
+            .claim
+            .swap(pack_claim(sh.generation, idx, sh.chunks), Ordering::AcqRel);
+        let (generation, _, next) = unpack_claim(w);
+        if generation != sh.generation {
+            return;
+        }
+        let theirs = u64::from(next.min(sh.chunks).saturating_sub(sh.mine));
+        let until = std::time::Instant::now() + std::time::Duration::from_secs(1);
+        let mut spins = 0u32;
+        while h.done.load(Ordering::Acquire) < theirs
+            && std::time::Instant::now() < until
+            && process_alive(self.peer_pid).is_ok()
+        {
+            spins += 1;
+            if spins > 100 {
+                std::thread::sleep(std::time::Duration::from_micros(20));
+            } else {
+                std::thread::yield_now();
+            }
+        }
+    }
+
+    /// Copies chunk `k` of the shared transfer from the sender.
+    fn read_chunk(&self, sh: &Sharing, addr: u64, k: u32) -> Result<()> {
+        let off = k as usize * sh.chunk;
+        let n = sh.chunk.min(sh.len - off);
+        // SAFETY: `off + n <= len` and `dst` is valid for `len` bytes
+        // (`poll_read_remote`'s contract).
+        unsafe { segment::read_process(self.peer_pid, addr + off as u64, sh.dst.add(off), n) }
+            .map_err(|e| self.read_error(e))
+    }
+
+    /// One step of the shared transfer: claim and copy chunks until none is
+    /// left, then report whether the sender's chunks are all done.
+    fn step_shared(&mut self, addr: u64) -> Result<bool> {
+        let Some(mut sh) = self.sharing.take() else {
+            return Ok(true);
+        };
+        let h = &self.seg.header().help.0;
+        while !sh.exhausted {
+            // AcqRel: pairs with the sender's claims (the same word).
+            let (generation, _, k) = unpack_claim(h.claim.fetch_add(1, Ordering::AcqRel));
+            if generation != sh.generation {
+                self.sharing = Some(sh);
+                return Err(protocol(
+                    self.peer,
+                    "the shared transfer's claim word changed generation".into(),
+                ));
+            }
+            if k >= sh.chunks {
+                sh.exhausted = true;
+                break;
+            }
+            sh.mine += 1;
+            if let Err(e) = self.read_chunk(&sh, addr, k) {
+                self.sharing = Some(sh);
+                return Err(e);
+            }
+        }
+        let theirs = u64::from(sh.chunks - sh.mine);
+        // Acquire: the sender's writes into `dst` happen before its Release
+        // increment of `done` that we see here.
+        if h.done.load(Ordering::Acquire) < theirs {
+            self.sharing = Some(sh);
+            return Ok(false);
+        }
+        let f = h.failed.load(Ordering::Acquire);
+        if f != 0 && (f >> 32) as u32 == sh.generation {
+            // The sender could not write this chunk: copy it ourselves.
+            self.read_chunk(&sh, addr, f as u32)?;
+        }
+        Ok(true)
     }
 }
 
@@ -928,44 +1286,42 @@ impl RecvChannel for ShmRecv {
     }
 
     unsafe fn read_remote(&mut self, dst: *mut u8, len: usize) -> Result<()> {
-        let Some((addr, rlen)) = self.remote.filter(|_| self.peeked) else {
+        let addr = self.direct_slot(len)?;
+        // SAFETY: `dst` is valid for `len` bytes (this method's contract).
+        unsafe { segment::read_process(self.peer_pid, addr, dst, len) }
+            .map_err(|e| self.read_error(e))
+    }
+
+    /// Like `read_remote`, but a transfer of at least two chunks is shared
+    /// with the sender: both sides claim chunks from the segment's claim
+    /// word; we read ours, the sender (in `poll_help`, while its engine
+    /// waits) writes its own into `dst`. Returns false while chunks the
+    /// sender claimed are still being written.
+    unsafe fn poll_read_remote(&mut self, dst: *mut u8, len: usize) -> Result<bool> {
+        let addr = self.direct_slot(len)?;
+        if self.sharing.is_none() {
+            let split = self.help_chunk.map(|min| help_split(len, min));
+            let Some((chunk, chunks)) = split.filter(|&(_, n)| n >= 2) else {
+                // SAFETY: forwarded from this function's contract.
+                unsafe { self.read_remote(dst, len)? };
+                return Ok(true);
+            };
+            self.offer(dst, len, chunk, chunks);
+        } else if self
+            .sharing
+            .as_ref()
+            .is_some_and(|s| s.dst != dst || s.len != len)
+        {
             return Err(CoreError::InvalidArgument(
-                "shm read_remote without a direct slot from poll_peek_any".into(),
-            ));
-        };
-        if len != rlen {
-            return Err(protocol(
-                self.peer,
-                format!("direct slot of {rlen} bytes read as {len}"),
+                "shm poll_read_remote called for another destination before the last finished"
+                    .into(),
             ));
         }
-        // SAFETY: `dst` is valid for `len` bytes (this method's contract).
-        unsafe { segment::read_process(self.peer_pid, addr, dst, len) }.map_err(|e| {
-            // A peer that gave up before it died said why: that reason is
-            // the cause to report, not the failed read that followed.
-            if let Some(reason) = abort_reason(&self.seg.header().sender.0) {
-                return CoreError::PeerAborted {
-                    transport: NAME,
-                    peer: self.peer,
-                    reason,
-                };
-            }
-            if e == nix::errno::Errno::ESRCH {
-                CoreError::Peer {
-                    transport: NAME,
-                    peer: self.peer,
-                    what: format!("process {} is gone", self.peer_pid),
-                    source: None,
-                }
-            } else {
-                CoreError::Peer {
-                    transport: NAME,
-                    peer: self.peer,
-                    what: format!("reading its memory (process_vm_readv) failed: {e}"),
-                    source: Some(Box::new(e)),
-                }
-            }
-        })
+        let res = self.step_shared(addr);
+        if res.is_err() {
+            self.withdraw();
+        }
+        res
     }
 
     fn release(&mut self) -> Result<()> {
@@ -975,6 +1331,11 @@ impl RecvChannel for ShmRecv {
         if !self.peeked {
             return Err(CoreError::InvalidArgument(
                 "shm release without a slot from poll_peek".into(),
+            ));
+        }
+        if self.sharing.is_some() {
+            return Err(CoreError::InvalidArgument(
+                "shm release while the sender may still write the slot's destination".into(),
             ));
         }
         self.tail += 1;
@@ -1010,12 +1371,14 @@ impl RecvChannel for ShmRecv {
         if self.aborted.is_none() {
             self.aborted = Some(reason.to_owned());
         }
+        self.withdraw();
         publish_abort(&self.seg.header().receiver.0, reason);
     }
 }
 
 impl Drop for ShmRecv {
     fn drop(&mut self) {
+        self.withdraw();
         self.seg
             .header()
             .receiver

@@ -36,7 +36,7 @@ use nix::sys::stat::Mode;
 /// `"BRAIDSHM"` in ASCII: the first word of every segment.
 pub(crate) const HEADER_MAGIC: u64 = u64::from_be_bytes(*b"BRAIDSHM");
 /// Version of the in-memory layout (bumped on any change to [`Header`]).
-pub(crate) const LAYOUT_VERSION: u32 = 2;
+pub(crate) const LAYOUT_VERSION: u32 = 3;
 /// Page size the layout aligns to.
 pub(crate) const PAGE: usize = 4096;
 /// Bytes of abort reason kept in the segment (longer reasons are cut).
@@ -81,6 +81,25 @@ pub(crate) struct Side {
     pub probe_addr: AtomicU64,
 }
 
+/// A direct transfer the receiver shares with the sender (see
+/// `ShmRecv::poll_read_remote` and `ShmSend::poll_help`): the referenced
+/// bytes are cut into chunks that either side claims from `claim`; the
+/// receiver reads its chunks with `process_vm_readv`, the sender writes its
+/// chunks with `process_vm_writev` into the destination the receiver put in
+/// the slot's second word.
+#[repr(C)]
+pub(crate) struct Help {
+    /// `generation << 42 | slot << 32 | next chunk` (see `pack_claim`);
+    /// generation 0: nothing offered.
+    pub claim: AtomicU64,
+    /// Chunks the sender finished (or gave up on, see `failed`) in the
+    /// current generation.
+    pub done: AtomicU64,
+    /// `generation << 32 | chunk` of a chunk the sender could not write (the
+    /// receiver copies it itself); 0 if none.
+    pub failed: AtomicU64,
+}
+
 /// The control block at the start of every segment. All fields are atomics:
 /// the peer process may write any of them at any time.
 #[repr(C)]
@@ -109,6 +128,8 @@ pub(crate) struct Header {
     pub sender: Padded<Side>,
     /// The receiver's side.
     pub receiver: Padded<Side>,
+    /// The direct transfer being shared.
+    pub help: Padded<Help>,
 }
 
 /// Sizes and offsets of a segment, derived from `(slot_bytes, slots)`.
@@ -442,21 +463,62 @@ pub(crate) unsafe fn read_process(
     dst: *mut u8,
     len: usize,
 ) -> Result<(), Errno> {
+    // SAFETY: forwarded from this function's contract.
+    unsafe { copy_process(pid, remote, dst, len, false) }
+}
+
+/// Copy `len` bytes at `src` (ours) to `remote` in process `pid` with
+/// `process_vm_writev`, looping over short writes. The kernel checks the
+/// remote range and fails with `EFAULT`/`ESRCH`/`EPERM` rather than write
+/// outside that process's mappings.
+///
+/// # Safety
+///
+/// `src` must be valid for reads of `len` bytes.
+pub(crate) unsafe fn write_process(
+    pid: u32,
+    remote: u64,
+    src: *const u8,
+    len: usize,
+) -> Result<(), Errno> {
+    // SAFETY: forwarded from this function's contract; with `write` the
+    // local range is only read.
+    unsafe { copy_process(pid, remote, src as *mut u8, len, true) }
+}
+
+/// # Safety
+///
+/// `local` must be valid for `len` bytes: for writes when `!write`, for
+/// reads when `write`.
+unsafe fn copy_process(
+    pid: u32,
+    remote: u64,
+    local: *mut u8,
+    len: usize,
+    write: bool,
+) -> Result<(), Errno> {
     let mut done = 0usize;
     while done < len {
-        let local = libc::iovec {
+        let here = libc::iovec {
             // SAFETY: done < len, inside the caller's buffer.
-            iov_base: unsafe { dst.add(done) } as *mut libc::c_void,
+            iov_base: unsafe { local.add(done) } as *mut libc::c_void,
             iov_len: len - done,
         };
-        let rem = libc::iovec {
+        let there = libc::iovec {
             iov_base: (remote as usize + done) as *mut libc::c_void,
             iov_len: len - done,
         };
-        // SAFETY: one local iovec describing writable memory (the caller's
-        // contract) and one remote iovec; the kernel checks the remote side
-        // and fails with EFAULT/ESRCH/EPERM instead of touching our memory.
-        let n = unsafe { libc::process_vm_readv(pid as libc::pid_t, &local, 1, &rem, 1, 0) };
+        // SAFETY: one local iovec describing memory valid as the caller's
+        // contract says (written only by readv, only read by writev) and one
+        // remote iovec, which the kernel checks, failing with
+        // EFAULT/ESRCH/EPERM instead of touching anything else.
+        let n = unsafe {
+            if write {
+                libc::process_vm_writev(pid as libc::pid_t, &here, 1, &there, 1, 0)
+            } else {
+                libc::process_vm_readv(pid as libc::pid_t, &here, 1, &there, 1, 0)
+            }
+        };
         if n < 0 {
             return Err(Errno::last());
         }
@@ -478,7 +540,8 @@ mod tests {
         assert_eq!(std::mem::offset_of!(Header, tail), 256);
         assert_eq!(std::mem::offset_of!(Header, sender), 384);
         assert_eq!(std::mem::offset_of!(Header, receiver), 512);
-        assert_eq!(size_of::<Header>(), 640);
+        assert_eq!(std::mem::offset_of!(Header, help), 640);
+        assert_eq!(size_of::<Header>(), 768);
     }
 
     #[test]

@@ -310,3 +310,84 @@ fn direct_transfers_probe_succeeds_between_processes_of_one_user() {
         );
     }
 }
+
+/// A direct transfer of many chunks is shared: while the receiver reads,
+/// a sender thread calling `poll_help` writes chunks of its own into the
+/// receiver's destination. The bytes arrive exactly, `poll_read_remote`
+/// says done only when the sender's chunks are in, and the sender is
+/// drained only after the release. With `BRAID_SHM_HELP=0` the sender
+/// never gets a chunk. (Whether the sender thread wins a chunk depends on
+/// scheduling, so up to 20 transfers run until one was shared.)
+#[test]
+fn direct_transfers_are_shared_with_the_sender() {
+    use braid_core::transport::Incoming;
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+    let _g = lock();
+    let t = ShmTransport::with_params(64 * 1024, 4).unwrap();
+    let (mut tx, mut rx) = connect_pair(&t, &t, 0, 1);
+    if !tx.can_send_direct() {
+        eprintln!("skipped: direct transfers are off (BRAID_SHM_DIRECT=0)");
+        return;
+    }
+    let off = std::env::var("BRAID_SHM_HELP").as_deref() == Ok("0");
+    // 64 chunks of 256 KiB and a short one.
+    let len = (16 << 20) + 4097;
+    let mut shared = 0;
+    for round in 0..20u32 {
+        let data: Vec<u8> = (0..len).map(|i| (i as u32 * 31 + round) as u8).collect();
+        let mut out = vec![0u8; len];
+        wait_for("a free slot", Duration::from_secs(10), || {
+            tx.poll_acquire().unwrap()
+        });
+        // SAFETY: `data` stays alive and unchanged until the drain below.
+        unsafe { tx.commit_direct(data.as_ptr(), len) }.unwrap();
+        let stop = AtomicBool::new(false);
+        let helped = AtomicUsize::new(0);
+        std::thread::scope(|s| {
+            let tx = &mut tx;
+            let (stop, helped) = (&stop, &helped);
+            s.spawn(move || {
+                while !stop.load(Ordering::Relaxed) {
+                    if tx.poll_help().unwrap() {
+                        helped.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+            });
+            let got = wait_for("the direct slot", Duration::from_secs(10), || {
+                rx.poll_peek_any().unwrap()
+            });
+            assert!(
+                matches!(got, Incoming::Remote(l) if l == len),
+                "got {got:?}"
+            );
+            wait_for("the shared read", Duration::from_secs(10), || {
+                // SAFETY: `out` holds `len` writable bytes, untouched by us
+                // until this returns true.
+                unsafe { rx.poll_read_remote(out.as_mut_ptr(), len) }
+                    .unwrap()
+                    .then_some(())
+            });
+            stop.store(true, Ordering::Relaxed);
+        });
+        if let Some(i) = (0..len).find(|&i| out[i] != data[i]) {
+            panic!(
+                "round {round}: byte {i} of {len} is {} not {}",
+                out[i], data[i]
+            );
+        }
+        assert!(!tx.poll_drained().unwrap(), "drained before release");
+        rx.release().unwrap();
+        wait_for("drain", Duration::from_secs(10), || {
+            tx.poll_drained().unwrap().then_some(())
+        });
+        shared += helped.load(Ordering::Relaxed);
+        if off || shared > 0 {
+            break;
+        }
+    }
+    if off {
+        assert_eq!(shared, 0, "the sender helped with BRAID_SHM_HELP=0");
+    } else {
+        assert!(shared > 0, "the sender never got a chunk in 20 transfers");
+    }
+}

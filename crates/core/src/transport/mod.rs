@@ -201,6 +201,16 @@ pub trait SendChannel: Send {
             reason: "direct (single-copy) transfers are not supported".into(),
         })
     }
+    /// Non-blocking, called by an engine that waits for anything while it
+    /// has direct slots outstanding on this channel: take a share of the
+    /// receiver's copy of one of them (the shm transport writes a chunk of
+    /// the referenced bytes into the receiver's destination, so two cores
+    /// move the data of one transfer). True if it did some work. The
+    /// memory of the direct slots is already pinned by
+    /// [`SendChannel::commit_direct`]'s contract.
+    fn poll_help(&mut self) -> Result<bool> {
+        Ok(false)
+    }
 }
 
 /// The receiving end of a connected FIFO.
@@ -257,7 +267,9 @@ pub trait RecvChannel: Send {
     ///
     /// `dst` must be valid for writes of `len` bytes of host memory, and
     /// nothing else may access it until this returns true or an error. The
-    /// transport writes `dst` only inside these calls.
+    /// transport (or the sender, helping: [`SendChannel::poll_help`]) writes
+    /// `dst` until then, and not after: an error, or the channel's `abort`
+    /// or drop, first makes sure no write is still under way.
     unsafe fn poll_read_remote(&mut self, dst: *mut u8, len: usize) -> Result<bool> {
         // SAFETY: forwarded from this function's contract.
         unsafe { self.read_remote(dst, len)? };
