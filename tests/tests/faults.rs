@@ -340,6 +340,22 @@ fn fault_matrix() {
     let v = rng.below(4) as usize;
     let d = delay(&mut rng);
     case(&mut row, "shm stop", &shm, 4, Fault::Stop, v, d);
+    // Every piece of 64 KiB and more single-copy and shared with its sender
+    // in 4 KiB chunks: a victim dies or stops with its peers' destinations
+    // half written by it, or with its own half written by them.
+    let shared = [
+        ("BRAID_SINGLE_COPY_MIN_BYTES", "0"),
+        ("BRAID_SHM_HELP_CHUNK", "4096"),
+    ];
+    let shared = Place::Local(&shared);
+    for (label, fault) in [
+        ("shm kill, shared copies", Fault::Kill),
+        ("shm stop, shared copies", Fault::Stop),
+    ] {
+        let v = rng.below(4) as usize;
+        let d = delay(&mut rng);
+        case(&mut row, label, &shared, 4, fault, v, d);
+    }
     rows.push(("shm (1 host x 4)".into(), row));
 
     // socket on one host (forced), 3 ranks.

@@ -339,3 +339,17 @@ fn mismatched_calls_are_errors_naming_both_sides() {
         );
     }
 }
+
+/// The fault tests' mixed workload (every collective, sizes up to 160 KB,
+/// back to back) with every piece of 64 KiB and more single-copy and shared
+/// with its sender in 4 KiB chunks, 4 ranks on 2 cores.
+#[test]
+fn mixed_workload_with_shared_copies() {
+    let _g = serial();
+    let env = [
+        ("BRAID_SINGLE_COPY_MIN_BYTES", "0"),
+        ("BRAID_SHM_HELP_CHUNK", "4096"),
+    ];
+    let res = run_suite_env("mixed", 4, &["1400"], Duration::from_secs(300), &env);
+    assert_all_ok("mixed workload, shared single copies, 4 ranks", &res);
+}

@@ -51,7 +51,9 @@
 //!   engine calls while it waits for anything — writes its own with
 //!   `process_vm_writev` and counts them in `done`. The receiver reports
 //!   the transfer complete once it ran out of chunks and `done` covers the
-//!   sender's; a chunk the sender could not write is flagged in `failed`
+//!   sender's, and clears the claim word before it releases the slot (so
+//!   the sender never mistakes it for an offer of the slot's next
+//!   transfer); a chunk the sender could not write is flagged in `failed`
 //!   and copied by the receiver. Before the receiver gives up on a transfer
 //!   (an error, `abort`, drop) it closes the claim word and waits for the
 //!   sender's claimed chunks (at most one second, or until the sender's
@@ -1146,10 +1148,14 @@ impl ShmRecv {
             .claim
             .swap(pack_claim(sh.generation, idx, sh.chunks), Ordering::AcqRel);
         let (generation, _, next) = unpack_claim(w);
-        if generation != sh.generation {
-            return;
-        }
-        let theirs = u64::from(next.min(sh.chunks).saturating_sub(sh.mine));
+        // (A word of another generation means a corrupt segment: nothing of
+        // ours to wait for.)
+        let claimed = if generation == sh.generation {
+            next.min(sh.chunks)
+        } else {
+            sh.mine
+        };
+        let theirs = u64::from(claimed.saturating_sub(sh.mine));
         let until = std::time::Instant::now() + std::time::Duration::from_secs(1);
         let mut spins = 0u32;
         while h.done.load(Ordering::Acquire) < theirs
@@ -1163,6 +1169,7 @@ impl ShmRecv {
                 std::thread::yield_now();
             }
         }
+        h.claim.store(0, Ordering::Release);
     }
 
     /// Copies chunk `k` of the shared transfer from the sender.
@@ -1212,8 +1219,17 @@ impl ShmRecv {
         let f = h.failed.load(Ordering::Acquire);
         if f != 0 && (f >> 32) as u32 == sh.generation {
             // The sender could not write this chunk: copy it ourselves.
-            self.read_chunk(&sh, addr, f as u32)?;
+            if let Err(e) = self.read_chunk(&sh, addr, f as u32) {
+                self.sharing = Some(sh);
+                return Err(e);
+            }
         }
+        // No offer any more. Stored before the slot's release (Release
+        // there), so the sender, which reuses the slot only after it saw
+        // that release, never takes this word for an offer of the slot's
+        // next transfer (whose length may differ from the destination
+        // still written in the slot).
+        h.claim.store(0, Ordering::Release);
         Ok(true)
     }
 }
