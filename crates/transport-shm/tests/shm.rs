@@ -391,3 +391,78 @@ fn direct_transfers_are_shared_with_the_sender() {
         assert!(shared > 0, "the sender never got a chunk in 20 transfers");
     }
 }
+
+/// A finished shared transfer leaves no offer behind: when its slot
+/// carries the next, longer direct transfer, a `poll_help` before the
+/// receiver offered that one does nothing (it used to take the old,
+/// exhausted claim for an offer of the new length and write past the old
+/// destination).
+#[test]
+fn finished_shared_transfer_leaves_no_offer() {
+    use braid_core::transport::Incoming;
+    let _g = lock();
+    let t = ShmTransport::with_params(64 * 1024, 2).unwrap();
+    let (mut tx, mut rx) = connect_pair(&t, &t, 0, 1);
+    if !tx.can_send_direct() {
+        eprintln!("skipped: direct transfers are off (BRAID_SHM_DIRECT=0)");
+        return;
+    }
+    let short = 1 << 20; // 4 chunks of 256 KiB
+    let long = 16 << 20;
+    let a: Vec<u8> = (0..short).map(|i| (i * 13 + 1) as u8).collect();
+    let c: Vec<u8> = (0..long).map(|i| (i * 17 + 5) as u8).collect();
+    // The short transfer's destination, followed by a guard band.
+    let mut out = vec![0u8; long];
+    let recv = |rx: &mut Box<dyn braid_core::transport::RecvChannel>, dst: &mut [u8], len| {
+        let got = wait_for("a direct slot", Duration::from_secs(10), || {
+            rx.poll_peek_any().unwrap()
+        });
+        assert!(
+            matches!(got, Incoming::Remote(l) if l == len),
+            "got {got:?}"
+        );
+        wait_for("the read", Duration::from_secs(10), || {
+            // SAFETY: `dst` holds at least `len` writable bytes.
+            unsafe { rx.poll_read_remote(dst.as_mut_ptr(), len) }
+                .unwrap()
+                .then_some(())
+        });
+        rx.release().unwrap();
+    };
+    // Slot 0: the short transfer, read (and offered) by the receiver alone.
+    wait_for("slot", Duration::from_secs(10), || {
+        tx.poll_acquire().unwrap()
+    });
+    // SAFETY: `a` outlives the drain below.
+    unsafe { tx.commit_direct(a.as_ptr(), short) }.unwrap();
+    recv(&mut rx, &mut out, short);
+    assert!(out[..short] == a[..], "short transfer corrupted");
+    // Slot 1: an inline message; slot 0 again: the long transfer.
+    wait_for("slot", Duration::from_secs(10), || {
+        tx.poll_acquire().unwrap()
+    });
+    tx.commit(1).unwrap();
+    wait_for("slot", Duration::from_secs(10), || {
+        tx.poll_acquire().unwrap()
+    });
+    // SAFETY: `c` outlives the drain below.
+    unsafe { tx.commit_direct(c.as_ptr(), long) }.unwrap();
+    for _ in 0..100 {
+        assert!(!tx.poll_help().unwrap(), "helped a transfer nobody offered");
+    }
+    assert!(
+        out[short..].iter().all(|&b| b == 0),
+        "the sender wrote past the finished transfer's destination"
+    );
+    let got = wait_for("inline", Duration::from_secs(10), || {
+        rx.poll_peek_any().unwrap()
+    });
+    assert!(matches!(got, Incoming::Inline(_, 1)), "got {got:?}");
+    rx.release().unwrap();
+    let mut out2 = vec![0u8; long];
+    recv(&mut rx, &mut out2, long);
+    assert!(out2 == c, "long transfer corrupted");
+    wait_for("drain", Duration::from_secs(10), || {
+        tx.poll_drained().unwrap().then_some(())
+    });
+}
