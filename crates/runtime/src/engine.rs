@@ -172,16 +172,22 @@ impl<'a> Waiter<'a> {
 
     /// Called when nothing could move. `blocked` names what we wait for;
     /// `helping` are the peers this operation sent direct slots to, whose
-    /// copies we take a share of meanwhile ([`SendChannel::poll_help`]).
+    /// copies we take a share of meanwhile ([`SendChannel::poll_help`]) —
+    /// unless we wait for data: then we have work of our own coming, and
+    /// side by side (AllGather on 2 ranks, 16 MiB) helping there made the
+    /// operation 12% slower, while helping from slot and drain waits made
+    /// Broadcast on 2 ranks 1.6x faster.
     fn idle(
         &mut self,
         chans: &mut Channels,
         blocked: (u32, &'static str),
         helping: &[u32],
     ) -> Result<(), CoreError> {
-        for &peer in helping {
-            if chans.sender(peer)?.poll_help()? {
-                return Ok(());
+        if blocked.1 != WAIT_DATA {
+            for &peer in helping {
+                if chans.sender(peer)?.poll_help()? {
+                    return Ok(());
+                }
             }
         }
         self.iters = self.iters.saturating_add(1);

@@ -48,7 +48,8 @@
 //!   Both sides claim chunks from it (the receiver with `fetch_add`, the
 //!   sender with a compare-and-swap that fails if the offer changed); the
 //!   receiver reads its chunks, the sender — from `poll_help`, which the
-//!   engine calls while it waits for anything — writes its own with
+//!   engine calls while it waits for a slot or for its references to drain
+//!   (not while it waits for data: then it has work of its own) — writes its own with
 //!   `process_vm_writev` and counts them in `done`. The receiver reports
 //!   the transfer complete once it ran out of chunks and `done` covers the
 //!   sender's, and clears the claim word before it releases the slot (so

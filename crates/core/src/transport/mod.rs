@@ -201,8 +201,9 @@ pub trait SendChannel: Send {
             reason: "direct (single-copy) transfers are not supported".into(),
         })
     }
-    /// Non-blocking, called by an engine that waits for anything while it
-    /// has direct slots outstanding on this channel: take a share of the
+    /// Non-blocking, called by an engine that waits (for a slot, or for its
+    /// direct slots to drain) while it has direct slots outstanding on this
+    /// channel: take a share of the
     /// receiver's copy of one of them (the shm transport writes a chunk of
     /// the referenced bytes into the receiver's destination, so two cores
     /// move the data of one transfer). True if it did some work. The
