@@ -44,9 +44,11 @@
 //!   between both processes, since the sender's core is otherwise idle
 //!   while the receiver copies: the receiver writes its destination address
 //!   and the chunk size into the slot's second and third words and opens a
-//!   claim word (`generation | slot | next chunk`) in the control block.
-//!   Both sides claim chunks from it (the receiver with `fetch_add`, the
-//!   sender with a compare-and-swap that fails if the offer changed); the
+//!   claim word (`generation | slot | front | back`: the unclaimed chunks)
+//!   in the control block. Both sides claim with compare-and-swap (which
+//!   fails if the offer changed): the receiver from the front, half of what
+//!   is left at a time (all of it once a first read passed without the
+//!   sender taking a chunk), the sender one chunk from the back; the
 //!   receiver reads its chunks, the sender — from `poll_help`, which the
 //!   engine calls while it waits for a slot or for its references to drain
 //!   (not while it waits for data: then it has work of its own) — writes its own with
@@ -226,18 +228,38 @@ fn help_split(len: usize, min: usize) -> (usize, usize) {
     (chunk, len.div_ceil(chunk))
 }
 
-/// The claim word of [`segment::Help`]: generation (22 bits, never 0 for
-/// an offer), slot index (10 bits, `MAX_SLOTS` is 1024) and next chunk.
-/// Generations only need to differ between offers the sender can confuse:
-/// at most `slots` offers happen while the sender is inside one
-/// `poll_help`, since each needs a slot it committed.
-fn pack_claim(generation: u32, slot: usize, chunk: u32) -> u64 {
-    (u64::from(generation) & 0x3f_ffff) << 42 | ((slot as u64) & 0x3ff) << 32 | u64::from(chunk)
+/// The claim word of [`segment::Help`]. Chunks `front..back` are
+/// unclaimed: the receiver claims from the front, the sender from the back.
+/// Generations (22 bits, never 0 for an offer) only need to differ between
+/// offers the sender can confuse: at most `slots` offers happen while the
+/// sender is inside one `poll_help`, since each needs a slot it committed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Claim {
+    generation: u32,
+    /// Slot index (10 bits: `MAX_SLOTS` is 1024).
+    slot: usize,
+    /// First unclaimed chunk (16 bits: at most [`HELP_CHUNKS_MAX`] chunks).
+    front: u32,
+    /// One past the last unclaimed chunk.
+    back: u32,
 }
 
-/// (generation, slot, chunk) of a claim word.
-fn unpack_claim(w: u64) -> (u32, usize, u32) {
-    ((w >> 42) as u32, ((w >> 32) & 0x3ff) as usize, w as u32)
+impl Claim {
+    fn pack(self) -> u64 {
+        (u64::from(self.generation) & 0x3f_ffff) << 42
+            | ((self.slot as u64) & 0x3ff) << 32
+            | u64::from(self.front & 0xffff) << 16
+            | u64::from(self.back & 0xffff)
+    }
+
+    fn unpack(w: u64) -> Claim {
+        Claim {
+            generation: (w >> 42) as u32,
+            slot: ((w >> 32) & 0x3ff) as usize,
+            front: ((w >> 16) & 0xffff) as u32,
+            back: (w & 0xffff) as u32,
+        }
+    }
 }
 
 fn direct_enabled() -> bool {
@@ -884,10 +906,13 @@ impl SendChannel for ShmSend {
         // Acquire: pairs with the receiver's Release store of the claim
         // word, after it wrote the destination into the slot.
         let w = self.seg.header().help.0.claim.load(Ordering::Acquire);
-        let (generation, idx, k) = unpack_claim(w);
-        if generation == 0 || idx >= self.slots as usize {
+        let c = Claim::unpack(w);
+        let idx = c.slot;
+        if c.generation == 0 || idx >= self.slots as usize || c.front >= c.back {
             return Ok(false);
         }
+        // The last unclaimed chunk is ours to take.
+        let k = c.back - 1;
         // Relaxed: our own store (this thread) when we committed the slot.
         let word = self.seg.len_word(idx).load(Ordering::Relaxed);
         if word & DIRECT_FLAG == 0 {
@@ -911,10 +936,11 @@ impl SendChannel for ShmSend {
             return Ok(false);
         }
         let h = &self.seg.header().help.0;
-        // Claim chunk k; losing the race (the receiver claimed it, or a new
-        // offer replaced this one) is not an error: try again next time.
+        // Claim chunk k; losing the race (the receiver claimed more, or a
+        // new offer replaced this one) is not an error: try again next time.
+        let mine = Claim { back: k, ..c }.pack();
         if h.claim
-            .compare_exchange(w, w + 1, Ordering::AcqRel, Ordering::Relaxed)
+            .compare_exchange(w, mine, Ordering::AcqRel, Ordering::Relaxed)
             .is_err()
         {
             return Ok(false);
@@ -943,7 +969,7 @@ impl SendChannel for ShmSend {
             // on this channel.
             self.help_failed = true;
             h.failed.store(
-                u64::from(generation) << 32 | u64::from(k),
+                u64::from(c.generation) << 32 | u64::from(k),
                 Ordering::Release,
             );
         }
@@ -1029,8 +1055,10 @@ struct Sharing {
     chunks: u32,
     /// Chunks this side claimed (and copied).
     mine: u32,
-    /// Our claims ran past the last chunk: the rest is the sender's.
+    /// No chunk is left unclaimed: the rest is the sender's.
     exhausted: bool,
+    /// The slot of the transfer.
+    slot: usize,
 }
 
 // SAFETY: `dst` is only a destination address the engine lent us for the
@@ -1121,8 +1149,13 @@ impl ShmRecv {
         h.failed.store(0, Ordering::Relaxed);
         // Release: the destination word and the reset counters are visible
         // to the sender's Acquire load of a claim word of this generation.
-        h.claim
-            .store(pack_claim(self.generation, idx, 0), Ordering::Release);
+        let open = Claim {
+            generation: self.generation,
+            slot: idx,
+            front: 0,
+            back: chunks as u32,
+        };
+        h.claim.store(open.pack(), Ordering::Release);
         self.sharing = Some(Sharing {
             generation: self.generation,
             dst,
@@ -1131,6 +1164,7 @@ impl ShmRecv {
             chunks: chunks as u32,
             mine: 0,
             exhausted: false,
+            slot: idx,
         });
     }
 
@@ -1144,19 +1178,20 @@ impl ShmRecv {
             return;
         };
         let h = &self.seg.header().help.0;
-        let idx = (self.tail % self.slots) as usize;
-        let w = h
-            .claim
-            .swap(pack_claim(sh.generation, idx, sh.chunks), Ordering::AcqRel);
-        let (generation, _, next) = unpack_claim(w);
-        // (A word of another generation means a corrupt segment: nothing of
-        // ours to wait for.)
-        let claimed = if generation == sh.generation {
-            next.min(sh.chunks)
-        } else {
-            sh.mine
+        let closed = Claim {
+            generation: sh.generation,
+            slot: sh.slot,
+            front: 0,
+            back: 0,
         };
-        let theirs = u64::from(claimed.saturating_sub(sh.mine));
+        let c = Claim::unpack(h.claim.swap(closed.pack(), Ordering::AcqRel));
+        // The sender claimed the chunks from `back` on. (A word of another
+        // generation means a corrupt segment: nothing of ours to wait for.)
+        let theirs = if c.generation == sh.generation {
+            u64::from(sh.chunks.saturating_sub(c.back))
+        } else {
+            0
+        };
         let until = std::time::Instant::now() + std::time::Duration::from_secs(1);
         let mut spins = 0u32;
         while h.done.load(Ordering::Acquire) < theirs
@@ -1173,10 +1208,11 @@ impl ShmRecv {
         h.claim.store(0, Ordering::Release);
     }
 
-    /// Copies chunk `k` of the shared transfer from the sender.
-    fn read_chunk(&self, sh: &Sharing, addr: u64, k: u32) -> Result<()> {
+    /// Copies chunks `k..k + count` of the shared transfer from the sender
+    /// (one system call).
+    fn read_chunks(&self, sh: &Sharing, addr: u64, k: u32, count: u32) -> Result<()> {
         let off = k as usize * sh.chunk;
-        let n = sh.chunk.min(sh.len - off);
+        let n = (count as usize * sh.chunk).min(sh.len - off);
         // SAFETY: `off + n <= len` and `dst` is valid for `len` bytes
         // (`poll_read_remote`'s contract).
         unsafe { segment::read_process(self.peer_pid, addr + off as u64, sh.dst.add(off), n) }
@@ -1191,21 +1227,42 @@ impl ShmRecv {
         };
         let h = &self.seg.header().help.0;
         while !sh.exhausted {
-            // AcqRel: pairs with the sender's claims (the same word).
-            let (generation, _, k) = unpack_claim(h.claim.fetch_add(1, Ordering::AcqRel));
-            if generation != sh.generation {
+            // Claim from the front: half of what is left (fewer, larger
+            // reads while the sender takes chunks from the back), or all of
+            // it once a first read passed without the sender taking any
+            // (it is busy: no point cutting the rest into pieces).
+            // Relaxed load, then AcqRel CAS: pairs with the sender's claims.
+            let w = h.claim.load(Ordering::Relaxed);
+            let c = Claim::unpack(w);
+            if c.generation != sh.generation || c.slot != sh.slot {
                 self.sharing = Some(sh);
                 return Err(protocol(
                     self.peer,
                     "the shared transfer's claim word changed generation".into(),
                 ));
             }
-            if k >= sh.chunks {
+            if c.front >= c.back {
                 sh.exhausted = true;
                 break;
             }
-            sh.mine += 1;
-            if let Err(e) = self.read_chunk(&sh, addr, k) {
+            let left = c.back - c.front;
+            let take = if sh.mine > 0 && c.back == sh.chunks {
+                left
+            } else {
+                left.div_ceil(2)
+            };
+            let next = Claim {
+                front: c.front + take,
+                ..c
+            };
+            if h.claim
+                .compare_exchange(w, next.pack(), Ordering::AcqRel, Ordering::Relaxed)
+                .is_err()
+            {
+                continue;
+            }
+            sh.mine += take;
+            if let Err(e) = self.read_chunks(&sh, addr, c.front, take) {
                 self.sharing = Some(sh);
                 return Err(e);
             }
@@ -1220,7 +1277,7 @@ impl ShmRecv {
         let f = h.failed.load(Ordering::Acquire);
         if f != 0 && (f >> 32) as u32 == sh.generation {
             // The sender could not write this chunk: copy it ourselves.
-            if let Err(e) = self.read_chunk(&sh, addr, f as u32) {
+            if let Err(e) = self.read_chunks(&sh, addr, f as u32, 1) {
                 self.sharing = Some(sh);
                 return Err(e);
             }
@@ -1408,6 +1465,39 @@ impl Drop for ShmRecv {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn claim_words_round_trip_and_split_transfers() {
+        for c in [
+            Claim {
+                generation: 1,
+                slot: 0,
+                front: 0,
+                back: 64,
+            },
+            Claim {
+                generation: 0x3f_ffff,
+                slot: 1023,
+                front: 63,
+                back: 64,
+            },
+            Claim {
+                generation: 77,
+                slot: 5,
+                front: 0,
+                back: 0,
+            },
+        ] {
+            assert_eq!(Claim::unpack(c.pack()), c);
+        }
+        assert_eq!(Claim::unpack(0).generation, 0);
+        // At least two chunks of at least `min`, at most 64, 4 KiB multiples.
+        assert_eq!(help_split(2 << 20, 256 << 10), (256 << 10, 8));
+        assert_eq!(help_split(256 << 10, 256 << 10), (256 << 10, 1));
+        assert_eq!(help_split((64 << 20) + 1, 256 << 10), (1028 << 10, 64));
+        assert_eq!(help_split(64 << 10, 4096), (4096, 16));
+        assert_eq!(help_split(5000, 4096), (4096, 2));
+    }
 
     #[test]
     fn params() {

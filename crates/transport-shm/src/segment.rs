@@ -89,8 +89,9 @@ pub(crate) struct Side {
 /// the slot's second word.
 #[repr(C)]
 pub(crate) struct Help {
-    /// `generation << 42 | slot << 32 | next chunk` (see `pack_claim`);
-    /// generation 0: nothing offered.
+    /// `generation << 42 | slot << 32 | front << 16 | back`: chunks
+    /// `front..back` are unclaimed (see `Claim`); generation 0: nothing
+    /// offered.
     pub claim: AtomicU64,
     /// Chunks the sender finished (or gave up on, see `failed`) in the
     /// current generation.
