@@ -79,7 +79,15 @@ for np in $nps; do
   "$perf" import-mpi "$out/mpi_np$np.r$rounds/mpi.csv" --label "Open MPI" -o "$out/mpi_np$np.json" >/dev/null
   for c in all_reduce all_gather reduce_scatter broadcast reduce alltoall; do
     inplace=(); [ "$c" = broadcast ] && inplace=(--in-place)
-    "$perf" plot "$out/braid_${c}_np${np}.r$rounds.json" "$out/mpi_np$np.json" --coll "$c" "${inplace[@]}" \
+    # One braid series from 8 bytes up: the 8-byte run's rows join the sweep's.
+    python3 - "$out/braid_${c}_np${np}.r$rounds.json" "$out/braid_${c}_np${np}_small.r$rounds.json" \
+      "$out/braid_${c}_np${np}.plot.json" <<'PY'
+import json, sys
+sweep, small = (json.load(open(f)) for f in sys.argv[1:3])
+sweep["rows"] = small["rows"] + sweep["rows"]
+json.dump(sweep, open(sys.argv[3], "w"))
+PY
+    "$perf" plot "$out/braid_${c}_np${np}.plot.json" "$out/mpi_np$np.json" --coll "$c" "${inplace[@]}" \
       --title "$c, $np ranks, one host" -o "$out/${c}_np$np.png" >/dev/null
   done
 done
