@@ -231,7 +231,11 @@ pub trait RecvChannel: Send {
     fn release(&mut self) -> Result<()>;
     /// Liveness check, called now and then while waiting.
     fn check_peer(&mut self) -> Result<()>;
-    /// Tell the peer that this side gave up (best effort, never blocks).
+    /// Tell the peer that this side gave up (best effort). It does not
+    /// wait for the peer, with one exception: a peer that may still be
+    /// writing into memory this side lent it (the shm transport's shared
+    /// reads, [`SendChannel::poll_help`]) is given up to a second to finish
+    /// that write, so nothing lands in the caller's buffer afterwards.
     fn abort(&mut self, reason: &str);
     /// The link as a device ring, where it is one (see [`DeviceRing`]).
     fn device_ring(&self) -> Option<DeviceRing> {
