@@ -185,7 +185,7 @@ pub const ENV_DIRECT: &str = "BRAID_SHM_DIRECT";
 const DIRECT_FLAG: u64 = 1 << 63;
 
 /// Environment variable: `0` stops receivers from sharing the copy of a
-/// direct transfer with its sender (see [`ShmRecv::poll_read_remote`]).
+/// direct transfer with its sender (see the crate docs, "Shared direct transfers").
 pub const ENV_HELP: &str = "BRAID_SHM_HELP";
 
 /// Environment variable: the smallest chunk of a shared direct transfer
