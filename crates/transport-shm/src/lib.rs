@@ -1053,7 +1053,6 @@ struct ShmRecv {
 /// A direct transfer the receiver offered to share ([`segment::Help`]).
 #[derive(Debug)]
 struct Sharing {
-    generation: u32,
     dst: *mut u8,
     len: usize,
     chunk: usize,
@@ -1062,8 +1061,6 @@ struct Sharing {
     mine: u32,
     /// No chunk is left unclaimed: the rest is the sender's.
     exhausted: bool,
-    /// The slot of the transfer.
-    slot: usize,
 }
 
 // SAFETY: `dst` is only a destination address the engine lent us for the
@@ -1162,14 +1159,12 @@ impl ShmRecv {
         };
         h.claim.store(open.pack(), Ordering::Release);
         self.sharing = Some(Sharing {
-            generation: self.generation,
             dst,
             len,
             chunk,
             chunks: chunks as u32,
             mine: 0,
             exhausted: false,
-            slot: idx,
         });
     }
 
@@ -1183,16 +1178,18 @@ impl ShmRecv {
             return;
         };
         let h = &self.seg.header().help.0;
+        // The offer's generation and slot stay ours while it is open
+        // (`release` refuses to move `tail` meanwhile).
         let closed = Claim {
-            generation: sh.generation,
-            slot: sh.slot,
+            generation: self.generation,
+            slot: (self.tail % self.slots) as usize,
             front: 0,
             back: 0,
         };
         let c = Claim::unpack(h.claim.swap(closed.pack(), Ordering::AcqRel));
         // The sender claimed the chunks from `back` on. (A word of another
         // generation means a corrupt segment: nothing of ours to wait for.)
-        let theirs = if c.generation == sh.generation {
+        let theirs = if c.generation == self.generation {
             u64::from(sh.chunks.saturating_sub(c.back))
         } else {
             0
@@ -1239,7 +1236,7 @@ impl ShmRecv {
             // Relaxed load, then AcqRel CAS: pairs with the sender's claims.
             let w = h.claim.load(Ordering::Relaxed);
             let c = Claim::unpack(w);
-            if c.generation != sh.generation || c.slot != sh.slot {
+            if c.generation != self.generation || c.slot != (self.tail % self.slots) as usize {
                 self.sharing = Some(sh);
                 return Err(protocol(
                     self.peer,
@@ -1280,7 +1277,7 @@ impl ShmRecv {
             return Ok(false);
         }
         let f = h.failed.load(Ordering::Acquire);
-        if f != 0 && (f >> 32) as u32 == sh.generation {
+        if f != 0 && (f >> 32) as u32 == self.generation {
             // The sender could not write this chunk: copy it ourselves.
             if let Err(e) = self.read_chunks(&sh, addr, f as u32, 1) {
                 self.sharing = Some(sh);

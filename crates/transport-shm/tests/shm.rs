@@ -311,6 +311,27 @@ fn direct_transfers_probe_succeeds_between_processes_of_one_user() {
     }
 }
 
+/// Peeks the next slot, which must be a direct one of `len` bytes, and
+/// reads it into `dst` with `poll_read_remote` (not released).
+fn read_direct(rx: &mut dyn braid_core::transport::RecvChannel, dst: &mut [u8], len: usize) {
+    use braid_core::transport::Incoming;
+    assert!(dst.len() >= len);
+    let got = wait_for("a direct slot", Duration::from_secs(10), || {
+        rx.poll_peek_any().unwrap()
+    });
+    assert!(
+        matches!(got, Incoming::Remote(l) if l == len),
+        "got {got:?}"
+    );
+    wait_for("the read", Duration::from_secs(10), || {
+        // SAFETY: `dst` holds at least `len` writable bytes (checked), which
+        // we leave alone until this returns true.
+        unsafe { rx.poll_read_remote(dst.as_mut_ptr(), len) }
+            .unwrap()
+            .then_some(())
+    });
+}
+
 /// A direct transfer of many chunks is shared: while the receiver reads,
 /// a sender thread calling `poll_help` writes chunks of its own into the
 /// receiver's destination. The bytes arrive exactly, `poll_read_remote`
@@ -320,7 +341,6 @@ fn direct_transfers_probe_succeeds_between_processes_of_one_user() {
 /// scheduling, so up to 20 transfers run until one was shared.)
 #[test]
 fn direct_transfers_are_shared_with_the_sender() {
-    use braid_core::transport::Incoming;
     use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
     let _g = lock();
     let t = ShmTransport::with_params(64 * 1024, 4).unwrap();
@@ -353,20 +373,7 @@ fn direct_transfers_are_shared_with_the_sender() {
                     }
                 }
             });
-            let got = wait_for("the direct slot", Duration::from_secs(10), || {
-                rx.poll_peek_any().unwrap()
-            });
-            assert!(
-                matches!(got, Incoming::Remote(l) if l == len),
-                "got {got:?}"
-            );
-            wait_for("the shared read", Duration::from_secs(10), || {
-                // SAFETY: `out` holds `len` writable bytes, untouched by us
-                // until this returns true.
-                unsafe { rx.poll_read_remote(out.as_mut_ptr(), len) }
-                    .unwrap()
-                    .then_some(())
-            });
+            read_direct(&mut *rx, &mut out, len);
             stop.store(true, Ordering::Relaxed);
         });
         if let Some(i) = (0..len).find(|&i| out[i] != data[i]) {
@@ -414,19 +421,7 @@ fn finished_shared_transfer_leaves_no_offer() {
     // The short transfer's destination, followed by a guard band.
     let mut out = vec![0u8; long];
     let recv = |rx: &mut Box<dyn braid_core::transport::RecvChannel>, dst: &mut [u8], len| {
-        let got = wait_for("a direct slot", Duration::from_secs(10), || {
-            rx.poll_peek_any().unwrap()
-        });
-        assert!(
-            matches!(got, Incoming::Remote(l) if l == len),
-            "got {got:?}"
-        );
-        wait_for("the read", Duration::from_secs(10), || {
-            // SAFETY: `dst` holds at least `len` writable bytes.
-            unsafe { rx.poll_read_remote(dst.as_mut_ptr(), len) }
-                .unwrap()
-                .then_some(())
-        });
+        read_direct(&mut **rx, dst, len);
         rx.release().unwrap();
     };
     // Slot 0: the short transfer, read (and offered) by the receiver alone.
