@@ -125,6 +125,20 @@ fn matrix_4_ranks_single_copy() {
     );
 }
 
+/// Three ranks single-copy with the ring plans for AllGather and Broadcast
+/// (`BRAID_DIRECT_MOVES=0`); single-copy, they read each block straight from
+/// its owner (the matrix above covers that).
+#[test]
+fn matrix_3_ranks_single_copy_ring() {
+    matrix_env(
+        3,
+        &[
+            ("BRAID_SINGLE_COPY_MIN_BYTES", "0"),
+            ("BRAID_DIRECT_MOVES", "0"),
+        ],
+    );
+}
+
 #[test]
 fn matrix_8_ranks() {
     matrix(8);

@@ -19,7 +19,9 @@
 //! Ops are grouped in *stages*. Ops of one stage are independent and may run
 //! in any order (the executor polls them all); stages run in sequence. Ring
 //! and chain algorithms use one op per stage; pairwise exchange (AllToAll) and
-//! point-to-point groups put one piece of every transfer in each stage.
+//! point-to-point groups put one piece of every transfer in each stage, and
+//! the direct AllGather and Broadcast ([`PlanParams::direct_moves`]) put
+//! everything in one stage.
 //!
 //! Buffers: collectives use buffer 0 (send) and 1 (recv); a point-to-point
 //! group names one buffer per operation. In-place forms alias these buffers as
@@ -339,6 +341,14 @@ pub struct PlanParams {
     /// recursive doubling, which takes log2(p) exchange steps instead of the
     /// ring's 2(p−1) hops: latency-bound sizes. 0 means always the ring.
     pub small_allreduce_bytes: usize,
+    /// Every link passes pieces by reference (single copy), so a piece sent
+    /// to many peers costs the sender nothing per peer: AllGather and
+    /// Broadcast on more than two ranks then have every rank read each block
+    /// straight from the rank that owns it (one stage, no relay along the
+    /// ring), which keeps a descheduled rank from holding up the ranks behind
+    /// it on the ring. Over slot copies the ring is kept: there the root of a
+    /// direct Broadcast would copy its buffer once per peer.
+    pub direct_moves: bool,
 }
 
 impl PlanParams {
@@ -350,6 +360,7 @@ impl PlanParams {
             piece_bytes,
             move_piece_bytes: piece_bytes,
             small_allreduce_bytes: 0,
+            direct_moves: false,
         }
     }
 
@@ -497,7 +508,13 @@ pub fn plan(coll: &Collective, dtype: DataType, params: &PlanParams) -> Result<P
         }
         Collective::AllReduce { count, .. } => ctx.all_reduce(&mut prog, count),
         Collective::ReduceScatter { recv_count, .. } => ctx.reduce_scatter(&mut prog, recv_count),
+        Collective::AllGather { send_count } if params.direct_moves && p > 2 => {
+            ctx.all_gather_direct(&mut prog, params.rank, send_count)
+        }
         Collective::AllGather { send_count } => ctx.all_gather(&mut prog, send_count),
+        Collective::Broadcast { count, root } if params.direct_moves && p > 2 => {
+            ctx.broadcast_direct(&mut prog, params.rank, count, root)
+        }
         Collective::Broadcast { count, root } => ctx.broadcast(&mut prog, count, root),
         Collective::Reduce { count, root, .. } => ctx.reduce(&mut prog, count, root),
         Collective::AllToAll { count } => ctx.all_to_all(&mut prog, params.rank, count),
@@ -828,6 +845,83 @@ impl Ctx<'_> {
         }
     }
 
+    /// Pieces of at most one piece each covering `count` elements from
+    /// element offset `base`: `(offset, len)` in elements.
+    fn pieces(&self, base: usize, count: usize) -> Vec<(usize, usize)> {
+        let mut v = Vec::with_capacity(count.div_ceil(self.piece));
+        let mut off = 0;
+        while off < count {
+            let n = self.piece.min(count - off);
+            v.push((base + off, n));
+            off += n;
+        }
+        v
+    }
+
+    /// Direct AllGather (see [`PlanParams::direct_moves`]): our block goes
+    /// by reference to every peer, in the pairwise order `rank + s`; our own
+    /// copy runs while the peers read; then every peer's block is read from
+    /// that peer, `rank − s`. One stage, as in [`Ctx::all_to_all`].
+    fn all_gather_direct(&self, prog: &mut Program, rank: u32, sc: usize) {
+        let p = self.p;
+        let r = rank as usize;
+        for s in 1..p {
+            for (at, n) in self.pieces(0, sc) {
+                prog.push_in_stage(Op::Send {
+                    to: ((r + s) % p) as u32,
+                    src: self.reg(SEND, at, n),
+                });
+            }
+        }
+        prog.push_in_stage(Op::Copy {
+            src: self.reg(SEND, 0, sc),
+            dst: self.reg(RECV, r * sc, sc),
+            finalize: false,
+        });
+        for s in 1..p {
+            let from = (r + p - s) % p;
+            for (at, n) in self.pieces(from * sc, sc) {
+                prog.push_in_stage(Op::Recv {
+                    from: from as u32,
+                    dst: self.reg(RECV, at, n),
+                });
+            }
+        }
+        prog.end_stage();
+    }
+
+    /// Direct Broadcast (see [`PlanParams::direct_moves`]): the root sends
+    /// every piece to every peer by reference, starting with the peer after
+    /// it, and copies its own buffer meanwhile; every other rank reads from
+    /// the root.
+    fn broadcast_direct(&self, prog: &mut Program, rank: u32, count: usize, root: u32) {
+        let p = self.p;
+        let r = rank as usize;
+        if rank == root {
+            for s in 1..p {
+                for (at, n) in self.pieces(0, count) {
+                    prog.push_in_stage(Op::Send {
+                        to: ((r + s) % p) as u32,
+                        src: self.reg(SEND, at, n),
+                    });
+                }
+            }
+            prog.push_in_stage(Op::Copy {
+                src: self.reg(SEND, 0, count),
+                dst: self.reg(RECV, 0, count),
+                finalize: false,
+            });
+        } else {
+            for (at, n) in self.pieces(0, count) {
+                prog.push_in_stage(Op::Recv {
+                    from: root,
+                    dst: self.reg(RECV, at, n),
+                });
+            }
+        }
+        prog.end_stage();
+    }
+
     /// Every piece to and from every peer in one stage: the executor moves
     /// whichever is ready (pieces to or from one peer keep their order), so
     /// a rank that is late — descheduled, when ranks outnumber cores — holds
@@ -838,16 +932,7 @@ impl Ctx<'_> {
     fn all_to_all(&self, prog: &mut Program, rank: u32, count: usize) {
         let p = self.p;
         let r = rank as usize;
-        let pieces = |peer: usize| {
-            let mut v = Vec::new();
-            let mut off = 0;
-            while off < count {
-                let n = self.piece.min(count - off);
-                v.push((peer * count + off, n));
-                off += n;
-            }
-            v
-        };
+        let pieces = |peer: usize| self.pieces(peer * count, count);
         for s in 1..p {
             let to = (r + s) % p;
             for (at, n) in pieces(to) {

@@ -20,6 +20,8 @@ struct Case {
     depth: usize,
     /// Recursive-doubling threshold (0: ring).
     small: usize,
+    /// Plans for links that pass references ([`PlanParams::direct_moves`]).
+    direct: bool,
 }
 
 /// Piece size for data-movement collectives in the simulated cases: a
@@ -33,7 +35,7 @@ impl Case {
 
     fn name(&self) -> String {
         format!(
-            "{} p={} count={} {} {} root={} in_place={} piece={} depth={}",
+            "{} p={} count={} {} {} root={} in_place={} piece={} depth={} direct={}",
             self.coll().name(),
             self.p,
             self.count,
@@ -42,7 +44,8 @@ impl Case {
             self.root,
             self.in_place,
             self.piece,
-            self.depth
+            self.depth,
+            self.direct
         )
     }
 
@@ -58,6 +61,7 @@ impl Case {
                 let mut params = PlanParams::new(r as u32, p as u32, self.piece);
                 params.small_allreduce_bytes = self.small;
                 params.move_piece_bytes = self.piece * MOVE_PIECE_FACTOR;
+                params.direct_moves = self.direct;
                 let program =
                     plan(&coll, dt, &params).unwrap_or_else(|e| panic!("{name}: plan: {e}"));
                 let (storages, buffers) = if !self.in_place {
@@ -196,6 +200,7 @@ fn all_collectives_1_to_16_ranks_f32_sum() {
                             piece: 64,
                             depth,
                             small: 0,
+                            direct: false,
                         }
                         .run();
                     }
@@ -223,6 +228,7 @@ fn reductions_every_datatype_and_op() {
                             piece: 128,
                             depth: 2,
                             small: 0,
+                            direct: false,
                         }
                         .run();
                     }
@@ -248,6 +254,7 @@ fn many_loops_with_large_pieces_and_every_root() {
                     piece: 1024,
                     depth: 3,
                     small: 0,
+                    direct: root % 2 == 0,
                 }
                 .run();
             }
@@ -269,6 +276,7 @@ fn allreduce_divisible_counts_have_exact_per_rank_volume() {
             piece: 16 * 4,
             depth: 2,
             small: 0,
+            direct: false,
         }
         .run();
     }
@@ -297,6 +305,7 @@ fn non_identity_ring_orders_give_the_same_results() {
                     piece_bytes: 64,
                     move_piece_bytes: 64,
                     small_allreduce_bytes: 0,
+                    direct_moves: false,
                 },
             )
             .unwrap(),
@@ -322,6 +331,7 @@ fn non_identity_ring_orders_give_the_same_results() {
                     piece_bytes: 64,
                     move_piece_bytes: 64,
                     small_allreduce_bytes: 0,
+                    direct_moves: false,
                 },
             )
             .unwrap(),
@@ -437,6 +447,7 @@ fn invalid_descriptions_are_rejected_before_planning() {
         piece_bytes: 1024,
         move_piece_bytes: 1024,
         small_allreduce_bytes: 0,
+        direct_moves: false,
     };
     assert!(plan(&Collective::AllGather { send_count: 1 }, DataType::U8, &dup).is_err());
 }
@@ -458,10 +469,100 @@ fn small_allreduce_by_recursive_doubling() {
                         piece: 64,
                         depth: 2,
                         small: 64,
+                        direct: false,
                     }
                     .run();
                 }
             }
         }
+    }
+}
+
+#[test]
+fn direct_all_gather_and_broadcast_read_from_the_owner() {
+    for p in 1..=9 {
+        for kind in [Kind::AllGather, Kind::Broadcast] {
+            for count in [0, 1, 7, 3 * p, 1023] {
+                for in_place in [false, true] {
+                    for depth in [2, 4] {
+                        Case {
+                            kind,
+                            p,
+                            count,
+                            dt: DataType::U8,
+                            op: RedOp::Sum,
+                            root: (p * 5 + 3) % p,
+                            in_place,
+                            piece: 64,
+                            depth,
+                            small: 0,
+                            direct: true,
+                        }
+                        .run();
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn direct_plans_take_one_stage_and_read_from_the_owner() {
+    // What makes them direct: no relay (every receive names the block's
+    // owner) and one stage, so no rank waits on a rank behind it.
+    let p = 4u32;
+    for r in 0..p {
+        let mut params = PlanParams::new(r, p, 64);
+        params.direct_moves = true;
+        let ag = plan(
+            &Collective::AllGather { send_count: 100 },
+            DataType::U8,
+            &params,
+        )
+        .unwrap();
+        assert_eq!(ag.stage_ends.len(), 1, "AllGather rank {r}");
+        for op in &ag.ops {
+            if let braid_core::plan::Op::Recv { from, dst } = *op {
+                assert_eq!(
+                    dst.offset / 100,
+                    from as usize,
+                    "rank {r}: block from its owner"
+                );
+            }
+        }
+        let bc = plan(
+            &Collective::Broadcast {
+                count: 100,
+                root: 1,
+            },
+            DataType::U8,
+            &params,
+        )
+        .unwrap();
+        assert_eq!(bc.stage_ends.len(), 1, "Broadcast rank {r}");
+        assert!(bc
+            .ops
+            .iter()
+            .all(|op| op.recv_peer().is_none_or(|f| f == 1)));
+        let sends = bc.ops.iter().filter(|op| op.send_peer().is_some()).count();
+        assert_eq!(sends, if r == 1 { 6 } else { 0 }, "rank {r}: sends");
+        // Two ranks keep the ring plan.
+        let mut two = PlanParams::new(r % 2, 2, 64);
+        two.direct_moves = true;
+        let two_plan = plan(
+            &Collective::AllGather { send_count: 100 },
+            DataType::U8,
+            &two,
+        )
+        .unwrap();
+        assert_eq!(
+            two_plan,
+            plan(
+                &Collective::AllGather { send_count: 100 },
+                DataType::U8,
+                &PlanParams::new(r % 2, 2, 64)
+            )
+            .unwrap()
+        );
     }
 }

@@ -73,6 +73,10 @@ struct Shared {
     piece: usize,
     small_allreduce: usize,
     move_piece: usize,
+    /// Every link passes references: single-copy AllGather and Broadcast
+    /// on more than two ranks read each block from its owner
+    /// ([`PlanParams::direct_moves`]). `BRAID_DIRECT_MOVES=0` keeps the ring.
+    direct_moves: bool,
     direct_min: usize,
     /// Collectives whose largest buffer is smaller than this move their
     /// data through the slots (two copies that stay in cache) instead of
@@ -458,6 +462,9 @@ impl Communicator {
                     ),
                 )?,
                 move_piece,
+                direct_moves: all_direct
+                    && direct_min <= piece
+                    && std::env::var("BRAID_DIRECT_MOVES").map_or(true, |v| v.trim() != "0"),
                 // Mismatch detection (one 32-byte header per link per
                 // operation); BRAID_CHECK_MISMATCH=0 turns it off.
                 check_headers: std::env::var("BRAID_CHECK_MISMATCH")
@@ -822,6 +829,7 @@ impl Communicator {
             piece_bytes: sh.piece,
             move_piece_bytes: if single_copy { sh.move_piece } else { sh.piece },
             small_allreduce_bytes: sh.small_allreduce,
+            direct_moves: single_copy && sh.direct_moves,
         };
         let planned = Planned {
             prog: Arc::new(plan::plan(coll, dt, &params)?),

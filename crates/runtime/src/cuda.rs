@@ -591,6 +591,7 @@ impl CudaComm {
             piece_bytes: self.inner.piece,
             move_piece_bytes: self.inner.piece,
             small_allreduce_bytes: self.inner.small_allreduce,
+            direct_moves: false,
         };
         let prog = Arc::new(plan::plan(coll, dt, &params)?);
         if let Some(m) = &self.inner.stream_mode {
