@@ -22,8 +22,12 @@
 //!   a pending receiver is dropped, the receiver unlinks.
 //! - **Credits.** `head` counts slots the sender committed, `tail` slots the
 //!   receiver released; both only grow. A slot is free for the sender iff
-//!   `head - tail < slots`; slot `n % slots` carries message `n`, and its
-//!   length sits in `lens[n % slots]`.
+//!   `head - tail < slots`; slot `n % slots` carries message `n`. Its
+//!   *box* (one cache line per slot) holds its length word and `n + 1`
+//!   (`seq`), stored last; the receiver polls that one line instead of
+//!   `head`. A message of at most 48 bytes (an 8-byte AllReduce with its
+//!   operation header is 40) travels inside the box, so it reaches the
+//!   receiver in a single cache-line transfer, as in Open MPI's fast boxes.
 //! - **Data path.** `poll_acquire`/`commit`/`poll_peek`/`release`/
 //!   `poll_drained` are plain loads and stores on the mapping, never a system
 //!   call, so the engine can spin on them.
@@ -67,10 +71,12 @@
 //!
 //! # Memory orderings
 //!
-//! The sender writes the payload into the slot and the length into
-//! `lens[i]`, then publishes with `head.store(Release)`. The receiver loads
-//! `head` with `Acquire`; every slot below the value it saw is then fully
-//! visible (payload and length), so the length load itself can be `Relaxed`.
+//! The sender writes the payload into the slot (or the box) and the length
+//! word into the box, then publishes with `seq.store(Release)` in the box
+//! (and `head.store(Release)`, which only the receiver's slow path reads).
+//! The receiver loads `seq` with `Acquire`; once it reads the message's
+//! number, payload and length are visible, so the length load itself can be
+//! `Relaxed`.
 //! The receiver's `tail.store(Release)` after reading a slot pairs with the
 //! sender's `tail.load(Acquire)` before it reuses that slot, so the
 //! receiver's reads of the old message happen before the sender overwrites
@@ -183,6 +189,9 @@ pub const ENV_DIRECT: &str = "BRAID_SHM_DIRECT";
 /// Marks a slot length word whose slot holds the sender-side address of the
 /// payload (a direct transfer) instead of the payload.
 const DIRECT_FLAG: u64 = 1 << 63;
+/// Length-word flag: the payload is in the slot's box, not in the slot
+/// (messages of at most [`segment::INLINE_BYTES`]).
+const INLINE_FLAG: u64 = 1 << 62;
 
 /// Environment variable: `0` stops receivers from sharing the copy of a
 /// direct transfer with its sender (see the crate docs, "Shared direct transfers").
@@ -782,13 +791,16 @@ impl ShmSend {
                 "shm commit without a slot from poll_acquire".into(),
             ));
         }
+        let idx = (self.head % self.slots) as usize;
         // Relaxed: ordered before the receiver's read by the Release below.
-        self.seg
-            .len_word((self.head % self.slots) as usize)
-            .store(word, Ordering::Relaxed);
+        self.seg.len_word(idx).store(word, Ordering::Relaxed);
         self.head += 1;
         // Release: the payload (or address) and length written before become
-        // visible to the receiver's Acquire load of `head` that sees this.
+        // visible to the receiver's Acquire load of the box's `seq` that
+        // sees this message number — the one line the receiver polls.
+        self.seg.box_seq(idx).store(self.head, Ordering::Release);
+        // `head` is for `check_peer` and `poll_drained`-style accounting on
+        // the receiver's slow path (a line it rarely reads).
         self.seg.header().head.0.store(self.head, Ordering::Release);
         self.acquired = false;
         Ok(())
@@ -859,6 +871,16 @@ impl SendChannel for ShmSend {
                 "shm commit of {len} bytes into a {}-byte slot",
                 self.slot_bytes
             )));
+        }
+        if len <= segment::INLINE_BYTES {
+            // A small message travels in the box line the receiver polls.
+            let idx = (self.head % self.slots) as usize;
+            // SAFETY: the acquired slot and its box are ours to write until
+            // published; both hold at least `len` bytes and do not overlap.
+            unsafe {
+                std::ptr::copy_nonoverlapping(self.seg.slot_ptr(idx), self.seg.inline_ptr(idx), len)
+            };
+            return self.publish(len as u64 | INLINE_FLAG);
         }
         self.publish(len as u64)
     }
@@ -1326,12 +1348,12 @@ impl RecvChannel for ShmRecv {
         if let Some(r) = &self.aborted {
             return Err(CoreError::Aborted(r.clone()));
         }
-        if self.head_cache == self.tail && self.load_head()? == self.tail {
+        let idx = (self.tail % self.slots) as usize;
+        // Acquire: pairs with the sender's Release store of the message
+        // number, after the payload (slot or box) and the length word.
+        if self.seg.box_seq(idx).load(Ordering::Acquire) != self.tail + 1 {
             return Ok(None);
         }
-        let idx = (self.tail % self.slots) as usize;
-        // Relaxed: the Acquire load of `head` that covered this slot already
-        // ordered the sender's store of the length before us.
         let word = self.seg.len_word(idx).load(Ordering::Relaxed);
         let slot = SlotBuf {
             ptr: self.seg.slot_ptr(idx),
@@ -1340,12 +1362,30 @@ impl RecvChannel for ShmRecv {
         self.peeked = true;
         if word & DIRECT_FLAG != 0 {
             let len = (word & !DIRECT_FLAG) as usize;
-            // SAFETY: the slot is published (covered by `head`), page-aligned
-            // and at least 4096 bytes; the sender wrote the address before
-            // its Release store of `head`.
+            // SAFETY: the slot is published (its box's `seq` says so),
+            // page-aligned and at least 4096 bytes; the sender wrote the
+            // address before its Release store of `seq`.
             let addr = unsafe { slot.ptr.cast::<u64>().read() };
             self.remote = Some((addr, len));
             return Ok(Some(Incoming::Remote(len)));
+        }
+        if word & INLINE_FLAG != 0 {
+            let len = (word & !INLINE_FLAG) as usize;
+            if len > segment::INLINE_BYTES {
+                self.peeked = false;
+                return Err(protocol(
+                    self.peer,
+                    format!("shm box holds {len} bytes, more than 48 (corrupt segment)"),
+                ));
+            }
+            self.remote = None;
+            return Ok(Some(Incoming::Inline(
+                SlotBuf {
+                    ptr: self.seg.inline_ptr(idx),
+                    cap: segment::INLINE_BYTES,
+                },
+                len,
+            )));
         }
         if word > self.slot_bytes as u64 {
             self.peeked = false;

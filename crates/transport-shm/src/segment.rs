@@ -16,7 +16,8 @@
 //! | 256 | `tail`: slots released by the receiver | receiver |
 //! | 384 | sender side: pid, attached, closed, abort, abort reason, probe address | sender |
 //! | 512 | receiver side: pid, attached, closed, abort, abort reason, direct_ok | receiver |
-//! | 640 | `lens[slots]`: byte length of each slot's message | sender |
+//! | 640 | `help`: the direct transfer shared with the sender (claim, done, failed) | both |
+//! | 768 | `boxes[slots]`, 64 bytes each: up to 48 bytes of inline payload, the length word and the message number (`seq`) of each slot's message | sender |
 //! | `data_offset` (multiple of 4096) | `slots` slots, each `stride` bytes apart (`stride` = `slot_bytes` rounded up to 4096) | sender writes, receiver reads |
 //!
 //! Fields that different processes write sit on separate 128-byte lines (two
@@ -36,9 +37,11 @@ use nix::sys::stat::Mode;
 /// `"BRAIDSHM"` in ASCII: the first word of every segment.
 pub(crate) const HEADER_MAGIC: u64 = u64::from_be_bytes(*b"BRAIDSHM");
 /// Version of the in-memory layout (bumped on any change to [`Header`]).
-pub(crate) const LAYOUT_VERSION: u32 = 3;
+pub(crate) const LAYOUT_VERSION: u32 = 4;
 /// Page size the layout aligns to.
 pub(crate) const PAGE: usize = 4096;
+/// Payload bytes a message may carry inside its slot's box (see [`SlotBox`]).
+pub(crate) const INLINE_BYTES: usize = 48;
 /// Bytes of abort reason kept in the segment (longer reasons are cut).
 pub(crate) const REASON_BYTES: usize = 96;
 /// Most slots a segment may have.
@@ -133,13 +136,29 @@ pub(crate) struct Header {
     pub help: Padded<Help>,
 }
 
+/// The cache line that announces a slot's message: the receiver polls
+/// `seq` alone (no other line), and a message of at most
+/// [`INLINE_BYTES`] travels in the same line, so a small message costs one
+/// cache-line transfer from sender to receiver.
+#[repr(C, align(64))]
+pub(crate) struct SlotBox {
+    /// Inline payload (raw bytes, handed out by [`Segment::inline_ptr`];
+    /// first, so that it is 64-byte aligned like a slot).
+    pub inline: [u8; INLINE_BYTES],
+    /// Byte length and flags of the message (see `lib.rs`).
+    pub word: AtomicU64,
+    /// `n + 1` once message `n` (which lives in slot `n % slots`) is
+    /// published (stored last, Release).
+    pub seq: AtomicU64,
+}
+
 /// Sizes and offsets of a segment, derived from `(slot_bytes, slots)`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct Layout {
     pub slots: usize,
     pub slot_bytes: usize,
     pub stride: usize,
-    pub lens_offset: usize,
+    pub boxes_offset: usize,
     pub data_offset: usize,
     pub total: usize,
 }
@@ -159,8 +178,8 @@ impl Layout {
             return None;
         }
         let stride = round_up(slot_bytes, PAGE)?;
-        let lens_offset = size_of::<Header>();
-        let data_offset = round_up(lens_offset + slots * size_of::<AtomicU64>(), PAGE)?;
+        let boxes_offset = size_of::<Header>();
+        let data_offset = round_up(boxes_offset + slots * size_of::<SlotBox>(), PAGE)?;
         let total = stride.checked_mul(slots)?.checked_add(data_offset)?;
         // Keep the mapping addressable as off_t on every target.
         if total > (i64::MAX as usize) {
@@ -170,7 +189,7 @@ impl Layout {
             slots,
             slot_bytes,
             stride,
-            lens_offset,
+            boxes_offset,
             data_offset,
             total,
         })
@@ -379,19 +398,40 @@ impl Segment {
         unsafe { &*self.base.as_ptr().cast::<Header>() }
     }
 
-    /// The length word of slot `i` (`i < slots`).
-    pub fn len_word(&self, i: usize) -> &AtomicU64 {
+    fn box_ptr(&self, i: usize) -> *mut SlotBox {
         assert!(i < self.layout.slots, "slot index out of range");
-        // SAFETY: `lens_offset + 8 * i` lies inside the lens area reserved by
-        // Layout::new (i < slots), is 8-aligned (lens_offset is a multiple of
-        // 128) and AtomicU64 is valid for any bit pattern; lives as `self`.
+        // SAFETY: `boxes_offset + 64 * i` lies inside the box area reserved
+        // by Layout::new (i < slots); creating the pointer accesses nothing.
         unsafe {
-            &*self
-                .base
+            self.base
                 .as_ptr()
-                .add(self.layout.lens_offset + i * size_of::<AtomicU64>())
-                .cast::<AtomicU64>()
+                .add(self.layout.boxes_offset + i * size_of::<SlotBox>())
+                .cast::<SlotBox>()
         }
+    }
+
+    /// The message number of slot `i`'s box (`i < slots`).
+    pub fn box_seq(&self, i: usize) -> &AtomicU64 {
+        // SAFETY: the box lies inside the mapping (box_ptr) and is 64-aligned
+        // (boxes_offset is a multiple of 128), so the field is 8-aligned;
+        // AtomicU64 is valid for any bit pattern; the reference lives as
+        // long as `self`.
+        unsafe { &(*self.box_ptr(i)).seq }
+    }
+
+    /// The length word of slot `i`'s box (`i < slots`).
+    pub fn len_word(&self, i: usize) -> &AtomicU64 {
+        // SAFETY: as in `box_seq`.
+        unsafe { &(*self.box_ptr(i)).word }
+    }
+
+    /// Start of slot `i`'s inline payload ([`INLINE_BYTES`] bytes, 64-byte
+    /// aligned; `i < slots`). Like slot memory, who may touch it when is decided by the
+    /// protocol in `lib.rs`.
+    pub fn inline_ptr(&self, i: usize) -> *mut u8 {
+        // SAFETY: the field lies inside the box, inside the mapping;
+        // `addr_of_mut!` creates no reference, and nothing is accessed.
+        unsafe { std::ptr::addr_of_mut!((*self.box_ptr(i)).inline).cast::<u8>() }
     }
 
     /// Start of slot `i` (`i < slots`), page-aligned, `slot_bytes` long.
@@ -433,7 +473,7 @@ impl Drop for Segment {
     fn drop(&mut self) {
         // SAFETY: `base..base+total` is the mapping created in create/open and
         // not unmapped elsewhere; references handed out by `header` and
-        // `len_word` borrow `self`, so none outlives this call. Slot pointers
+        // `len_word`/`box_seq` borrow `self`, so none outlives this call. Slot pointers
         // given to the engine must not be used after the channel is dropped
         // (the seam's contract).
         let _ = unsafe { mman::munmap(self.base.cast(), self.layout.total) };
@@ -543,6 +583,10 @@ mod tests {
         assert_eq!(std::mem::offset_of!(Header, receiver), 512);
         assert_eq!(std::mem::offset_of!(Header, help), 640);
         assert_eq!(size_of::<Header>(), 768);
+        assert_eq!(size_of::<SlotBox>(), 64);
+        assert_eq!(std::mem::align_of::<SlotBox>(), 64);
+        assert_eq!(std::mem::offset_of!(SlotBox, inline), 0);
+        assert_eq!(Layout::new(4096, 2).unwrap().boxes_offset, 768);
     }
 
     #[test]

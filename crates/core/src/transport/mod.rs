@@ -60,7 +60,9 @@ impl PeerDesc {
 pub struct SlotBuf {
     /// Start of the slot (aligned to at least 64 bytes).
     pub ptr: *mut u8,
-    /// Capacity in bytes (the transport's `slot_bytes`).
+    /// Capacity in bytes: the transport's `slot_bytes` for a slot to fill
+    /// (`poll_acquire`); for a peeked slot at least the message's length
+    /// (a transport may carry small messages in a smaller place).
     pub cap: usize,
 }
 
