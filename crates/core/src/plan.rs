@@ -242,6 +242,12 @@ impl Collective {
     /// in range, byte sizes that fit in memory. Nothing is sent before this
     /// passes.
     pub fn validate(&self, dtype: DataType, rank: u32, nranks: u32) -> Result<()> {
+        self.validated_counts(dtype, rank, nranks).map(|_| ())
+    }
+
+    /// [`Collective::validate`], returning [`Collective::collective_counts`]
+    /// (computed once: this runs for every operation).
+    pub fn validated_counts(&self, dtype: DataType, rank: u32, nranks: u32) -> Result<[usize; 2]> {
         if nranks == 0 {
             return Err(CoreError::InvalidArgument(
                 "nranks must be at least 1".into(),
@@ -313,13 +319,16 @@ impl Collective {
                 })
         };
         match self {
-            Collective::Group(ops) => ops.iter().try_for_each(|o| fits(o.count))?,
-            _ => self
-                .collective_counts(nranks)?
-                .into_iter()
-                .try_for_each(fits)?,
+            Collective::Group(ops) => {
+                ops.iter().try_for_each(|o| fits(o.count))?;
+                Ok([0, 0])
+            }
+            _ => {
+                let counts = self.collective_counts(nranks)?;
+                counts.into_iter().try_for_each(fits)?;
+                Ok(counts)
+            }
         }
-        Ok(())
     }
 }
 

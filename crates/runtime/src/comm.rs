@@ -3,7 +3,9 @@
 use std::collections::HashMap;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
+
+use crate::oplock::{OpGuard, OpLock};
 use std::time::{Duration, Instant};
 
 use braid_core::plan::{self, Collective, P2p, P2pKind, PlanParams, Program};
@@ -88,7 +90,7 @@ struct Shared {
     check_headers: bool,
     policy: WaitPolicy,
     abort: Arc<AtomicBool>,
-    state: Mutex<State>,
+    state: OpLock<State>,
     bootstrap: Mutex<Bootstrap>,
     transports: Vec<&'static str>,
     topo_plan: braid_core::topo::Plan,
@@ -101,7 +103,7 @@ struct Shared {
 impl Shared {
     fn abort(&self, why: &str) {
         self.abort.store(true, Ordering::SeqCst);
-        if let Ok(mut st) = self.state.try_lock() {
+        if let Some(Ok(mut st)) = self.state.try_lock() {
             st.broken.get_or_insert_with(|| why.into());
             st.chans.abort_all(why);
         }
@@ -476,7 +478,7 @@ impl Communicator {
                     stall_warn: progress::stall_warn(timeout),
                 },
                 abort,
-                state: Mutex::new(State {
+                state: OpLock::new(State {
                     chans,
                     seq: 0,
                     coll_seq: 0,
@@ -697,7 +699,7 @@ impl Communicator {
             .barrier()
     }
 
-    fn lock(&self) -> Result<MutexGuard<'_, State>> {
+    fn lock(&self) -> Result<OpGuard<'_, State>> {
         self.shared
             .state
             .lock()
@@ -754,7 +756,10 @@ impl Communicator {
             headers: use_headers.then_some(&headers),
             progress: Some(&sh.progress),
         };
-        sh.progress.start(name, seq, prog.stage_ends.len());
+        // Operations that may run a while without waiting (long copies and
+        // reductions) take their start time now; small ones once they wait.
+        let big = bufs.iter().map(|b| b.len).sum::<usize>() >= 64 * 1024;
+        sh.progress.start(name, seq, prog.stage_ends.len(), big);
         // SAFETY: the typed entry points built `bufs` from live slices of the
         // right lengths (checked), borrowed for this whole call, aligned for
         // `dt`, aliasing only as the in-place plans allow.
@@ -930,9 +935,8 @@ impl Communicator {
             }
             other => Error::Core(other),
         };
-        coll.validate(dt, self.shared.rank, self.shared.nranks)
-            .map_err(inv)?;
-        coll.collective_counts(self.shared.nranks).map_err(inv)
+        coll.validated_counts(dt, self.shared.rank, self.shared.nranks)
+            .map_err(inv)
     }
 
     fn check_align(&self, coll: &Collective, what: &str, b: RawBuf, dt: DataType) -> Result<()> {

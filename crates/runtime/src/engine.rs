@@ -206,7 +206,15 @@ impl<'a> Waiter<'a> {
             return Ok(());
         }
         let now = Instant::now();
-        let since = *self.since.get_or_insert(now);
+        let since = match self.since {
+            Some(t) => t,
+            None => {
+                if let Some(p) = self.progress {
+                    p.stamp();
+                }
+                *self.since.insert(now)
+            }
+        };
         if self.abort.load(Ordering::Relaxed) {
             return Err(CoreError::Aborted("the communicator was aborted".into()));
         }

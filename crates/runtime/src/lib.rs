@@ -22,6 +22,7 @@ pub mod engine;
 pub mod env;
 pub mod error;
 pub mod fingerprint;
+mod oplock;
 pub mod progress;
 pub mod select;
 pub mod stream;
