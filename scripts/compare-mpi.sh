@@ -22,18 +22,31 @@ peers=${PEERS:-$here/../shared/peers}
 cargo build --release -q -p braid-perf --manifest-path "$here/Cargo.toml"
 perf=$here/target/release/braid-perf
 export BRAID_SINGLE_COPY_MIN_BYTES=${BRAID_SINGLE_COPY_MIN_BYTES:-524288}
-# Alternate braid and Open MPI, rank count by rank count, ROUNDS times, so
-# that both meet the same machine; the table keeps each side's best round.
+# Alternate braid and Open MPI collective by collective (seconds apart: this
+# machine switches between a fast and a slow mode minutes apart), ROUNDS
+# times, so that both meet the same machine; the table keeps each side's
+# best round.
+declare -A mpiname=([all_reduce]=allreduce [all_gather]=allgather [reduce_scatter]=reducescatter
+  [broadcast]=bcast [reduce]=reduce [alltoall]=alltoall)
 rounds=${ROUNDS:-2}
 for round in $(seq "$rounds"); do
   for np in $nps; do
+    mkdir -p "$out/mpi_np$np.r$round"
+    rm -f "$out/mpi_np$np.r$round/mpi.csv"
     for c in all_reduce all_gather reduce_scatter broadcast reduce alltoall; do
       "$perf" "$c" -np "$np" -b 8 -e 8 -n 2000 -w 100 -H 1 -J "$out/braid_${c}_np${np}_small.r$round.json" >/dev/null
       "$perf" "$c" -np "$np" -b 1M -e 64M -f 4 -n "$iters" -w 3 -H 1 -J "$out/braid_${c}_np${np}.r$round.json" >"$out/braid_${c}_np${np}.r$round.txt"
       # 1 MiB takes ~0.1-1 ms: more iterations, as Open MPI's timed loop does.
       "$perf" "$c" -np "$np" -b 1M -e 1M -n 300 -w 20 -H 1 -J "$out/braid_${c}_np${np}_1M.r$round.json" >/dev/null
+      part=$out/parts/mpi_np$np.r$round.$c
+      "$peers/mpi-best.sh" "$part" "$np" "${mpiname[$c]}" 8,1M,16M,64M >/dev/null
+      # One file per rank count and round, as for a single mpi-best run.
+      if [ -f "$out/mpi_np$np.r$round/mpi.csv" ]; then
+        tail -n +2 "$part/mpi.csv" >>"$out/mpi_np$np.r$round/mpi.csv"
+      else
+        cp "$part/mpi.csv" "$out/mpi_np$np.r$round/mpi.csv"
+      fi
     done
-    "$peers/mpi-best.sh" "$out/mpi_np$np.r$round" "$np" allreduce,allgather,reducescatter,bcast,reduce,alltoall 8,1M,16M,64M >/dev/null
   done
 done
 python3 - "$out" <<'PY'
