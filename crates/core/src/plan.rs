@@ -350,13 +350,15 @@ pub struct PlanParams {
     /// recursive doubling, which takes log2(p) exchange steps instead of the
     /// ring's 2(p−1) hops: latency-bound sizes. 0 means always the ring.
     pub small_allreduce_bytes: usize,
-    /// Every link passes pieces by reference (single copy), so a piece sent
-    /// to many peers costs the sender nothing per peer: AllGather and
-    /// Broadcast on more than two ranks then have every rank read each block
-    /// straight from the rank that owns it (one stage, no relay along the
-    /// ring), which keeps a descheduled rank from holding up the ranks behind
-    /// it on the ring. Over slot copies the ring is kept: there the root of a
-    /// direct Broadcast would copy its buffer once per peer.
+    /// AllGather and Broadcast on more than two ranks have every rank read
+    /// each block straight from the rank that owns it (one stage, no relay
+    /// along the ring), which keeps a descheduled rank from holding up the
+    /// ranks behind it on the ring and takes one step instead of p−1. The
+    /// runtime sets it where every link passes pieces by reference (single
+    /// copy: a piece sent to many peers costs the sender nothing per peer),
+    /// and for small AllGathers over slots (same volume as the ring); not
+    /// for Broadcast over slots, where the root would copy its buffer once
+    /// per peer.
     pub direct_moves: bool,
 }
 

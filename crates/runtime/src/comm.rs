@@ -136,6 +136,13 @@ struct Planned {
     single_copy: bool,
 }
 
+/// AllGathers over slots of at most this many bytes (the whole result) read
+/// every block from its owner instead of relaying it along the ring (see
+/// `PlanParams::direct_moves`): 4 ranks on the 2-core VM, side by side,
+/// 64 bytes 2.4-2.5 against 3.1-5.0 µs, 4 KiB 2.6-4.8 against 3.6-7.5 µs;
+/// at 256 KiB no difference beyond the noise.
+const FLAT_ALLGATHER_MAX_BYTES: usize = 64 * 1024;
+
 /// How long a waiting rank spins before it yields the CPU. Spinning is what
 /// makes small operations fast (a flag in shared memory is seen in ~0.1 µs,
 /// a woken thread in 25–30 µs), but when this host runs more ranks than it
@@ -834,7 +841,13 @@ impl Communicator {
             piece_bytes: sh.piece,
             move_piece_bytes: if single_copy { sh.move_piece } else { sh.piece },
             small_allreduce_bytes: sh.small_allreduce,
-            direct_moves: single_copy && sh.direct_moves,
+            direct_moves: sh.direct_moves
+                && (single_copy
+                    || matches!(*coll, Collective::AllGather { send_count }
+                        if send_count
+                            .saturating_mul(sh.nranks as usize)
+                            .saturating_mul(dt.size())
+                            <= FLAT_ALLGATHER_MAX_BYTES)),
         };
         let planned = Planned {
             prog: Arc::new(plan::plan(coll, dt, &params)?),
