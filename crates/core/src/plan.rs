@@ -172,6 +172,7 @@ pub enum Collective {
 
 impl Collective {
     /// Short name used in logs, errors and fingerprints.
+    #[inline]
     pub fn name(&self) -> &'static str {
         match self {
             Collective::AllReduce { .. } => "AllReduce",
@@ -189,6 +190,7 @@ impl Collective {
     }
 
     /// The reduction operator, if the collective reduces.
+    #[inline]
     pub fn red_op(&self) -> Option<RedOp> {
         match self {
             Collective::AllReduce { op, .. }
@@ -199,6 +201,7 @@ impl Collective {
     }
 
     /// The root, for rooted collectives.
+    #[inline]
     pub fn root(&self) -> Option<u32> {
         match self {
             Collective::Broadcast { root, .. } | Collective::Reduce { root, .. } => Some(*root),
@@ -218,6 +221,7 @@ impl Collective {
     /// Element counts of a collective's send and receive buffers, without
     /// allocating (the per-call checks use it). A group has no such pair:
     /// `[0, 0]` (see [`Collective::buffer_counts`]).
+    #[inline]
     pub fn collective_counts(&self, nranks: u32) -> Result<[usize; 2]> {
         let p = nranks as usize;
         let times = |c: usize| {
@@ -247,6 +251,7 @@ impl Collective {
 
     /// [`Collective::validate`], returning [`Collective::collective_counts`]
     /// (computed once: this runs for every operation).
+    #[inline]
     pub fn validated_counts(&self, dtype: DataType, rank: u32, nranks: u32) -> Result<[usize; 2]> {
         if nranks == 0 {
             return Err(CoreError::InvalidArgument(
