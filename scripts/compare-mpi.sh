@@ -56,40 +56,42 @@ for round in $(seq "$rounds"); do
   done
 done
 python3 - "$out" <<'PY'
-import csv, glob, json, os, sys
+import csv, glob, json, os, statistics, sys
 out = sys.argv[1]
 name = {"all_reduce": "allreduce", "all_gather": "allgather", "reduce_scatter": "reducescatter",
         "broadcast": "bcast", "reduce": "reduce", "alltoall": "alltoall"}
-mpi = {}
+# Every round's time per cell, each side. braid's 1 MiB cell comes from its
+# 300-iteration run only (the sweep's 20 iterations are noisier there).
+mpi, braid = {}, {}
 for f in glob.glob(os.path.join(out, "mpi_np*.r*", "mpi.csv")):
     for row in csv.DictReader(open(f)):
         key = (row["coll"], int(row["nranks"]), int(row["size"]))
-        val = (float(row["busbw_GBps"]), float(row["time_us"]))
-        # Best round: highest busbw (lowest time for the 8-byte rows).
-        if key not in mpi or (val[0] > mpi[key][0] if key[2] > 64 else val[1] < mpi[key][1]):
-            mpi[key] = val
-best = {}
+        mpi.setdefault(key, []).append(float(row["time_us"]))
 for f in sorted(glob.glob(os.path.join(out, "braid_*.r*.json"))):
+    one_mib_run = "_1M." in os.path.basename(f)
     for r in json.load(open(f))["rows"]:
+        if r["size"] == 1 << 20 and not one_mib_run:
+            continue
         # Like with like: MPI_Bcast works in place, the others out of place.
         side = r["in_place"] if r["collective"] == "broadcast" else r["out_of_place"]
-        bw, t = side["busbw_gbps"] or 0.0, side["time_us"] or 0.0
-        key = (r["collective"], r["nranks"], r["size"])
-        if key not in best or (bw > best[key][1] if r["size"] > 64 else t < best[key][0]):
-            best[key] = (t, bw)
-rows = []
-for (c, n, size), (t, bw) in best.items():
+        if side["time_us"]:
+            braid.setdefault((r["collective"], r["nranks"], r["size"]), []).append(side["time_us"])
+print(f"{'collective':15} {'np':>3} {'size':>9} {'braid us':>9} {'mpi us':>9} {'best':>6} {'median':>7}")
+for (c, n, size), ts in sorted(braid.items()):
     key = (name[c], n, size)
     # MPI's 8-byte AllGather/AllToAll rows hold one element per rank.
     if key not in mpi and size == 8:
         key = (key[0], n, 4 * n)
-    if key in mpi:
-        rows.append((c, n, size, t, bw, *mpi[key]))
-print(f"{'collective':15} {'np':>3} {'size':>9} {'braid us':>9} {'braid busbw':>11} {'mpi us':>9} {'mpi busbw':>9} {'ratio':>6}")
-for c, n, s, t, b, mb, mt in sorted(rows):
-    ratio = b / mb if s > 64 else mt / t
-    print(f"{c:15} {n:>3} {s:>9} {t:>9.2f} {b:>11.2f} {mt:>9.2f} {mb:>9.2f} {ratio:>6.2f}")
-print(f"best of {os.environ.get('ROUNDS', '2')} alternating rounds per side; ratio: busbw braid/mpi (out of place; Broadcast in place, as MPI_Bcast); for 8 bytes: time mpi/braid")
+    if key not in mpi:
+        continue
+    ms = mpi[key]
+    # Same bytes on both sides, so busbw ratio = time ratio (MPI / braid).
+    best, med = min(ms) / min(ts), statistics.median(ms) / statistics.median(ts)
+    print(f"{c:15} {n:>3} {size:>9} {min(ts):>9.2f} {min(ms):>9.2f} {best:>6.2f} {med:>7.2f}")
+rounds = os.environ.get("ROUNDS", "2")
+print(f"{rounds} alternating rounds per side; us: each side's best round; best: ratio of the best rounds, "
+      f"median: of the median rounds; ratio = Open MPI's time / braid's (= busbw braid / Open MPI); "
+      f"out of place, Broadcast in place (as MPI_Bcast)")
 print(f"both sides on 2 MiB huge pages; braid with BRAID_SINGLE_COPY_MIN_BYTES={os.environ.get('BRAID_SINGLE_COPY_MIN_BYTES')}")
 PY
 # Plots: braid's last round against Open MPI's, one picture per collective
