@@ -130,6 +130,9 @@ pub struct Headers {
     pub send: Vec<(u32, [u8; HEADER_BYTES])>,
     /// For each rank the program receives from, the header it must send.
     pub expect: Vec<Option<OpHeader>>,
+    /// `expect`, encoded (zeros where `expect` is `None`): a matching header
+    /// is recognised by comparing bytes, without decoding.
+    pub expect_bytes: Vec<[u8; HEADER_BYTES]>,
 }
 
 fn peers(prog: &Program, nranks: u32) -> (Vec<bool>, Vec<bool>) {
@@ -175,9 +178,12 @@ impl Headers {
         self.send.clear();
         self.expect.clear();
         self.expect.resize(nranks as usize, None);
+        self.expect_bytes.clear();
+        self.expect_bytes.resize(nranks as usize, [0; HEADER_BYTES]);
         for op in &prog.ops {
             if let Some(p) = op.recv_peer() {
                 self.expect[p as usize] = Some(h);
+                self.expect_bytes[p as usize] = bytes;
             }
             if let Some(p) = op.send_peer() {
                 if !self.send.iter().any(|(q, _)| *q == p) {
@@ -221,6 +227,7 @@ impl Headers {
         let mut h = Headers {
             send: Vec::new(),
             expect: vec![None; nranks as usize],
+            expect_bytes: vec![[0; HEADER_BYTES]; nranks as usize],
         };
         for p in 0..nranks as usize {
             if to[p] {
@@ -229,7 +236,9 @@ impl Headers {
                 send_seq[p] += 1;
             }
             if from[p] {
-                h.expect[p] = Some(header(recvd[p], recv_seq[p]));
+                let want = header(recvd[p], recv_seq[p]);
+                h.expect[p] = Some(want);
+                h.expect_bytes[p] = want.encode();
                 recv_seq[p] += 1;
             }
         }
