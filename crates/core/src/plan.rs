@@ -874,6 +874,27 @@ impl Ctx<'_> {
         v
     }
 
+    /// The send buffer's `count` elements, piece by piece, to every peer in
+    /// the pairwise order `rank + s`, then our own copy of them to element
+    /// `at` of the receive buffer (while the peers read): the first half
+    /// of a direct plan's stage.
+    fn send_to_all(&self, prog: &mut Program, r: usize, count: usize, at: usize) {
+        let p = self.p;
+        for s in 1..p {
+            for (off, n) in self.pieces(0, count) {
+                prog.push_in_stage(Op::Send {
+                    to: ((r + s) % p) as u32,
+                    src: self.reg(SEND, off, n),
+                });
+            }
+        }
+        prog.push_in_stage(Op::Copy {
+            src: self.reg(SEND, 0, count),
+            dst: self.reg(RECV, at, count),
+            finalize: false,
+        });
+    }
+
     /// Direct AllGather (see [`PlanParams::direct_moves`]): our block goes
     /// by reference to every peer, in the pairwise order `rank + s`; our own
     /// copy runs while the peers read; then every peer's block is read from
@@ -881,19 +902,7 @@ impl Ctx<'_> {
     fn all_gather_direct(&self, prog: &mut Program, rank: u32, sc: usize) {
         let p = self.p;
         let r = rank as usize;
-        for s in 1..p {
-            for (at, n) in self.pieces(0, sc) {
-                prog.push_in_stage(Op::Send {
-                    to: ((r + s) % p) as u32,
-                    src: self.reg(SEND, at, n),
-                });
-            }
-        }
-        prog.push_in_stage(Op::Copy {
-            src: self.reg(SEND, 0, sc),
-            dst: self.reg(RECV, r * sc, sc),
-            finalize: false,
-        });
+        self.send_to_all(prog, r, sc, r * sc);
         for s in 1..p {
             let from = (r + p - s) % p;
             for (at, n) in self.pieces(from * sc, sc) {
@@ -911,22 +920,8 @@ impl Ctx<'_> {
     /// it, and copies its own buffer meanwhile; every other rank reads from
     /// the root.
     fn broadcast_direct(&self, prog: &mut Program, rank: u32, count: usize, root: u32) {
-        let p = self.p;
-        let r = rank as usize;
         if rank == root {
-            for s in 1..p {
-                for (at, n) in self.pieces(0, count) {
-                    prog.push_in_stage(Op::Send {
-                        to: ((r + s) % p) as u32,
-                        src: self.reg(SEND, at, n),
-                    });
-                }
-            }
-            prog.push_in_stage(Op::Copy {
-                src: self.reg(SEND, 0, count),
-                dst: self.reg(RECV, 0, count),
-                finalize: false,
-            });
+            self.send_to_all(prog, rank as usize, count, 0);
         } else {
             for (at, n) in self.pieces(0, count) {
                 prog.push_in_stage(Op::Recv {

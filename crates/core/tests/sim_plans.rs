@@ -511,15 +511,18 @@ fn direct_plans_take_one_stage_and_read_from_the_owner() {
     // What makes them direct: no relay (every receive names the block's
     // owner) and one stage, so no rank waits on a rank behind it.
     let p = 4u32;
+    let all_gather = |params: &PlanParams| {
+        plan(
+            &Collective::AllGather { send_count: 100 },
+            DataType::U8,
+            params,
+        )
+        .unwrap()
+    };
     for r in 0..p {
         let mut params = PlanParams::new(r, p, 64);
         params.direct_moves = true;
-        let ag = plan(
-            &Collective::AllGather { send_count: 100 },
-            DataType::U8,
-            &params,
-        )
-        .unwrap();
+        let ag = all_gather(&params);
         assert_eq!(ag.stage_ends.len(), 1, "AllGather rank {r}");
         for op in &ag.ops {
             if let braid_core::plan::Op::Recv { from, dst } = *op {
@@ -549,20 +552,6 @@ fn direct_plans_take_one_stage_and_read_from_the_owner() {
         // Two ranks keep the ring plan.
         let mut two = PlanParams::new(r % 2, 2, 64);
         two.direct_moves = true;
-        let two_plan = plan(
-            &Collective::AllGather { send_count: 100 },
-            DataType::U8,
-            &two,
-        )
-        .unwrap();
-        assert_eq!(
-            two_plan,
-            plan(
-                &Collective::AllGather { send_count: 100 },
-                DataType::U8,
-                &PlanParams::new(r % 2, 2, 64)
-            )
-            .unwrap()
-        );
+        assert_eq!(all_gather(&two), all_gather(&PlanParams::new(r % 2, 2, 64)));
     }
 }

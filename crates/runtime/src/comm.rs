@@ -4,8 +4,6 @@ use std::collections::HashMap;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
-
-use crate::oplock::{OpGuard, OpLock};
 use std::time::{Duration, Instant};
 
 use braid_core::plan::{self, Collective, P2p, P2pKind, PlanParams, Program};
@@ -21,6 +19,7 @@ use crate::engine::{self, Channels, Exec, RawBuf, WaitPolicy};
 use crate::env::{timeout_from_env, LaunchInfo};
 use crate::error::{Error, Result};
 use crate::fingerprint::Headers;
+use crate::oplock::{OpGuard, OpLock};
 use crate::progress::{self, Progress, Snapshot};
 use crate::select::{self, TransportTable};
 use crate::topology;
@@ -749,6 +748,7 @@ impl Communicator {
             st.coll_seq += 1;
             true
         };
+        let buf_bytes = bufs.iter().map(|b| b.len).sum::<usize>();
         let ex = Exec {
             bufs,
             policy: &sh.policy,
@@ -758,15 +758,15 @@ impl Communicator {
             } else {
                 usize::MAX
             },
-            stream_copies: bufs.iter().map(|b| b.len).sum::<usize>() >= sh.stream_min,
+            stream_copies: buf_bytes >= sh.stream_min,
             rank: sh.rank,
             headers: use_headers.then_some(&headers),
             progress: Some(&sh.progress),
         };
         // Operations that may run a while without waiting (long copies and
         // reductions) take their start time now; small ones once they wait.
-        let big = bufs.iter().map(|b| b.len).sum::<usize>() >= 64 * 1024;
-        sh.progress.start(name, seq, prog.stage_ends.len(), big);
+        sh.progress
+            .start(name, seq, prog.stage_ends.len(), buf_bytes >= 64 * 1024);
         // SAFETY: the typed entry points built `bufs` from live slices of the
         // right lengths (checked), borrowed for this whole call, aligned for
         // `dt`, aliasing only as the in-place plans allow.

@@ -799,8 +799,8 @@ impl ShmSend {
         // visible to the receiver's Acquire load of the box's `seq` that
         // sees this message number — the one line the receiver polls.
         self.seg.box_seq(idx).store(self.head, Ordering::Release);
-        // `head` is for `check_peer` and `poll_drained`-style accounting on
-        // the receiver's slow path (a line it rarely reads).
+        // `head` is read only by the receiver's `check_peer` (its slow path:
+        // a line it rarely reads).
         self.seg.header().head.0.store(self.head, Ordering::Release);
         self.acquired = false;
         Ok(())
