@@ -194,6 +194,69 @@ fn topology_file_replaces_detection() {
     }
 }
 
+/// Ranks started bound to CPUs (each with the CPU list from
+/// `BRAID_TEST_CPU`, `None`: unbound), run through a small matrix; returns
+/// what each rank reported as `oversubscribed`.
+fn oversubscription_seen(cpus: &[Option<usize>]) -> Vec<bool> {
+    let (id, _root) = root();
+    let n = cpus.len() as u32;
+    let args = vec!["1".to_string(), "1023".to_string()];
+    let kids = cpus
+        .iter()
+        .enumerate()
+        .map(|(r, cpu)| {
+            let c = cpu.map(|c| c.to_string());
+            let env: Vec<(&str, &str)> = c.iter().map(|c| ("BRAID_TEST_CPU", c.as_str())).collect();
+            spawn_rank_env("matrix", &id, r as u32, n, &args, 60, &env)
+        })
+        .collect();
+    let res = wait_all(kids, Duration::from_secs(300));
+    assert_all_ok(&format!("ranks bound to {cpus:?}"), &res);
+    res.iter()
+        .enumerate()
+        .map(|(r, (_, out))| {
+            let line = out
+                .lines()
+                .find_map(|l| l.strip_prefix(&format!("rank {r} oversubscribed: ")))
+                .unwrap_or_else(|| panic!("rank {r} printed no oversubscribed line:\n{out}"));
+            line.trim() == "true"
+        })
+        .collect()
+}
+
+/// Whether ranks wait by spinning or yield at once follows how they share
+/// CPUs, not how many CPUs each may use: ranks bound one per core (mpirun's
+/// default for two ranks) spin, ranks bound to one core or more ranks than
+/// cores yield.
+#[test]
+fn bound_ranks_are_not_taken_for_oversubscribed() {
+    let _g = serial();
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    if cores < 2 {
+        eprintln!("SKIP: needs 2 CPUs to bind two ranks apart (this process may use {cores})");
+        return;
+    }
+    // The CPUs this test may use (CI may restrict them).
+    let mut mine = Vec::new();
+    let all = nix::sched::sched_getaffinity(nix::unistd::Pid::from_raw(0)).expect("affinity");
+    for c in 0..nix::sched::CpuSet::count() {
+        if all.is_set(c).unwrap_or(false) {
+            mine.push(c);
+        }
+    }
+    let (a, b) = (mine[0], mine[1]);
+    assert_eq!(oversubscription_seen(&[Some(a), Some(b)]), [false, false]);
+    assert_eq!(oversubscription_seen(&[Some(a), Some(a)]), [true, true]);
+    // Two on one core, a third alone on another.
+    assert_eq!(
+        oversubscription_seen(&[Some(a), Some(b), Some(a)]),
+        [true, false, true]
+    );
+    // Unbound: oversubscribed exactly when there are more ranks than CPUs.
+    let n = mine.len() + 1;
+    assert_eq!(oversubscription_seen(&vec![None; n]), vec![true; n]);
+}
+
 /// A topology file that cannot be read is an error on every rank, naming the
 /// file; nothing falls back to detection silently.
 #[test]

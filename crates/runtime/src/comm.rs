@@ -7,6 +7,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use braid_core::plan::{self, Collective, P2p, P2pKind, PlanParams, Program};
+use braid_core::topo::CpuSet;
 use braid_core::transport::{PeerDesc, PendingRecv, PendingSend};
 use braid_core::types::Element;
 use braid_core::{CoreError, DataType, RedOp};
@@ -78,6 +79,8 @@ struct Shared {
     /// on more than two ranks read each block from its owner
     /// ([`PlanParams::direct_moves`]). `BRAID_DIRECT_MOVES=0` keeps the ring.
     direct_moves: bool,
+    /// Ranks on this host share CPUs ([`oversubscribed`]): waits yield.
+    oversubscribed: bool,
     direct_min: usize,
     /// Collectives whose largest buffer is smaller than this move their
     /// data through the slots (two copies that stay in cache) instead of
@@ -144,25 +147,71 @@ const FLAT_ALLGATHER_MAX_BYTES: usize = 64 * 1024;
 
 /// How long a waiting rank spins before it yields the CPU. Spinning is what
 /// makes small operations fast (a flag in shared memory is seen in ~0.1 µs,
-/// a woken thread in 25–30 µs), but when this host runs more ranks than it
-/// has cores a spinning rank steals the core from the rank it waits for, so
-/// it yields at once. `BRAID_SPIN` overrides (iterations).
-fn spin_budget(me: &PeerDesc, peers: &[PeerDesc]) -> u32 {
+/// a woken thread in 25–30 µs), but when ranks on this host share CPUs (more
+/// ranks than cores, see [`oversubscribed`]) a spinning rank steals the core
+/// from the rank it waits for, so it yields at once. `BRAID_SPIN` overrides
+/// (iterations).
+fn spin_budget(oversubscribed: bool) -> u32 {
     if let Some(v) = std::env::var("BRAID_SPIN")
         .ok()
         .and_then(|v| v.trim().parse().ok())
     {
         return v;
     }
-    let local = peers.iter().filter(|p| p.host_id == me.host_id).count();
-    let cores = std::thread::available_parallelism()
-        .map(|n| n.get())
-        .unwrap_or(1);
-    if local > cores {
+    if oversubscribed {
         0
     } else {
         WaitPolicy::default().spin
     }
+}
+
+/// Whether this rank shares CPUs with more ranks than those CPUs can run at
+/// once. `sets` holds the CPUs each rank on this host may run on (`None`:
+/// unknown, taken as all `online` CPUs); `me` indexes ours. The ranks whose
+/// sets overlap ours, directly or through other such ranks, are counted
+/// against the CPUs of their sets together: four unbound ranks on two cores
+/// are oversubscribed, two ranks bound one per core (mpirun's default for
+/// two ranks, `srun --cpu-bind=cores`, `taskset`) are not, though each sees
+/// a single CPU. (Counting the CPUs a rank sees took bound ranks for
+/// oversubscribed and made them yield at every wait: an 8-byte AllReduce on
+/// 2 ranks bound to one core each took 0.42-0.58 µs instead of 0.17-0.27.)
+fn oversubscribed(me: usize, sets: &[Option<CpuSet>], online: u32) -> bool {
+    let all: Vec<u32> = (0..online.max(1)).collect();
+    let cpus = |i: usize| -> &[u32] {
+        match &sets[i] {
+            Some(s) if !s.0.is_empty() => &s.0,
+            _ => &all,
+        }
+    };
+    let mut member = vec![false; sets.len()];
+    let Some(m) = member.get_mut(me) else {
+        return false;
+    };
+    *m = true;
+    let mut union: std::collections::BTreeSet<u32> = cpus(me).iter().copied().collect();
+    let mut grew = true;
+    while grew {
+        grew = false;
+        for (j, m) in member.iter_mut().enumerate() {
+            if !*m && cpus(j).iter().any(|c| union.contains(c)) {
+                *m = true;
+                union.extend(cpus(j).iter().copied());
+                grew = true;
+            }
+        }
+    }
+    member.iter().filter(|&&m| m).count() > union.len()
+}
+
+/// CPUs online on this host (`/sys/devices/system/cpu/online`), whatever
+/// this process may run on.
+fn online_cpus() -> u32 {
+    std::fs::read_to_string("/sys/devices/system/cpu/online")
+        .ok()
+        .and_then(|l| CpuSet::from_list(&l))
+        .map(|s| s.0.len() as u32)
+        .filter(|&n| n > 0)
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get() as u32))
 }
 
 /// Where the kernel says whether anonymous memory gets transparent huge
@@ -414,13 +463,23 @@ impl Communicator {
         let direct_min = env_bytes("BRAID_DIRECT_MIN_BYTES", 64 * 1024)?;
         let local_piece = chans.min_slot_bytes().unwrap_or(usize::MAX) as u64;
         let local_direct = chans.send.iter_mut().flatten().all(|c| c.can_send_direct());
+        // With them, the CPUs this rank may run on (a hex mask; empty when
+        // unknown), for the oversubscription test.
         let mut mine = local_piece.to_le_bytes().to_vec();
         mine.push(local_direct as u8);
+        mine.extend(
+            topology::allowed_cpus()
+                .map(|s| s.to_mask())
+                .unwrap_or_default()
+                .bytes(),
+        );
         let all = boot.allgather(&mine)?;
         let mut piece = u64::MAX;
         let mut all_direct = true;
+        let mut local_cpus: Vec<Option<CpuSet>> = Vec::new();
+        let mut me_local = 0;
         for (r, b) in all.iter().enumerate() {
-            let (Some(p), Some(&d)) = (b.get(0..8), b.get(8)) else {
+            let (Some(p), Some(&d), Some(mask)) = (b.get(0..8), b.get(8), b.get(9..)) else {
                 return Err(Error::Bootstrap(format!(
                     "rank {r} sent a malformed link summary"
                 )));
@@ -429,7 +488,25 @@ impl Communicator {
             a.copy_from_slice(p);
             piece = piece.min(u64::from_le_bytes(a));
             all_direct &= d != 0;
+            if peers[r].host_id == me.host_id {
+                if r == rank as usize {
+                    me_local = local_cpus.len();
+                }
+                local_cpus.push(std::str::from_utf8(mask).ok().and_then(CpuSet::from_mask));
+            }
         }
+        let oversub = oversubscribed(me_local, &local_cpus, online_cpus());
+        info!(
+            rank,
+            local_ranks = local_cpus.len(),
+            oversubscribed = oversub,
+            "braid: waits {}",
+            if oversub {
+                "yield at once (ranks here share CPUs)"
+            } else {
+                "spin before yielding"
+            }
+        );
         let piece = if piece == u64::MAX {
             DEFAULT_PIECE
         } else {
@@ -473,6 +550,7 @@ impl Communicator {
                 direct_moves: all_direct
                     && direct_min <= piece
                     && std::env::var("BRAID_DIRECT_MOVES").map_or(true, |v| v.trim() != "0"),
+                oversubscribed: oversub,
                 // Mismatch detection (one 32-byte header per link per
                 // operation); BRAID_CHECK_MISMATCH=0 turns it off.
                 check_headers: std::env::var("BRAID_CHECK_MISMATCH")
@@ -480,7 +558,7 @@ impl Communicator {
                     .unwrap_or(true),
                 policy: WaitPolicy {
                     timeout,
-                    spin: spin_budget(&me, &peers),
+                    spin: spin_budget(oversub),
                     stall_warn: progress::stall_warn(timeout),
                 },
                 abort,
@@ -524,6 +602,14 @@ impl Communicator {
     /// The transport used to reach each rank (`"self"` for this rank).
     pub fn transports(&self) -> &[&'static str] {
         &self.shared.transports
+    }
+
+    /// Whether this rank shares its CPUs with more ranks of this host than
+    /// those CPUs can run at once (decided at creation from every local
+    /// rank's CPU affinity). Then a waiting rank yields its CPU at once
+    /// instead of spinning first (`BRAID_SPIN` overrides either way).
+    pub fn oversubscribed(&self) -> bool {
+        self.shared.oversubscribed
     }
 
     /// What this communicator is doing now: the running operation and the
@@ -1381,6 +1467,60 @@ pub(crate) fn decode_blobs(b: &[u8], p: usize, from: u32) -> Result<Vec<(Vec<u8>
 #[cfg(test)]
 mod peer_desc_tests {
     use super::*;
+
+    fn cpus(list: &str) -> Option<CpuSet> {
+        Some(CpuSet::from_list(list).unwrap())
+    }
+
+    #[test]
+    fn ranks_bound_one_per_core_are_not_oversubscribed() {
+        // mpirun's default for two ranks: one core each.
+        let bound = [cpus("0"), cpus("1")];
+        assert!(!oversubscribed(0, &bound, 2));
+        assert!(!oversubscribed(1, &bound, 2));
+        // Unbound: each may run anywhere, two ranks for two CPUs.
+        let free = [cpus("0-1"), cpus("0-1")];
+        assert!(!oversubscribed(0, &free, 2));
+        // Eight ranks bound to eight distinct CPUs of a 64-CPU host.
+        let spread: Vec<_> = (0..8).map(|c| cpus(&(c * 8).to_string())).collect();
+        assert!((0..8).all(|r| !oversubscribed(r, &spread, 64)));
+    }
+
+    #[test]
+    fn ranks_sharing_cpus_are_oversubscribed() {
+        // Four unbound ranks on two CPUs.
+        let four = vec![cpus("0-1"); 4];
+        assert!((0..4).all(|r| oversubscribed(r, &four, 2)));
+        // Four ranks bound round-robin to two cores: two per core.
+        let rr = [cpus("0"), cpus("1"), cpus("0"), cpus("1")];
+        assert!((0..4).all(|r| oversubscribed(r, &rr, 2)));
+        // Two ranks bound to the same core, a third alone on another.
+        let same = [cpus("3"), cpus("3"), cpus("5")];
+        assert!(oversubscribed(0, &same, 8));
+        assert!(oversubscribed(1, &same, 8));
+        assert!(!oversubscribed(2, &same, 8));
+        // Sharing through a third rank: B on CPU 0 and C on CPU 1 do not
+        // overlap, but A may run on both, so three ranks share two CPUs.
+        let chain = [cpus("0-1"), cpus("0"), cpus("1")];
+        assert!((0..3).all(|r| oversubscribed(r, &chain, 4)));
+    }
+
+    #[test]
+    fn unknown_cpu_sets_count_as_every_online_cpu() {
+        let unknown = [None, None, None];
+        assert!(oversubscribed(0, &unknown, 2));
+        assert!(!oversubscribed(0, &unknown, 4));
+        // One rank bound, the other unknown (may run anywhere): 2 ranks, 2 CPUs.
+        assert!(!oversubscribed(0, &[cpus("1"), None], 2));
+        // An empty set is as good as unknown.
+        assert!(!oversubscribed(
+            0,
+            &[Some(CpuSet(Vec::new())), cpus("0")],
+            2
+        ));
+        // A rank alone never is.
+        assert!(!oversubscribed(0, &[None], 1));
+    }
 
     #[test]
     fn single_copy_threshold_follows_the_thp_mode() {

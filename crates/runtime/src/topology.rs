@@ -79,7 +79,7 @@ fn fallback_system() -> System {
 }
 
 /// The CPUs this process may run on (`Cpus_allowed_list`).
-fn allowed_cpus() -> Option<CpuSet> {
+pub(crate) fn allowed_cpus() -> Option<CpuSet> {
     let status = std::fs::read_to_string("/proc/self/status").ok()?;
     status
         .lines()

@@ -15,6 +15,9 @@
 //! - `p2p`: Send/Recv and groups (ring exchange, alltoallv-like group).
 //! - `badinput`: bad arguments give InvalidArgument and leave the
 //!   communicator usable.
+//!
+//! With `BRAID_TEST_CPU=N` in its environment a rank binds itself to CPU N
+//! before it joins (as `mpirun --bind-to core` or `taskset` would).
 
 use std::process::ExitCode;
 use std::time::Instant;
@@ -331,6 +334,19 @@ fn main() -> ExitCode {
         return ExitCode::from(2);
     }
     let parse = |s: &str| s.parse::<u32>().ok();
+    if let Some(cpu) = std::env::var("BRAID_TEST_CPU")
+        .ok()
+        .and_then(|v| v.parse().ok())
+    {
+        let mut set = nix::sched::CpuSet::new();
+        if let Err(e) = set
+            .set(cpu)
+            .and_then(|()| nix::sched::sched_setaffinity(nix::unistd::Pid::from_raw(0), &set))
+        {
+            eprintln!("cannot bind to CPU {cpu}: {e}");
+            return ExitCode::from(2);
+        }
+    }
     let joined = if args[2] == "env" {
         Communicator::from_env()
     } else {
@@ -361,6 +377,7 @@ fn main() -> ExitCode {
     let (rank, nranks) = (comm.rank(), comm.nranks());
     // One line the multi-host tests read: the transport to each peer.
     println!("rank {rank} transports: {}", comm.transports().join(","));
+    println!("rank {rank} oversubscribed: {}", comm.oversubscribed());
     let plan = comm.topology_plan();
     println!(
         "rank {rank} ring: {:?} nic: {}",
