@@ -468,7 +468,7 @@ impl Communicator {
         let mut mine = local_piece.to_le_bytes().to_vec();
         mine.push(local_direct as u8);
         mine.extend(
-            topology::allowed_cpus()
+            braid_core::topo::bind::allowed_cpus()
                 .map(|s| s.to_mask())
                 .unwrap_or_default()
                 .bytes(),

@@ -71,20 +71,11 @@ fn fallback_system() -> System {
         name: None,
         cpus: vec![Cpu {
             numaid: 0,
-            affinity: allowed_cpus(),
+            affinity: topo::bind::allowed_cpus(),
             ..Cpu::default()
         }],
         attrs: Default::default(),
     }
-}
-
-/// The CPUs this process may run on (`Cpus_allowed_list`).
-pub(crate) fn allowed_cpus() -> Option<CpuSet> {
-    let status = std::fs::read_to_string("/proc/self/status").ok()?;
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix("Cpus_allowed_list:"))
-        .and_then(CpuSet::from_list)
 }
 
 /// The NUMA node of `sys` that holds most of `allowed`.
@@ -246,7 +237,7 @@ pub fn place(
     let rank = me.rank as usize;
     let leaders = host_leaders(peers);
     let (sys, source) = local_system()?;
-    let allowed = allowed_cpus();
+    let allowed = topo::bind::allowed_cpus();
     let mine = Contribution {
         transports: table
             .names()

@@ -587,12 +587,14 @@ impl<'a> Runner<'a> {
                 .collect::<Vec<_>>()
                 .join(", ")
         };
+        let cpus = braid_core::topo::bind::allowed_cpus().map_or("?".into(), |c| c.to_list());
         let line = format!(
-            "#  Rank {:>2} Group  0 Pid {:>6} on {:>10} device {} [peers {}]",
+            "#  Rank {:>2} Group  0 Pid {:>6} on {:>10} device {} cpus {} [peers {}]",
             me,
             std::process::id(),
             host,
             device,
+            cpus,
             if peers.is_empty() { "none" } else { &peers }
         );
         let mut mine = [0u8; W];
@@ -642,6 +644,11 @@ impl<'a> Runner<'a> {
             o.cycles,
         );
         h += &format!("# buffers: {buffers}\n");
+        h += &format!(
+            "# binding: {}\n",
+            std::env::var(crate::launch::BINDING_ENV)
+                .unwrap_or_else(|_| "by the launcher (each rank's CPUs below)".into())
+        );
         h += "# timing: one synchronising op and a barrier, then iters x agg ops back to back on the calling thread, no barrier inside the timing";
         h += if o.blocking {
             " (-z 1: except a barrier after each iteration)\n"

@@ -196,6 +196,10 @@ pub struct Opts {
     pub plot: Option<PathBuf>,
     pub label: Option<String>,
     pub np: Option<u32>,
+    /// With `-np`: bind each rank to a core of its own (`--bind core`, the
+    /// default, as mpirun binds two ranks) or leave placement to the
+    /// scheduler (`--bind none`).
+    pub bind: bool,
     pub child: Option<Child>,
     /// The arguments as given (after the subcommand), for re-spawning ranks.
     pub raw_args: Vec<String>,
@@ -226,6 +230,7 @@ impl Opts {
             plot: None,
             label: None,
             np: None,
+            bind: true,
             child: None,
             raw_args: Vec::new(),
         }
@@ -465,6 +470,11 @@ const FLAGS: &[Flag] = &[
     },
     Flag {
         short: None,
+        long: "bind",
+        takes_value: true,
+    },
+    Flag {
+        short: None,
         long: "np",
         takes_value: true,
     },
@@ -660,6 +670,17 @@ fn parse_bench(bench: Bench, args: &[String]) -> Result<Command, UsageError> {
             "output_file" => o.json = Some(PathBuf::from(v)),
             "plot" => o.plot = Some(PathBuf::from(v)),
             "label" => o.label = Some(v),
+            "bind" => {
+                o.bind = match v.as_str() {
+                    "core" => true,
+                    "none" => false,
+                    _ => {
+                        return usage(format!(
+                            "--bind {v}: expected core (one core per rank, the default) or none"
+                        ))
+                    }
+                }
+            }
             "np" => {
                 let n: u32 = parse_num("-np", &v, "a number of ranks")?;
                 if n == 0 {
@@ -813,6 +834,10 @@ BENCH: all_reduce all_gather reduce_scatter broadcast reduce alltoall sendrecv
 RANKS:
   -np N                     start N local ranks (processes) of this program; this
                             process hosts the rendezvous on 127.0.0.1 and waits
+      --bind core|none      with -np: bind rank r to the r-th core this process may
+                            use (default core, as mpirun binds two ranks; no
+                            binding when there are more ranks than cores), or
+                            leave placement to the scheduler
   (no -np)                  join through the launcher's environment: braid-run,
                             torchrun, srun or mpirun (Communicator::from_env)
 
@@ -887,6 +912,20 @@ mod tests {
         let e = bench(&["all_reduce", "--device", "tpu"]).unwrap_err();
         assert!(e.0.contains("expected cuda or host"), "{}", e.0);
         assert!(help_text().contains("--device cuda|host"));
+    }
+
+    #[test]
+    fn bind_flag() {
+        assert!(bench(&["all_reduce", "-np", "2"]).unwrap().bind);
+        assert!(bench(&["all_reduce", "--bind", "core"]).unwrap().bind);
+        assert!(
+            !bench(&["all_reduce", "-np", "2", "--bind=none"])
+                .unwrap()
+                .bind
+        );
+        let e = bench(&["all_reduce", "--bind", "socket"]).unwrap_err();
+        assert!(e.0.contains("expected core"), "{}", e.0);
+        assert!(help_text().contains("--bind core|none"));
     }
 
     #[test]

@@ -1,12 +1,82 @@
 //! `-np N`: this process hosts the rendezvous root and runs N copies of
 //! itself as the ranks, passing each its rank, the rank count and the
-//! unique id through hidden flags (the children never host a root).
+//! unique id through hidden flags (the children never host a root). Unless
+//! `--bind none`, each rank is bound to a core of its own first, as `mpirun`
+//! binds two ranks (`braid_core::topo::bind`).
 
 use std::net::SocketAddr;
+use std::os::unix::process::CommandExt;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use braid_core::topo::bind;
+use braid_core::topo::CpuSet;
+
 use crate::cli::Opts;
+
+/// Where the ranks' binding is described to them (for the header).
+pub const BINDING_ENV: &str = "BRAID_PERF_BINDING";
+
+/// The CPUs for each of `np` ranks, or `None` (unbound), and a line saying
+/// which and why.
+fn binding(np: usize, wanted: bool) -> (Option<Vec<CpuSet>>, String) {
+    if !wanted {
+        return (None, "none (--bind none)".into());
+    }
+    let Some(allowed) = bind::allowed_cpus() else {
+        return (None, "none (this process's CPUs are unknown)".into());
+    };
+    let cores = bind::cores(
+        |rel| std::fs::read_to_string(std::path::Path::new("/").join(rel)).ok(),
+        &allowed,
+    );
+    // cpu_set_t holds CPU ids below CPU_SETSIZE.
+    let fits = |c: &CpuSet| {
+        c.0.iter()
+            .all(|&x| (x as usize) < libc::CPU_SETSIZE as usize)
+    };
+    match bind::by_core(np, &cores) {
+        Some(b) if b.iter().all(fits) => {
+            let d = b
+                .iter()
+                .enumerate()
+                .map(|(r, c)| format!("{r}:{}", c.to_list()))
+                .collect::<Vec<_>>()
+                .join(" ");
+            (Some(b), format!("one core per rank (rank:CPUs) {d}"))
+        }
+        Some(_) => (None, "none (CPU ids beyond cpu_set_t)".into()),
+        None => (
+            None,
+            format!(
+                "none ({np} ranks for {} cores: left to the scheduler)",
+                cores.len()
+            ),
+        ),
+    }
+}
+
+/// Make `cmd`'s process run only on `cpus` from its start.
+fn bind_to(cmd: &mut Command, cpus: &CpuSet) {
+    // SAFETY: cpu_set_t is a plain bit array, valid all-zero.
+    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+    for &c in &cpus.0 {
+        // SAFETY: `c` is below CPU_SETSIZE (`binding` checked), so the bit
+        // lies inside `set`.
+        unsafe { libc::CPU_SET(c as usize, &mut set) };
+    }
+    // SAFETY: the closure runs in the forked child before exec; it only
+    // makes one system call (async-signal-safe) on a set built before the
+    // fork, and neither allocates nor takes locks.
+    unsafe {
+        cmd.pre_exec(move || {
+            if libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+}
 
 /// The arguments without `-np N` (`-np N`, `--np N`, `--np=N`).
 pub fn strip_np(args: &[String]) -> Vec<String> {
@@ -58,16 +128,21 @@ pub fn launch(opts: &Opts) -> Result<i32, String> {
     let exe = std::env::current_exe()
         .map_err(|e| format!("cannot find this program to start the ranks: {e}"))?;
     let args = strip_np(&opts.raw_args);
+    let (cpus, described) = binding(np as usize, opts.bind);
     let mut children: Vec<Option<Child>> = Vec::new();
     for r in 0..np {
-        let child = Command::new(&exe)
-            .arg(opts.bench.name())
+        let mut cmd = Command::new(&exe);
+        cmd.arg(opts.bench.name())
             .args(&args)
             .args(["--child-rank", &r.to_string()])
             .args(["--child-nranks", &np.to_string()])
             .args(["--child-id", &id.to_string()])
-            .stdin(Stdio::null())
-            .spawn();
+            .env(BINDING_ENV, &described)
+            .stdin(Stdio::null());
+        if let Some(c) = cpus.as_ref().and_then(|b| b.get(r as usize)) {
+            bind_to(&mut cmd, c);
+        }
+        let child = cmd.spawn();
         match child {
             Ok(c) => children.push(Some(c)),
             Err(e) => {

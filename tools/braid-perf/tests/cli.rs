@@ -412,3 +412,71 @@ fn usage_errors_exit_2_with_a_hint() {
     assert!(o.status.success());
     assert!(text(&o).0.contains("--agg_iters"));
 }
+
+/// The CPUs rank `r`'s line says it may run on.
+fn rank_cpus(out: &str, r: usize) -> String {
+    let line = out
+        .lines()
+        .find(|l| l.starts_with(&format!("#  Rank {r:>2} ")))
+        .unwrap_or_else(|| panic!("no line for rank {r}:\n{out}"));
+    line.split(" cpus ")
+        .nth(1)
+        .and_then(|t| t.split_whitespace().next())
+        .unwrap_or_else(|| panic!("no cpus in {line}"))
+        .to_string()
+}
+
+/// `-np` binds each rank to a core of its own, as mpirun binds two ranks,
+/// says so in the header, and leaves ranks unbound with `--bind none` or
+/// when there are more ranks than cores.
+#[test]
+fn np_binds_ranks_to_cores() {
+    let allowed = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let args = [
+        "all_reduce",
+        "-b",
+        "8",
+        "-e",
+        "8",
+        "-n",
+        "2",
+        "-w",
+        "1",
+        "-T",
+        "30",
+    ];
+    let run = |extra: &[&str]| {
+        let mut a: Vec<&str> = args.to_vec();
+        a.extend_from_slice(extra);
+        let o = perf(&a, &[]);
+        let (out, err) = text(&o);
+        assert!(o.status.success(), "{extra:?}: {out}\n{err}");
+        out
+    };
+    let unbound = run(&["-np", "2", "--bind", "none"]);
+    assert!(
+        unbound.contains("# binding: none (--bind none)"),
+        "{unbound}"
+    );
+    let all = rank_cpus(&unbound, 0);
+    assert_eq!(rank_cpus(&unbound, 1), all, "{unbound}");
+    if allowed >= 2 {
+        let bound = run(&["-np", "2"]);
+        assert!(
+            bound.contains("# binding: one core per rank (rank:CPUs) 0:"),
+            "{bound}"
+        );
+        let (c0, c1) = (rank_cpus(&bound, 0), rank_cpus(&bound, 1));
+        assert_ne!(c0, c1, "{bound}");
+        assert_ne!(c0, all, "rank 0 not bound:\n{bound}");
+    } else {
+        eprintln!("SKIP the bound case: this process may use one CPU");
+    }
+    // More ranks than cores (at most `allowed` cores): no binding.
+    let n = (allowed + 1).to_string();
+    if allowed < 8 {
+        let over = run(&["-np", &n]);
+        assert!(over.contains("# binding: none ("), "{over}");
+        assert_eq!(rank_cpus(&over, 0), all, "{over}");
+    }
+}

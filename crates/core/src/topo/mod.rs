@@ -18,10 +18,12 @@
 //! - [`plan`](mod@plan): pure planning over the fused topology of all ranks: the
 //!   transport per rank pair and the ring orders (channels).
 //! - [`render`]: text for people (summary, nvidia-smi-style matrix, plan).
+//! - [`bind`]: which cores a launcher binds its local ranks to.
 //!
 //! `BRAID_TOPO_FILE` names a topology file (NCCL XML, or braid JSON) that
 //! replaces detection; see [`load_host`].
 
+pub mod bind;
 pub mod graph;
 pub mod json;
 pub mod model;
