@@ -42,8 +42,15 @@ for round in $(seq "$rounds"); do
       case $c in all_gather | reduce_scatter | alltoall) small=$((16 * np)) ;; esac
       "$perf" "$c" -np "$np" -b "$small" -e "$small" -n 2000 -w 100 -H 1 -J "$out/braid_${c}_np${np}_small.r$round.json" >/dev/null
       "$perf" "$c" -np "$np" -b 1M -e 64M -f 4 -n "$iters" -w 3 -H 1 -J "$out/braid_${c}_np${np}.r$round.json" >"$out/braid_${c}_np${np}.r$round.txt"
-      # 1 MiB takes ~0.1-1 ms: more iterations, as Open MPI's timed loop does.
-      "$perf" "$c" -np "$np" -b 1M -e 1M -n 300 -w 20 -H 1 -J "$out/braid_${c}_np${np}_1M.r$round.json" >/dev/null
+      # The table's cells: one run per size with its own warm-up and, as
+      # Open MPI's timed loop (~0.2 s per size), many more iterations than the
+      # sweep above (which follows nccl-tests: warm-up only at its ends, and
+      # whose 20 iterations at 16 MiB, right after 4 MiB, ranged 0.8-1.7 ms
+      # for AllGather on 2 ranks where a run of its own gave 0.8-1.0).
+      for cell in 1M:300:20 16M:100:10 64M:30:3; do
+        IFS=: read -r size n w <<<"$cell"
+        "$perf" "$c" -np "$np" -b "$size" -e "$size" -n "$n" -w "$w" -H 1 -J "$out/braid_${c}_np${np}_$size.r$round.json" >/dev/null
+      done
       part=$out/parts/mpi_np$np.r$round.$c
       "$peers/mpi-best.sh" "$part" "$np" "${mpiname[$c]}" 8,1M,16M,64M >/dev/null
       # One file per rank count and round, as for a single mpi-best run.
@@ -60,17 +67,18 @@ import csv, glob, json, os, statistics, sys
 out = sys.argv[1]
 name = {"all_reduce": "allreduce", "all_gather": "allgather", "reduce_scatter": "reducescatter",
         "broadcast": "bcast", "reduce": "reduce", "alltoall": "alltoall"}
-# Every round's time per cell, each side. braid's 1 MiB cell comes from its
-# 300-iteration run only (the sweep's 20 iterations are noisier there).
+# Every round's time per cell, each side. braid's 1, 16 and 64 MiB cells
+# come from their runs of their own only (the sweep is for the plots).
 mpi, braid = {}, {}
 for f in glob.glob(os.path.join(out, "mpi_np*.r*", "mpi.csv")):
     for row in csv.DictReader(open(f)):
         key = (row["coll"], int(row["nranks"]), int(row["size"]))
         mpi.setdefault(key, []).append(float(row["time_us"]))
 for f in sorted(glob.glob(os.path.join(out, "braid_*.r*.json"))):
-    one_mib_run = "_1M." in os.path.basename(f)
+    base = os.path.basename(f)
+    cell_run = any(f"_{s}." in base for s in ("1M", "16M", "64M"))
     for r in json.load(open(f))["rows"]:
-        if r["size"] == 1 << 20 and not one_mib_run:
+        if r["size"] in (1 << 20, 16 << 20, 64 << 20) and not cell_run:
             continue
         # Like with like: MPI_Bcast works in place, the others out of place.
         side = r["in_place"] if r["collective"] == "broadcast" else r["out_of_place"]
