@@ -108,13 +108,17 @@ for np in $nps; do
   "$perf" import-mpi "$out/mpi_np$np.r$rounds/mpi.csv" --label "Open MPI" -o "$out/mpi_np$np.json" >/dev/null
   for c in all_reduce all_gather reduce_scatter broadcast reduce alltoall; do
     inplace=(); [ "$c" = broadcast ] && inplace=(--in-place)
-    # One braid series from 8 bytes up: the 8-byte run's rows join the sweep's.
-    python3 - "$out/braid_${c}_np${np}.r$rounds.json" "$out/braid_${c}_np${np}_small.r$rounds.json" \
-      "$out/braid_${c}_np${np}.plot.json" <<'PY'
+    # One braid series from 8 bytes up: the 8-byte run's rows join the
+    # sweep's, whose 1, 16 and 64 MiB points give way to the table's runs.
+    r="$out/braid_${c}_np${np}"
+    python3 - "$r.plot.json" "$r.r$rounds.json" "${r}_small.r$rounds.json" \
+      "${r}_1M.r$rounds.json" "${r}_16M.r$rounds.json" "${r}_64M.r$rounds.json" <<'PY'
 import json, sys
-sweep, small = (json.load(open(f)) for f in sys.argv[1:3])
-sweep["rows"] = small["rows"] + sweep["rows"]
-json.dump(sweep, open(sys.argv[3], "w"))
+sweep, *own = (json.load(open(f)) for f in sys.argv[2:])
+mine = {r["size"] for o in own for r in o["rows"]}
+sweep["rows"] = sorted([r for r in sweep["rows"] if r["size"] not in mine]
+                       + [r for o in own for r in o["rows"]], key=lambda r: r["size"])
+json.dump(sweep, open(sys.argv[1], "w"))
 PY
     "$perf" plot "$out/braid_${c}_np${np}.plot.json" "$out/mpi_np$np.json" --coll "$c" "${inplace[@]}" \
       --title "$c, $np ranks, one host" -o "$out/${c}_np$np.png" >/dev/null
