@@ -379,3 +379,46 @@ fn init_is_abortable() {
         "init took {after:?} to notice the abort"
     );
 }
+
+/// Ranks run as threads see their own thread's CPU binding: two rank
+/// threads bound to the same CPU share it (oversubscribed, so waits yield),
+/// two bound to different CPUs do not.
+#[test]
+fn rank_threads_bound_one_by_one_are_seen_bound() {
+    let me = nix::sched::sched_getaffinity(nix::unistd::Pid::from_raw(0)).expect("affinity");
+    let cpus: Vec<usize> = (0..nix::sched::CpuSet::count())
+        .filter(|&c| me.is_set(c).unwrap_or(false))
+        .collect();
+    if cpus.len() < 2 {
+        eprintln!("SKIP: needs 2 CPUs (this process may use {})", cpus.len());
+        return;
+    }
+    let run = |bind: [usize; 2]| -> Vec<bool> {
+        let (id, _root) =
+            Communicator::unique_id(SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 0))
+                .expect("root");
+        let handles: Vec<_> = (0..2u32)
+            .map(|r| {
+                let cpu = bind[r as usize];
+                std::thread::spawn(move || {
+                    let mut set = nix::sched::CpuSet::new();
+                    set.set(cpu).expect("cpu id");
+                    nix::sched::sched_setaffinity(nix::unistd::Pid::from_raw(0), &set)
+                        .expect("bind the rank thread");
+                    let c = Communicator::init(&id, r, 2, &config(30.0)).expect("init");
+                    let mut v = vec![1.0f32; 3];
+                    c.all_reduce_in_place(&mut v, RedOp::Sum)
+                        .expect("all_reduce");
+                    assert_eq!(v, [2.0; 3]);
+                    c.oversubscribed()
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("rank thread"))
+            .collect()
+    };
+    assert_eq!(run([cpus[0], cpus[1]]), [false, false]);
+    assert_eq!(run([cpus[0], cpus[0]]), [true, true]);
+}

@@ -5,10 +5,14 @@
 
 use super::model::CpuSet;
 
-/// The CPUs this process may run on (`Cpus_allowed_list` of
-/// `/proc/self/status`); `None` where that cannot be read.
+/// The CPUs the calling thread may run on (`Cpus_allowed_list` of
+/// `/proc/thread-self/status`, so that ranks run as threads bound one by one
+/// are seen as bound; `/proc/self/status` on kernels before 3.17); `None`
+/// where neither can be read.
 pub fn allowed_cpus() -> Option<CpuSet> {
-    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let status = std::fs::read_to_string("/proc/thread-self/status")
+        .or_else(|_| std::fs::read_to_string("/proc/self/status"))
+        .ok()?;
     status
         .lines()
         .find_map(|l| l.strip_prefix("Cpus_allowed_list:"))
