@@ -488,7 +488,7 @@ impl Communicator {
             a.copy_from_slice(p);
             piece = piece.min(u64::from_le_bytes(a));
             all_direct &= d != 0;
-            if peers[r].host_id == me.host_id {
+            if peers.get(r).is_some_and(|p| p.host_id == me.host_id) {
                 if r == rank as usize {
                     me_local = local_cpus.len();
                 }
