@@ -441,7 +441,10 @@ impl Communicator {
             .map(|(r, b)| decode_peer(b, r as u32))
             .collect::<Result<_>>()?;
 
-        let placement = topology::place(&boot, &me, &peers, &table)?;
+        // The CPUs this rank may run on: its NUMA node in the topology round,
+        // the oversubscription test after link set-up.
+        let allowed = braid_core::topo::bind::allowed_cpus();
+        let placement = topology::place(&boot, &me, &peers, &table, allowed.as_ref())?;
         let (choice, ring, topo_plan) = (placement.choice, placement.ring, placement.plan);
 
         // Phase 1: allocate both ends of every link, collect connect-info.
@@ -468,7 +471,8 @@ impl Communicator {
         let mut mine = local_piece.to_le_bytes().to_vec();
         mine.push(local_direct as u8);
         mine.extend(
-            braid_core::topo::bind::allowed_cpus()
+            allowed
+                .as_ref()
                 .map(|s| s.to_mask())
                 .unwrap_or_default()
                 .bytes(),

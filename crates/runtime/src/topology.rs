@@ -228,22 +228,24 @@ fn fuse(
 }
 
 /// Plan this communicator: one bootstrap round, then the pure planner.
+/// `allowed`: the CPUs this rank may run on (its NUMA node is the one
+/// holding most of them).
 pub fn place(
     boot: &Bootstrap,
     me: &PeerDesc,
     peers: &[PeerDesc],
     table: &TransportTable,
+    allowed: Option<&CpuSet>,
 ) -> Result<Placement> {
     let rank = me.rank as usize;
     let leaders = host_leaders(peers);
     let (sys, source) = local_system()?;
-    let allowed = topo::bind::allowed_cpus();
     let mine = Contribution {
         transports: table
             .names()
             .filter_map(|n| n.parse::<Transport>().ok())
             .collect(),
-        numa: numa_of(&sys, allowed.as_ref()).unwrap_or(-1),
+        numa: numa_of(&sys, allowed).unwrap_or(-1),
         xml: leaders.contains(&rank).then(|| xml::to_xml(&sys)),
     };
     if leaders.contains(&rank) {
