@@ -32,6 +32,7 @@ pub use bootstrap::{RootServer, UniqueId};
 pub use braid_core::plan::Collective;
 pub use braid_core::types::{bf16, f16, DataType, Element, RedOp};
 pub use braid_cuda;
+pub use braid_transport_shm::HostBuffer;
 pub use comm::{Communicator, Config, Group};
 pub use cuda::CudaComm;
 pub use error::{Error, Result};

@@ -102,8 +102,11 @@ use braid_core::transport::{
 };
 use braid_core::types::MemKind;
 
+mod host;
 mod info;
 mod segment;
+
+pub use host::{HostBuffer, MAPS_PER_PEER};
 
 use info::{RecvInfo, SendInfo};
 use segment::{Layout, SegError, Segment, Side};
@@ -192,6 +195,10 @@ const DIRECT_FLAG: u64 = 1 << 63;
 /// Length-word flag: the payload is in the slot's box, not in the slot
 /// (messages of at most [`segment::INLINE_BYTES`]).
 const INLINE_FLAG: u64 = 1 << 62;
+/// First of the four words of a direct slot that name the registered host
+/// buffer the piece lies in (inode, descriptor, base, size; inode 0: none;
+/// see [`HostBuffer`]). Words 1 and 2 are the receiver's (help offers).
+const REGION_WORD: usize = 4;
 
 /// Environment variable: `0` stops receivers from sharing the copy of a
 /// direct transfer with its sender (see the crate docs, "Shared direct transfers").
@@ -680,6 +687,8 @@ impl PendingRecv for ShmPendingRecv {
             head_cache: 0,
             peeked: false,
             remote: None,
+            remote_region: None,
+            files: host::PeerFiles::default(),
             aborted: None,
             help_chunk: help_chunk_min()?,
             generation: 0,
@@ -912,10 +921,24 @@ impl SendChannel for ShmSend {
                 "shm direct commit without a slot, or of an impossible length".into(),
             ));
         }
-        let slot = self.seg.slot_ptr((self.head % self.slots) as usize);
+        let slot = self
+            .seg
+            .slot_ptr((self.head % self.slots) as usize)
+            .cast::<u64>();
+        // A piece in a registered host buffer: name its file too (words
+        // REGION_WORD.., after the receiver's help words), so the receiver
+        // can map it and copy without the kernel.
+        let r = host::region_of(ptr, len);
+        let words = r.map_or([0; 4], |r| [r.ino, r.fd, r.base, r.len]);
         // SAFETY: the acquired slot is ours to write until published; slots
-        // are page-aligned and at least 4096 bytes, so an aligned u64 fits.
-        unsafe { slot.cast::<u64>().write(ptr as u64) };
+        // are page-aligned and at least 4096 bytes, so these aligned u64s
+        // (words 0 and REGION_WORD..REGION_WORD+4) fit.
+        unsafe {
+            slot.write(ptr as u64);
+            for (i, w) in words.into_iter().enumerate() {
+                slot.add(REGION_WORD + i).write(w);
+            }
+        }
         self.publish(len as u64 | DIRECT_FLAG)
     }
 
@@ -1061,6 +1084,11 @@ struct ShmRecv {
     peeked: bool,
     /// The peeked slot is a direct transfer: (sender address, length).
     remote: Option<(u64, usize)>,
+    /// The registered host buffer the peeked direct transfer lies in, if
+    /// the sender named one.
+    remote_region: Option<host::Region>,
+    /// Peer host buffers mapped here.
+    files: host::PeerFiles,
     /// Set by our own `abort`.
     aborted: Option<String>,
     /// Smallest chunk of a direct transfer shared with the sender; `None`:
@@ -1151,6 +1179,25 @@ impl ShmRecv {
             ));
         }
         Ok(addr)
+    }
+
+    /// Copies the peeked direct transfer (`len` bytes at the sender's
+    /// `addr`) to `dst` through a mapping of the sender's registered host
+    /// buffer, if the sender named one and it can be mapped; false: nothing
+    /// copied, read it with `process_vm_readv`.
+    ///
+    /// # Safety
+    ///
+    /// `dst` must be valid for writes of `len` bytes.
+    unsafe fn read_mapped(&mut self, addr: u64, dst: *mut u8, len: usize) -> bool {
+        let Some(region) = self.remote_region else {
+            return false;
+        };
+        // SAFETY: forwarded from this function's contract.
+        unsafe {
+            self.files
+                .read(self.peer, self.peer_pid, region, addr, dst, len)
+        }
     }
 
     /// Offers the peeked direct slot (`len` bytes from `addr` to `dst`) to
@@ -1364,9 +1411,20 @@ impl RecvChannel for ShmRecv {
             let len = (word & !DIRECT_FLAG) as usize;
             // SAFETY: the slot is published (its box's `seq` says so),
             // page-aligned and at least 4096 bytes; the sender wrote the
-            // address before its Release store of `seq`.
-            let addr = unsafe { slot.ptr.cast::<u64>().read() };
+            // address and the region words before its Release store of
+            // `seq`.
+            let (addr, region) = unsafe {
+                let w = slot.ptr.cast::<u64>();
+                let r = |i: usize| w.add(REGION_WORD + i).read();
+                (w.read(), [r(0), r(1), r(2), r(3)])
+            };
             self.remote = Some((addr, len));
+            self.remote_region = (region[0] != 0).then_some(host::Region {
+                ino: region[0],
+                fd: region[1],
+                base: region[2],
+                len: region[3],
+            });
             return Ok(Some(Incoming::Remote(len)));
         }
         if word & INLINE_FLAG != 0 {
@@ -1403,6 +1461,10 @@ impl RecvChannel for ShmRecv {
 
     unsafe fn read_remote(&mut self, dst: *mut u8, len: usize) -> Result<()> {
         let addr = self.direct_slot(len)?;
+        // SAFETY: forwarded from this function's contract.
+        if unsafe { self.read_mapped(addr, dst, len) } {
+            return Ok(());
+        }
         // SAFETY: `dst` is valid for `len` bytes (this method's contract).
         unsafe { segment::read_process(self.peer_pid, addr, dst, len) }
             .map_err(|e| self.read_error(e))
@@ -1417,6 +1479,10 @@ impl RecvChannel for ShmRecv {
     unsafe fn poll_read_remote(&mut self, dst: *mut u8, len: usize) -> Result<bool> {
         let addr = self.direct_slot(len)?;
         if self.sharing.is_none() {
+            // SAFETY: forwarded from this function's contract.
+            if unsafe { self.read_mapped(addr, dst, len) } {
+                return Ok(true);
+            }
             let split = self.help_chunk.map(|min| help_split(len, min));
             let Some((chunk, chunks)) = split.filter(|&(_, n)| n >= HELP_CHUNKS_MIN) else {
                 // SAFETY: forwarded from this function's contract.
@@ -1458,6 +1524,7 @@ impl RecvChannel for ShmRecv {
         self.tail += 1;
         self.peeked = false;
         self.remote = None;
+        self.remote_region = None;
         // Release: our reads of the slot happen before the sender's Acquire
         // load of `tail` that lets it overwrite the slot.
         self.seg.header().tail.0.store(self.tail, Ordering::Release);

@@ -1,6 +1,9 @@
 //! The shared-memory segment: creation, mapping, layout and raw access.
 //!
-//! This is the only module of the crate with `unsafe` code. Everything the
+//! This module holds the crate's mapping and process-memory system calls
+//! (`lib.rs` only reads and writes slots through pointers from here). It
+//! also maps the memory files behind [`crate::host::HostBuffer`]
+//! ([`FileMap`]). Everything the
 //! two processes share lives in one `MAP_SHARED` mapping of a POSIX shm
 //! object; the control block ([`Header`]) consists of atomics only, so either
 //! process may read or write it at any time without a data race. Slot memory
@@ -489,6 +492,105 @@ struct UnlinkOnError<'a>(&'a str);
 impl Drop for UnlinkOnError<'_> {
     fn drop(&mut self) {
         let _ = mman::shm_unlink(self.0);
+    }
+}
+
+/// A memory-file mapping: unmapped on drop. Owned by a [`crate::host::HostBuffer`]
+/// (read-write, its own file) or by a receiver's cache of peers' buffers
+/// (read-only).
+pub(crate) struct FileMap {
+    base: NonNull<u8>,
+    len: usize,
+}
+
+// SAFETY: a `FileMap` is an exclusively owned mapping (like a Box<[u8]>);
+// what is written through it is governed by its owner.
+unsafe impl Send for FileMap {}
+// SAFETY: `&FileMap` only hands out the base address.
+unsafe impl Sync for FileMap {}
+
+impl std::fmt::Debug for FileMap {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "FileMap({:p}, {} bytes)", self.base, self.len)
+    }
+}
+
+impl FileMap {
+    /// Maps all `len` bytes of `fd` shared, read-write when `write`, else
+    /// read-only, with the page tables pre-faulted (`MAP_POPULATE`: a new
+    /// file's pages are allocated and zeroed here, not on first use) and
+    /// huge pages asked for.
+    pub(crate) fn new(
+        fd: &std::os::fd::OwnedFd,
+        len: usize,
+        write: bool,
+    ) -> Result<FileMap, SegError> {
+        let length = NonZeroUsize::new(len).ok_or(SegError::Sys("mmap", Errno::EINVAL))?;
+        let prot = if write {
+            ProtFlags::PROT_READ | ProtFlags::PROT_WRITE
+        } else {
+            ProtFlags::PROT_READ
+        };
+        // SAFETY: a fresh mapping at an address the kernel chooses (addr =
+        // None) affects no existing Rust object; callers checked that the
+        // file holds `len` bytes and cannot shrink (sealed), so no access
+        // inside the mapping can fault.
+        let ptr = unsafe {
+            mman::mmap(
+                None,
+                length,
+                prot,
+                MapFlags::MAP_SHARED | MapFlags::MAP_POPULATE,
+                fd,
+                0,
+            )
+        }
+        .map_err(|e| SegError::Sys("mmap", e))?;
+        // SAFETY: advice on the mapping just created; it never changes its
+        // contents. Failure (THP for shmem off) is ignored.
+        let _ = unsafe { mman::madvise(ptr, len, MmapAdvise::MADV_HUGEPAGE) };
+        Ok(FileMap {
+            base: ptr.cast(),
+            len,
+        })
+    }
+
+    /// First byte of the mapping.
+    pub(crate) fn ptr(&self) -> *mut u8 {
+        self.base.as_ptr()
+    }
+
+    /// Copies `len` bytes at offset `off` of the mapping to `dst`, with
+    /// streaming stores from 64 KiB (moves: the destination is not read
+    /// again soon), or returns false when `off..off+len` is not inside.
+    ///
+    /// # Safety
+    ///
+    /// `dst` must be valid for writes of `len` bytes and not overlap the
+    /// mapping.
+    pub(crate) unsafe fn read_at(&self, off: usize, dst: *mut u8, len: usize) -> bool {
+        if off.checked_add(len).is_none_or(|end| end > self.len) {
+            return false;
+        }
+        // SAFETY: `off..off+len` is inside the mapping (checked above), which
+        // lives as long as `self`; `dst` is the caller's (contract).
+        unsafe {
+            let src = self.base.as_ptr().add(off);
+            if len >= 64 << 10 {
+                braid_core::copy::copy_streaming(dst, src, len);
+            } else {
+                std::ptr::copy_nonoverlapping(src, dst, len);
+            }
+        }
+        true
+    }
+}
+
+impl Drop for FileMap {
+    fn drop(&mut self) {
+        // SAFETY: `base..base+len` is the mapping created in `new`, unmapped
+        // only here; its owners hand out no reference that outlives them.
+        let _ = unsafe { mman::munmap(self.base.cast(), self.len) };
     }
 }
 

@@ -154,39 +154,69 @@ impl Drop for Aligned {
     }
 }
 
+/// Where a benchmark buffer lives.
+#[derive(Debug)]
+enum Mem {
+    /// The system allocator, like any application buffer.
+    Heap(Aligned),
+    /// `-R 1`: registered host memory (see [`braid::HostBuffer`]).
+    Host(braid::HostBuffer),
+}
+
+impl Mem {
+    fn bytes(&mut self) -> &mut [u8] {
+        match self {
+            Mem::Heap(a) => a.bytes(),
+            Mem::Host(h) => h.as_mut_slice(),
+        }
+    }
+}
+
 /// The benchmark's buffers: two allocations of the largest size, allocated
 /// once and first-touched before any timing. Page-aligned; with huge pages
 /// 2 MiB-aligned and a whole number of 2 MiB pages, so that every byte can
 /// sit on a huge page (a `Vec` starts anywhere, and its first partial 2 MiB
 /// stays on 4 KiB pages — where a 1 MiB message lives — which made
 /// single-copy reads three times slower than Open MPI's on 2 MiB-aligned
-/// glibc huge-page buffers).
+/// glibc huge-page buffers). With `-R 1` both come from
+/// [`braid::HostBuffer`] instead.
 #[derive(Debug)]
 pub struct Buffers {
-    send: Aligned,
-    recv: Aligned,
+    send: Mem,
+    recv: Mem,
     huge: bool,
+    len: usize,
 }
 
 const HUGE_PAGE: usize = 2 << 20;
 
 impl Buffers {
-    /// Allocate `bytes` for each buffer, optionally advise huge pages, and
-    /// touch every page.
-    pub fn new(bytes: u64, hugepages: bool) -> Result<Buffers, BenchError> {
+    /// Allocate `bytes` for each buffer — registered host buffers when
+    /// `register`, else heap memory, optionally advised onto huge pages —
+    /// and touch every page.
+    pub fn new(bytes: u64, hugepages: bool, register: bool) -> Result<Buffers, BenchError> {
         let len = usize::try_from(bytes.div_ceil(8) * 8 + 8)
             .map_err(|_| BenchError::Usage(format!("{bytes} bytes do not fit in memory")))?;
-        let alloc = || -> Result<(Aligned, bool), BenchError> {
+        let alloc = || -> Result<(Mem, bool), BenchError> {
+            if register {
+                let mut h = braid::HostBuffer::new(len).map_err(|e| {
+                    BenchError::Usage(format!("-R 1: cannot allocate {len} bytes: {e}"))
+                })?;
+                h.fill(GARBAGE);
+                return Ok((Mem::Host(h), false));
+            }
             let (len, align) = if hugepages {
                 (len.next_multiple_of(HUGE_PAGE), HUGE_PAGE)
             } else {
                 (len, 4096)
             };
-            Aligned::new(len, align, hugepages, GARBAGE)
+            let (a, advised) = Aligned::new(len, align, hugepages, GARBAGE)?;
+            Ok((Mem::Heap(a), advised))
         };
-        let (send, h1) = alloc()?;
+        let (mut send, h1) = alloc()?;
         let (recv, h2) = alloc()?;
         Ok(Buffers {
+            len: send.bytes().len(),
             send,
             recv,
             huge: h1 && h2,
@@ -200,10 +230,16 @@ impl Buffers {
 
     /// How the buffers were allocated, for the header and the JSON.
     pub fn describe(&self) -> String {
+        if matches!(self.send, Mem::Host(_)) {
+            return format!(
+                "2 x {} bytes per rank (-R 1: braid::HostBuffer, a sealed memory file mapped shared; ranks on this host map it and copy from it without process_vm_readv), first-touched before timing",
+                self.len
+            );
+        }
         let tun = std::env::var("GLIBC_TUNABLES").unwrap_or_else(|_| "-".into());
         format!(
             "2 x {} bytes per rank ({}-aligned, system allocator, {}, GLIBC_TUNABLES={tun}), first-touched before timing",
-            self.send.layout.size(),
+            self.len,
             if self.huge { "2 MiB" } else { "page" },
             if self.huge {
                 "madvise(MADV_HUGEPAGE)"
@@ -515,7 +551,7 @@ impl<'a> Runner<'a> {
                 )));
             }
         }
-        let mut bufs = Buffers::new(opts.max_bytes, opts.hugepages)?;
+        let mut bufs = Buffers::new(opts.max_bytes, opts.hugepages, opts.register)?;
         let dev = if opts.cuda {
             let len = bufs.bytes().0.len();
             Some(DevState::new(comm, len)?)
@@ -932,7 +968,7 @@ mod tests {
     #[test]
     fn huge_page_buffers_are_aligned_whole_pages_and_touched() {
         for (bytes, huge) in [(3u64 << 20, true), (1 << 20, true), (5000, false)] {
-            let mut b = Buffers::new(bytes, huge).unwrap();
+            let mut b = Buffers::new(bytes, huge, false).unwrap();
             let align = if huge { HUGE_PAGE } else { 4096 };
             let (s, r) = b.bytes();
             for v in [&*s, &*r] {
@@ -978,7 +1014,7 @@ mod tests {
             .into_iter()
             .map(|comm| {
                 std::thread::spawn(move || {
-                    let mut bufs = Buffers::new(4096, false).unwrap();
+                    let mut bufs = Buffers::new(4096, false, false).unwrap();
                     let case = Case {
                         bench: Bench::AllReduce,
                         dt: DataType::F32,

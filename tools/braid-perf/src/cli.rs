@@ -190,6 +190,9 @@ pub struct Opts {
     /// Seconds (BRAID_TIMEOUT semantics).
     pub timeout: Option<f64>,
     pub hugepages: bool,
+    /// `-R 1`: buffers from `braid::HostBuffer` (registered host memory that
+    /// peers on this host map and copy from without the kernel).
+    pub register: bool,
     /// `--device cuda`: buffers on the GPU (the device communicator).
     pub cuda: bool,
     pub json: Option<PathBuf>,
@@ -225,6 +228,7 @@ impl Opts {
             average: Average::Avg,
             timeout: None,
             hugepages: false,
+            register: false,
             cuda: false,
             json: None,
             plot: None,
@@ -444,6 +448,11 @@ const FLAGS: &[Flag] = &[
         takes_value: true,
     },
     Flag {
+        short: Some('R'),
+        long: "local_register",
+        takes_value: true,
+    },
+    Flag {
         short: None,
         long: "device",
         takes_value: true,
@@ -638,6 +647,18 @@ fn parse_bench(bench: Bench, args: &[String]) -> Result<Command, UsageError> {
             }
             "blocking" => o.blocking = parse_bool(&flag, &v)?,
             "hugepages" => o.hugepages = parse_bool(&flag, &v)?,
+            "local_register" => {
+                o.register = match v.trim() {
+                    "0" => false,
+                    "1" => true,
+                    "2" => {
+                        return usage(format!(
+                            "{flag} 2: symmetric registration is NCCL's (device windows); braid-perf has 0 and 1"
+                        ))
+                    }
+                    _ => return usage(format!("{flag} '{v}': expected 0 or 1")),
+                }
+            }
             "device" => {
                 o.cuda = match v.trim().to_ascii_lowercase().as_str() {
                     "cuda" | "gpu" => true,
@@ -719,6 +740,9 @@ fn parse_bench(bench: Bench, args: &[String]) -> Result<Command, UsageError> {
     }
     if o.agg == 0 {
         return usage("-m 0: aggregate at least one operation per iteration");
+    }
+    if o.register && o.cuda {
+        return usage("-R 1 registers host buffers; with --device cuda the buffers are on the GPU");
     }
     // Validate the sweep now, so that no rank starts on bad sizes.
     size_sequence(o.min_bytes, o.max_bytes, o.step)?;
@@ -866,6 +890,10 @@ OPTIONS (nccl-tests' names and defaults):
   -T, --timeout SECS        bound on any wait without progress (BRAID_TIMEOUT)
   -J, --output_file F.json  write every row as JSON
   -H, --hugepages 0|1       madvise(MADV_HUGEPAGE) the buffers before first touch
+  -R, --local_register 0|1  1: buffers from braid::HostBuffer, registered host
+                            memory that ranks on this host map and copy from
+                            without process_vm_readv (default 0: the system
+                            allocator, like any application buffer)
       --device cuda|host    cuda: buffers on this rank's GPU, collectives on a
                             CUDA stream over nvlink/pcie links; prints the
                             device-to-device copy bandwidth (default host)
@@ -905,6 +933,22 @@ mod tests {
 
     #[test]
     fn device_flag() {
+        assert!(!bench(&["all_reduce"]).unwrap().register);
+        assert!(bench(&["all_reduce", "-R", "1"]).unwrap().register);
+        assert!(
+            !bench(&["all_reduce", "--local_register=0"])
+                .unwrap()
+                .register
+        );
+        for bad in [
+            &["-R", "2"][..],
+            &["-R", "x"],
+            &["-R", "1", "--device", "cuda"],
+        ] {
+            let mut a = vec!["all_reduce"];
+            a.extend_from_slice(bad);
+            assert!(bench(&a).is_err(), "{bad:?}");
+        }
         assert!(!bench(&["all_reduce"]).unwrap().cuda);
         assert!(bench(&["all_reduce", "--device", "cuda"]).unwrap().cuda);
         assert!(bench(&["all_reduce", "--device=gpu"]).unwrap().cuda);

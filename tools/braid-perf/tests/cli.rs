@@ -480,3 +480,54 @@ fn np_binds_ranks_to_cores() {
         assert_eq!(rank_cpus(&over, 0), all, "{over}");
     }
 }
+
+/// `-R 1`: the buffers are `braid::HostBuffer`s; a peer reads every
+/// single-copy piece through a mapping of the owner's buffer (the debug log
+/// says so — without `-R 1` it never does), and results check out for the
+/// moving collectives (direct and ring plans: 2 and 3 ranks) and a reducing
+/// one.
+#[test]
+fn registered_buffers_are_read_through_mappings() {
+    const MAPPED: &str = "mapped the peer's host buffer";
+    let run = |bench: &str, np: &str, register: &str| {
+        let o = perf(
+            &[
+                bench, "-np", np, "-b", "256K", "-e", "1M", "-f", "4", "-n", "2", "-w", "1", "-R",
+                register, "-T", "30",
+            ],
+            &[
+                ("BRAID_SINGLE_COPY_MIN_BYTES", "65536"),
+                ("BRAID_DEBUG", "DEBUG"),
+            ],
+        );
+        let (out, err) = text(&o);
+        assert!(
+            o.status.success(),
+            "{bench} -np {np} -R {register}: {:?}\n{out}\n{err}",
+            o.status
+        );
+        (out, err)
+    };
+    for (bench, in_place) in [
+        ("all_gather", true),
+        ("alltoall", false),
+        ("broadcast", true),
+        ("sendrecv", false),
+        ("all_reduce", true),
+    ] {
+        for np in ["2", "3"] {
+            let (out, err) = run(bench, np, "1");
+            assert_eq!(check_table(&out, in_place).len(), 2, "{out}");
+            assert!(
+                out.contains("# buffers: 2 x 1048584 bytes per rank (-R 1: braid::HostBuffer"),
+                "{out}"
+            );
+            if bench != "all_reduce" {
+                assert!(err.contains(MAPPED), "{bench} -np {np}:\n{err}");
+            }
+        }
+    }
+    let (out, err) = run("all_gather", "2", "0");
+    check_table(&out, true);
+    assert!(!err.contains(MAPPED), "{err}");
+}
