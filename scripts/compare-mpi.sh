@@ -50,6 +50,12 @@ for round in $(seq "$rounds"); do
       for cell in 1M:300:20 16M:100:10 64M:30:3; do
         IFS=: read -r size n w <<<"$cell"
         "$perf" "$c" -np "$np" -b "$size" -e "$size" -n "$n" -w "$w" -H 1 -J "$out/braid_${c}_np${np}_$size.r$round.json" >/dev/null
+        # The moving collectives once more on registered buffers (-R 1:
+        # braid::HostBuffer, which peers map and copy from without
+        # process_vm_readv): a column of its own, next to the plain one.
+        case $c in all_gather | broadcast | alltoall)
+          "$perf" "$c" -np "$np" -b "$size" -e "$size" -n "$n" -w "$w" -R 1 -J "$out/braid_${c}_np${np}_$size.reg.r$round.json" >/dev/null ;;
+        esac
       done
       part=$out/parts/mpi_np$np.r$round.$c
       "$peers/mpi-best.sh" "$part" "$np" "${mpiname[$c]}" 8,1M,16M,64M >/dev/null
@@ -69,7 +75,7 @@ name = {"all_reduce": "allreduce", "all_gather": "allgather", "reduce_scatter": 
         "broadcast": "bcast", "reduce": "reduce", "alltoall": "alltoall"}
 # Every round's time per cell, each side. braid's 1, 16 and 64 MiB cells
 # come from their runs of their own only (the sweep is for the plots).
-mpi, braid = {}, {}
+mpi, braid, reg = {}, {}, {}
 for f in glob.glob(os.path.join(out, "mpi_np*.r*", "mpi.csv")):
     for row in csv.DictReader(open(f)):
         key = (row["coll"], int(row["nranks"]), int(row["size"]))
@@ -77,14 +83,16 @@ for f in glob.glob(os.path.join(out, "mpi_np*.r*", "mpi.csv")):
 for f in sorted(glob.glob(os.path.join(out, "braid_*.r*.json"))):
     base = os.path.basename(f)
     cell_run = any(f"_{s}." in base for s in ("1M", "16M", "64M"))
+    into = reg if ".reg." in base else braid
     for r in json.load(open(f))["rows"]:
         if r["size"] in (1 << 20, 16 << 20, 64 << 20) and not cell_run:
             continue
         # Like with like: MPI_Bcast works in place, the others out of place.
         side = r["in_place"] if r["collective"] == "broadcast" else r["out_of_place"]
         if side["time_us"]:
-            braid.setdefault((r["collective"], r["nranks"], r["size"]), []).append(side["time_us"])
-print(f"{'collective':15} {'np':>3} {'size':>9} {'braid us':>9} {'mpi us':>9} {'best':>6} {'median':>7}")
+            into.setdefault((r["collective"], r["nranks"], r["size"]), []).append(side["time_us"])
+print(f"{'collective':15} {'np':>3} {'size':>9} {'braid us':>9} {'mpi us':>9} {'best':>6} {'median':>7}"
+      f" {'-R1 us':>9} {'best':>6} {'median':>7}")
 for (c, n, size), ts in sorted(braid.items()):
     key = (name[c], n, size)
     # MPI's 8-byte AllGather/AllToAll rows hold one element per rank.
@@ -95,12 +103,19 @@ for (c, n, size), ts in sorted(braid.items()):
     ms = mpi[key]
     # Same bytes on both sides, so busbw ratio = time ratio (MPI / braid).
     best, med = min(ms) / min(ts), statistics.median(ms) / statistics.median(ts)
-    print(f"{c:15} {n:>3} {size:>9} {min(ts):>9.2f} {min(ms):>9.2f} {best:>6.2f} {med:>7.2f}")
+    line = f"{c:15} {n:>3} {size:>9} {min(ts):>9.2f} {min(ms):>9.2f} {best:>6.2f} {med:>7.2f}"
+    rs = reg.get((c, n, size))
+    if rs:
+        line += (f" {min(rs):>9.2f} {min(ms) / min(rs):>6.2f}"
+                 f" {statistics.median(ms) / statistics.median(rs):>7.2f}")
+    print(line)
 rounds = os.environ.get("ROUNDS", "2")
 print(f"{rounds} alternating rounds per side; us: each side's best round; best: ratio of the best rounds, "
       f"median: of the median rounds; ratio = Open MPI's time / braid's (= busbw braid / Open MPI); "
       f"out of place, Broadcast in place (as MPI_Bcast)")
 print(f"both sides on 2 MiB huge pages; braid with BRAID_SINGLE_COPY_MIN_BYTES={os.environ.get('BRAID_SINGLE_COPY_MIN_BYTES')}")
+print("-R1: braid's moving collectives on registered buffers (braid-perf -R 1: braid::HostBuffer, "
+      "a shared memory file on the system's shmem pages; peers copy from it without process_vm_readv)")
 PY
 # Plots: braid's last round against Open MPI's, one picture per collective
 # and rank count (busbw and latency against size).

@@ -655,10 +655,12 @@ unsafe fn try_op(
                 chans.scratch.as_mut_ptr() as *mut u8
             }
         };
+        let rx = chans.receiver(from)?;
+        rx.stream_hint(ex.stream_copies);
         // SAFETY: `dest` is a region pointer valid for `len` bytes (caller's
         // contract) or the scratch buffer of at least `len` bytes, which
         // nothing else touches until this read completes (`scratch_owner`).
-        if !unsafe { chans.receiver(from)?.poll_read_remote(dest, len)? } {
+        if !unsafe { rx.poll_read_remote(dest, len)? } {
             return Ok(Some((from, WAIT_DATA)));
         }
         remote_at = Some(dest);

@@ -29,7 +29,7 @@
 //! channel closed or the mapping was evicted).
 
 use std::os::fd::{AsRawFd, OwnedFd};
-use std::os::unix::fs::MetadataExt;
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
 use std::sync::RwLock;
 
 use braid_core::error::{CoreError, Result};
@@ -199,29 +199,42 @@ struct PeerFile {
 
 /// The peer's buffers a receiving channel has mapped (most recently used
 /// last), and the ones it could not.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(crate) struct PeerFiles {
+    /// The peer's rank (for the log) and process.
+    peer: u32,
+    pid: u32,
     maps: Vec<PeerFile>,
     refused: Vec<Region>,
 }
 
 impl PeerFiles {
-    /// Copies the `len` bytes at `addr` in process `pid` — inside `region`,
+    /// No buffer of rank `peer` (process `pid`) mapped yet.
+    pub(crate) fn new(peer: u32, pid: u32) -> PeerFiles {
+        PeerFiles {
+            peer,
+            pid,
+            maps: Vec::new(),
+            refused: Vec::new(),
+        }
+    }
+
+    /// Copies the `len` bytes at `addr` in the peer's process — inside `region`,
     /// the sender says — to `dst` through a mapping of the region's file.
     /// Returns false, having copied nothing, when that is not possible; the
-    /// caller then reads the bytes with `process_vm_readv`.
+    /// caller then reads the bytes with `process_vm_readv`. Streaming
+    /// stores when `stream`.
     ///
     /// # Safety
     ///
     /// `dst` must be valid for writes of `len` bytes.
     pub(crate) unsafe fn read(
         &mut self,
-        peer: u32,
-        pid: u32,
         region: Region,
         addr: u64,
         dst: *mut u8,
         len: usize,
+        stream: bool,
     ) -> bool {
         let Some(off) = addr
             .checked_sub(region.base)
@@ -235,10 +248,10 @@ impl PeerFiles {
                 if self.refused.contains(&region) {
                     return false;
                 }
-                match open(pid, region) {
+                match open(self.pid, region) {
                     Ok(map) => {
                         tracing::debug!(
-                            peer,
+                            peer = self.peer,
                             bytes = region.len,
                             "shm: mapped the peer's host buffer; single-copy reads from it skip process_vm_readv"
                         );
@@ -250,7 +263,7 @@ impl PeerFiles {
                     }
                     Err(why) => {
                         tracing::debug!(
-                            peer,
+                            peer = self.peer,
                             why,
                             "shm: peer's host buffer not mapped; reading it with process_vm_readv"
                         );
@@ -267,7 +280,7 @@ impl PeerFiles {
         let f = self.maps.remove(at);
         // SAFETY: forwarded from this function's contract; `read_at` checks
         // the range against the mapping.
-        let ok = unsafe { f.map.read_at(off, dst, len) };
+        let ok = unsafe { f.map.read_at(off, dst, len, stream) };
         self.maps.push(f);
         ok
     }
@@ -283,17 +296,29 @@ impl PeerFiles {
 /// sender named, of its size and sealed against shrinking.
 fn open(pid: u32, region: Region) -> std::result::Result<FileMap, String> {
     let path = format!("/proc/{pid}/fd/{}", region.fd);
-    let file = std::fs::File::open(&path).map_err(|e| format!("open {path}: {e}"))?;
-    let meta = file.metadata().map_err(|e| format!("fstat {path}: {e}"))?;
-    if meta.ino() != region.ino || meta.len() != region.len {
-        return Err(format!(
-            "{path} is inode {} of {} bytes, not inode {} of {}",
-            meta.ino(),
-            meta.len(),
-            region.ino,
-            region.len
-        ));
-    }
+    let check = |meta: std::fs::Metadata| {
+        if !meta.is_file() || meta.ino() != region.ino || meta.len() != region.len {
+            return Err(format!(
+                "{path} is {} inode {} of {} bytes, not the memory file (inode {}, {} bytes)",
+                if meta.is_file() { "file" } else { "a non-file" },
+                meta.ino(),
+                meta.len(),
+                region.ino,
+                region.len
+            ));
+        }
+        Ok(())
+    };
+    // Look before opening (the descriptor number comes from the peer: never
+    // open its pipe, socket or terminal), open without blocking, and look
+    // again at what was opened.
+    check(std::fs::metadata(&path).map_err(|e| format!("stat {path}: {e}"))?)?;
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY)
+        .open(&path)
+        .map_err(|e| format!("open {path}: {e}"))?;
+    check(file.metadata().map_err(|e| format!("fstat {path}: {e}"))?)?;
     let seals = fcntl(file.as_raw_fd(), FcntlArg::F_GET_SEALS)
         .map_err(|e| format!("{path}: no seals ({e})"))?;
     if SealFlag::from_bits_truncate(seals).contains(SealFlag::F_SEAL_SHRINK) {
@@ -336,11 +361,11 @@ mod tests {
         }
         let r = region_of(b.as_ptr(), b.len()).unwrap();
         let pid = std::process::id();
-        let mut files = PeerFiles::default();
+        let mut files = PeerFiles::new(1, pid);
         let mut dst = vec![0u8; 2 << 20];
         let off = 12345;
         // SAFETY: dst holds 2 MiB.
-        assert!(unsafe { files.read(1, pid, r, r.base + off, dst.as_mut_ptr(), dst.len()) });
+        assert!(unsafe { files.read(r, r.base + off, dst.as_mut_ptr(), dst.len(), true) });
         let want: Vec<u8> = (off as usize..off as usize + dst.len())
             .map(|i| (i % 251) as u8)
             .collect();
@@ -349,27 +374,27 @@ mod tests {
         // Writes after the mapping are seen (one shared file).
         b[off as usize] = 0xEE;
         // SAFETY: dst holds 2 MiB.
-        assert!(unsafe { files.read(1, pid, r, r.base + off, dst.as_mut_ptr(), 16) });
+        assert!(unsafe { files.read(r, r.base + off, dst.as_mut_ptr(), 16, false) });
         assert_eq!(dst[0], 0xEE);
         assert_eq!(files.mapped(), 1, "mapped once");
         // Past the end, a wrong inode, a wrong size: refused, nothing copied.
         dst[0] = 1;
         // SAFETY: dst holds 2 MiB.
         unsafe {
-            assert!(!files.read(1, pid, r, r.base + r.len - 8, dst.as_mut_ptr(), 16));
-            assert!(!files.read(1, pid, r, r.base - 8, dst.as_mut_ptr(), 16));
+            assert!(!files.read(r, r.base + r.len - 8, dst.as_mut_ptr(), 16, false));
+            assert!(!files.read(r, r.base - 8, dst.as_mut_ptr(), 16, false));
             let wrong = Region {
                 ino: r.ino + 1,
                 ..r
             };
-            assert!(!files.read(1, pid, wrong, r.base, dst.as_mut_ptr(), 16));
+            assert!(!files.read(wrong, r.base, dst.as_mut_ptr(), 16, false));
             let wrong = Region {
                 len: r.len - 4096,
                 ..r
             };
-            assert!(!files.read(1, pid, wrong, r.base, dst.as_mut_ptr(), 16));
+            assert!(!files.read(wrong, r.base, dst.as_mut_ptr(), 16, false));
             let wrong = Region { fd: 987_654, ..r };
-            assert!(!files.read(1, pid, wrong, r.base, dst.as_mut_ptr(), 16));
+            assert!(!files.read(wrong, r.base, dst.as_mut_ptr(), 16, false));
         }
         assert_eq!(dst[0], 1);
         assert_eq!(files.mapped(), 1);
@@ -394,16 +419,41 @@ mod tests {
     }
 
     #[test]
+    fn a_descriptor_that_is_not_the_file_is_refused_without_opening_it() {
+        // A FIFO nobody writes to: opening it for reading would block.
+        let dir = std::env::temp_dir().join(format!("braid-host-test-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let fifo = dir.join("fifo");
+        nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::S_IRWXU).unwrap();
+        let f = std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_NONBLOCK)
+            .open(&fifo)
+            .unwrap();
+        let ino = f.metadata().unwrap().ino();
+        let r = Region {
+            ino,
+            fd: f.as_raw_fd() as u64,
+            base: 1 << 30,
+            len: 0,
+        };
+        let err = open(std::process::id(), r).unwrap_err();
+        assert!(err.contains("non-file"), "{err}");
+        drop(f);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
     fn mappings_are_capped_per_peer() {
         let bufs: Vec<HostBuffer> = (0..MAPS_PER_PEER + 2)
             .map(|_| HostBuffer::new(4096).unwrap())
             .collect();
-        let mut files = PeerFiles::default();
+        let mut files = PeerFiles::new(0, std::process::id());
         let mut dst = [0u8; 8];
         for b in &bufs {
             let r = region_of(b.as_ptr(), 8).unwrap();
             // SAFETY: dst holds 8 bytes.
-            assert!(unsafe { files.read(0, std::process::id(), r, r.base, dst.as_mut_ptr(), 8) });
+            assert!(unsafe { files.read(r, r.base, dst.as_mut_ptr(), 8, false) });
         }
         assert_eq!(files.mapped(), MAPS_PER_PEER);
     }

@@ -688,7 +688,8 @@ impl PendingRecv for ShmPendingRecv {
             peeked: false,
             remote: None,
             remote_region: None,
-            files: host::PeerFiles::default(),
+            files: host::PeerFiles::new(peer, info.pid),
+            stream: false,
             aborted: None,
             help_chunk: help_chunk_min()?,
             generation: 0,
@@ -1089,6 +1090,8 @@ struct ShmRecv {
     remote_region: Option<host::Region>,
     /// Peer host buffers mapped here.
     files: host::PeerFiles,
+    /// Copies from them use streaming stores (`RecvChannel::stream_hint`).
+    stream: bool,
     /// Set by our own `abort`.
     aborted: Option<String>,
     /// Smallest chunk of a direct transfer shared with the sender; `None`:
@@ -1194,10 +1197,7 @@ impl ShmRecv {
             return false;
         };
         // SAFETY: forwarded from this function's contract.
-        unsafe {
-            self.files
-                .read(self.peer, self.peer_pid, region, addr, dst, len)
-        }
+        unsafe { self.files.read(region, addr, dst, len, self.stream) }
     }
 
     /// Offers the peeked direct slot (`len` bytes from `addr` to `dst`) to
@@ -1457,6 +1457,10 @@ impl RecvChannel for ShmRecv {
         }
         self.remote = None;
         Ok(Some(Incoming::Inline(slot, word as usize)))
+    }
+
+    fn stream_hint(&mut self, streaming: bool) {
+        self.stream = streaming;
     }
 
     unsafe fn read_remote(&mut self, dst: *mut u8, len: usize) -> Result<()> {

@@ -560,15 +560,21 @@ impl FileMap {
         self.base.as_ptr()
     }
 
-    /// Copies `len` bytes at offset `off` of the mapping to `dst`, with
-    /// streaming stores from 64 KiB (moves: the destination is not read
-    /// again soon), or returns false when `off..off+len` is not inside.
+    /// Copies `len` bytes at offset `off` of the mapping to `dst` — with
+    /// streaming stores when `stream` (see `RecvChannel::stream_hint`) —
+    /// or returns false when `off..off+len` is not inside.
     ///
     /// # Safety
     ///
     /// `dst` must be valid for writes of `len` bytes and not overlap the
     /// mapping.
-    pub(crate) unsafe fn read_at(&self, off: usize, dst: *mut u8, len: usize) -> bool {
+    pub(crate) unsafe fn read_at(
+        &self,
+        off: usize,
+        dst: *mut u8,
+        len: usize,
+        stream: bool,
+    ) -> bool {
         if off.checked_add(len).is_none_or(|end| end > self.len) {
             return false;
         }
@@ -576,7 +582,7 @@ impl FileMap {
         // lives as long as `self`; `dst` is the caller's (contract).
         unsafe {
             let src = self.base.as_ptr().add(off);
-            if len >= 64 << 10 {
+            if stream {
                 braid_core::copy::copy_streaming(dst, src, len);
             } else {
                 std::ptr::copy_nonoverlapping(src, dst, len);

@@ -249,6 +249,15 @@ pub trait RecvChannel: Send {
     fn poll_peek_any(&mut self) -> Result<Option<Incoming>> {
         Ok(self.poll_peek()?.map(|(s, l)| Incoming::Inline(s, l)))
     }
+    /// Whether the copies this channel makes itself for direct reads should
+    /// use streaming stores (the operation's buffers exceed the cache, so
+    /// the destination would only evict what is cached) or ordinary ones
+    /// (the data is used again while cached). The engine says so before
+    /// each direct read; transports whose reads are not CPU copies keep
+    /// this default, which ignores it.
+    fn stream_hint(&mut self, streaming: bool) {
+        let _ = streaming;
+    }
     /// Copy the payload of the current [`Incoming::Remote`] slot (all `len`
     /// bytes) to `dst`, before `release`.
     ///
