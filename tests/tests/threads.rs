@@ -422,3 +422,57 @@ fn rank_threads_bound_one_by_one_are_seen_bound() {
     assert_eq!(run([cpus[0], cpus[1]]), [false, false]);
     assert_eq!(run([cpus[0], cpus[0]]), [true, true]);
 }
+
+/// Registered host buffers (`braid::HostBuffer`) as collective buffers:
+/// AllGather, AllToAll and Broadcast large enough to go single-copy (16 MiB
+/// per rank: above every default threshold) give what a plain loop says,
+/// for ranks that are threads of one process (the peer maps its own
+/// process's file through /proc/self/fd).
+#[test]
+fn host_buffers_as_collective_buffers() {
+    let n: usize = 4 << 20; // u32 per rank
+    let got = on_ranks(2, 60.0, move |c| {
+        let r = c.rank() as usize;
+        let p = c.nranks() as usize;
+        let mut send = braid::HostBuffer::new(n * 4).unwrap();
+        let mut recv = braid::HostBuffer::new(n * 4 * p).unwrap();
+        for (i, x) in send.typed_mut::<u32>().iter_mut().enumerate() {
+            *x = (r * n + i) as u32;
+        }
+        c.all_gather(send.typed::<u32>(), &mut recv.typed_mut::<u32>()[..n * p])
+            .unwrap();
+        let gathered = recv
+            .typed::<u32>()
+            .iter()
+            .enumerate()
+            .all(|(i, &x)| x == i as u32);
+        // AllToAll: block q of rank r's send is r*p+q; rank r receives q*p+r
+        // in block q.
+        let b = n / p;
+        for q in 0..p {
+            send.typed_mut::<u32>()[q * b..(q + 1) * b].fill((r * p + q) as u32);
+        }
+        c.all_to_all(send.typed::<u32>(), &mut recv.typed_mut::<u32>()[..n])
+            .unwrap();
+        let exchanged = (0..p).all(|q| {
+            recv.typed::<u32>()[q * b..(q + 1) * b]
+                .iter()
+                .all(|&x| x == (q * p + r) as u32)
+        });
+        // Broadcast from rank 1, in place.
+        let mut buf = braid::HostBuffer::new(n * 4).unwrap();
+        if r == 1 {
+            for (i, x) in buf.typed_mut::<u32>().iter_mut().enumerate() {
+                *x = (i as u32).wrapping_mul(7);
+            }
+        }
+        c.broadcast(buf.typed_mut::<u32>(), 1).unwrap();
+        let broadcast = buf
+            .typed::<u32>()
+            .iter()
+            .enumerate()
+            .all(|(i, &x)| x == (i as u32).wrapping_mul(7));
+        (gathered, exchanged, broadcast)
+    });
+    assert_eq!(got, vec![(true, true, true); 2]);
+}

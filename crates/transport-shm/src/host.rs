@@ -33,6 +33,7 @@ use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
 use std::sync::RwLock;
 
 use braid_core::error::{CoreError, Result};
+use braid_core::types::Element;
 use nix::fcntl::{fcntl, FcntlArg, SealFlag};
 use nix::sys::memfd::{memfd_create, MemFdCreateFlag};
 
@@ -167,6 +168,31 @@ impl HostBuffer {
     pub fn as_mut_slice(&mut self) -> &mut [u8] {
         // SAFETY: as in `as_slice`; `&mut self` makes this the only borrow.
         unsafe { std::slice::from_raw_parts_mut(self.map.ptr(), self.len) }
+    }
+
+    /// The buffer as elements of `T` (`len / size_of::<T>()` of them; a
+    /// trailing partial element is left out), for the typed collectives.
+    pub fn typed<T: Element>(&self) -> &[T] {
+        // SAFETY: the mapping is page-aligned (so aligned for every
+        // `Element`) and holds `len` initialised bytes; `Element` types have
+        // no padding and every bit pattern is a value; the borrow is `self`'s.
+        unsafe {
+            std::slice::from_raw_parts(
+                self.map.ptr().cast::<T>(),
+                self.len / std::mem::size_of::<T>(),
+            )
+        }
+    }
+
+    /// [`HostBuffer::typed`], writable.
+    pub fn typed_mut<T: Element>(&mut self) -> &mut [T] {
+        // SAFETY: as in `typed`; `&mut self` makes this the only borrow.
+        unsafe {
+            std::slice::from_raw_parts_mut(
+                self.map.ptr().cast::<T>(),
+                self.len / std::mem::size_of::<T>(),
+            )
+        }
     }
 }
 
@@ -348,6 +374,10 @@ mod tests {
         assert_eq!(region_of(p.wrapping_sub(1), 2), None, "before the start");
         let other = [0u8; 64];
         assert_eq!(region_of(other.as_ptr(), 64), None);
+        assert_eq!(b.typed::<f64>().len(), 1250);
+        assert_eq!(b.typed::<u32>().len(), 2500);
+        b.typed_mut::<u32>()[2499] = 0x0102_0304;
+        assert_eq!(b[9_996..10_000], 0x0102_0304u32.to_ne_bytes());
         drop(b);
         assert_eq!(region_of(p, 1), None, "unregistered on drop");
         assert!(HostBuffer::new(0).is_err());

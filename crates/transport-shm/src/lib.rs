@@ -42,7 +42,12 @@
 //!   word). If so, `commit_direct` publishes a slot whose length word has
 //!   the top bit set and whose first word is the address of the bytes in
 //!   the sender's memory; the receiver copies them with `process_vm_readv`
-//!   straight into their destination, then releases the slot.
+//!   straight into their destination, then releases the slot. When the
+//!   bytes lie in a registered [`HostBuffer`], words 4–7 of the slot name
+//!   its memory file (inode, descriptor, base, size) and the receiver
+//!   copies from its own read-only mapping of that file instead, with no
+//!   system call per transfer (see the `host` module; any check that fails
+//!   falls back to `process_vm_readv`).
 //! - **Shared direct transfers.** A direct transfer of at least four chunks
 //!   (`BRAID_SHM_HELP_CHUNK`, default 256 KiB, at most 64 chunks) is split
 //!   between both processes, since the sender's core is otherwise idle
