@@ -135,7 +135,21 @@ sweep["rows"] = sorted([r for r in sweep["rows"] if r["size"] not in mine]
                        + [r for o in own for r in o["rows"]], key=lambda r: r["size"])
 json.dump(sweep, open(sys.argv[1], "w"))
 PY
-    "$perf" plot "$out/braid_${c}_np${np}.plot.json" "$out/mpi_np$np.json" --coll "$c" "${inplace[@]}" \
+    # The moving collectives' -R 1 cells as a third series.
+    reg=()
+    if [ -f "${r}_1M.reg.r$rounds.json" ]; then
+      python3 - "$r.reg.plot.json" "${r}_1M.reg.r$rounds.json" "${r}_16M.reg.r$rounds.json" \
+        "${r}_64M.reg.r$rounds.json" <<'PY'
+import json, sys
+runs = [json.load(open(f)) for f in sys.argv[2:]]
+out = runs[0]
+out["label"] = "braid -R 1"
+out["rows"] = sorted((r for o in runs for r in o["rows"]), key=lambda r: r["size"])
+json.dump(out, open(sys.argv[1], "w"))
+PY
+      reg=("$r.reg.plot.json")
+    fi
+    "$perf" plot "$out/braid_${c}_np${np}.plot.json" "${reg[@]}" "$out/mpi_np$np.json" --coll "$c" "${inplace[@]}" \
       --title "$c, $np ranks, one host" -o "$out/${c}_np$np.png" >/dev/null
   done
 done
