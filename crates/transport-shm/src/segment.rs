@@ -1,8 +1,8 @@
 //! The shared-memory segment: creation, mapping, layout and raw access.
 //!
 //! This module holds the crate's mapping and process-memory system calls
-//! (`lib.rs` only reads and writes slots through pointers from here). It
-//! also maps the memory files behind [`crate::host::HostBuffer`]
+//! (`lib.rs` and `host.rs` only read and write through pointers from
+//! here). It also maps the memory files behind [`crate::host::HostBuffer`]
 //! ([`FileMap`]). Everything the
 //! two processes share lives in one `MAP_SHARED` mapping of a POSIX shm
 //! object; the control block ([`Header`]) consists of atomics only, so either
@@ -243,18 +243,27 @@ impl std::fmt::Debug for Segment {
 // governed by the head/tail protocol. Moving it to another thread is fine.
 unsafe impl Send for Segment {}
 
-/// Maps `len` bytes of `fd` shared and read-write, pre-faulting the page
-/// tables (`MAP_POPULATE`), and asks for transparent huge pages.
-fn map_shared(fd: &std::os::fd::OwnedFd, len: usize) -> Result<NonNull<u8>, SegError> {
+/// Maps all `len` bytes of `fd` shared — read-write when `write`, else
+/// read-only — pre-faulting the page tables (`MAP_POPULATE`: a new object's
+/// pages are allocated and zeroed here, not on first use), and asks for
+/// transparent huge pages.
+fn map_shared(fd: &std::os::fd::OwnedFd, len: usize, write: bool) -> Result<NonNull<u8>, SegError> {
     let length = NonZeroUsize::new(len).ok_or(SegError::Sys("mmap", Errno::EINVAL))?;
+    let prot = if write {
+        ProtFlags::PROT_READ | ProtFlags::PROT_WRITE
+    } else {
+        ProtFlags::PROT_READ
+    };
     // SAFETY: we map a fresh region chosen by the kernel (addr = None), so no
-    // existing Rust object is affected; `fd` is an open shm object at least
-    // `len` bytes long (checked or set by the callers).
+    // existing Rust object is affected; `fd` is an shm object or sealed
+    // memory file at least `len` bytes long that cannot shrink while mapped
+    // (checked or set by the callers), so no access inside the mapping
+    // faults.
     let ptr = unsafe {
         mman::mmap(
             None,
             length,
-            ProtFlags::PROT_READ | ProtFlags::PROT_WRITE,
+            prot,
             MapFlags::MAP_SHARED | MapFlags::MAP_POPULATE,
             fd,
             0,
@@ -288,7 +297,7 @@ impl Segment {
         let unlink_guard = UnlinkOnError(name);
         nix::unistd::ftruncate(&fd, layout.total as i64)
             .map_err(|e| SegError::Sys("ftruncate", e))?;
-        let base = map_shared(&fd, layout.total)?;
+        let base = map_shared(&fd, layout.total, true)?;
         drop(fd); // the mapping keeps the object alive
         std::mem::forget(unlink_guard);
         let seg = Segment {
@@ -330,7 +339,7 @@ impl Segment {
                 st.st_size, layout.total
             )));
         }
-        let base = map_shared(&fd, layout.total)?;
+        let base = map_shared(&fd, layout.total, true)?;
         drop(fd);
         let seg = Segment {
             base,
@@ -516,41 +525,14 @@ impl std::fmt::Debug for FileMap {
 }
 
 impl FileMap {
-    /// Maps all `len` bytes of `fd` shared, read-write when `write`, else
-    /// read-only, with the page tables pre-faulted (`MAP_POPULATE`: a new
-    /// file's pages are allocated and zeroed here, not on first use) and
-    /// huge pages asked for.
+    /// Maps all `len` bytes of `fd` (see `map_shared`).
     pub(crate) fn new(
         fd: &std::os::fd::OwnedFd,
         len: usize,
         write: bool,
     ) -> Result<FileMap, SegError> {
-        let length = NonZeroUsize::new(len).ok_or(SegError::Sys("mmap", Errno::EINVAL))?;
-        let prot = if write {
-            ProtFlags::PROT_READ | ProtFlags::PROT_WRITE
-        } else {
-            ProtFlags::PROT_READ
-        };
-        // SAFETY: a fresh mapping at an address the kernel chooses (addr =
-        // None) affects no existing Rust object; callers checked that the
-        // file holds `len` bytes and cannot shrink (sealed), so no access
-        // inside the mapping can fault.
-        let ptr = unsafe {
-            mman::mmap(
-                None,
-                length,
-                prot,
-                MapFlags::MAP_SHARED | MapFlags::MAP_POPULATE,
-                fd,
-                0,
-            )
-        }
-        .map_err(|e| SegError::Sys("mmap", e))?;
-        // SAFETY: advice on the mapping just created; it never changes its
-        // contents. Failure (THP for shmem off) is ignored.
-        let _ = unsafe { mman::madvise(ptr, len, MmapAdvise::MADV_HUGEPAGE) };
         Ok(FileMap {
-            base: ptr.cast(),
+            base: map_shared(fd, len, write)?,
             len,
         })
     }

@@ -170,6 +170,13 @@ impl Mem {
             Mem::Host(h) => h.as_mut_slice(),
         }
     }
+
+    fn len(&self) -> usize {
+        match self {
+            Mem::Heap(a) => a.layout.size(),
+            Mem::Host(h) => h.len(),
+        }
+    }
 }
 
 /// The benchmark's buffers: two allocations of the largest size, allocated
@@ -185,7 +192,6 @@ pub struct Buffers {
     send: Mem,
     recv: Mem,
     huge: bool,
-    len: usize,
 }
 
 const HUGE_PAGE: usize = 2 << 20;
@@ -200,7 +206,9 @@ impl Buffers {
         let alloc = || -> Result<(Mem, bool), BenchError> {
             if register {
                 let mut h = braid::HostBuffer::new(len).map_err(|e| {
-                    BenchError::Usage(format!("-R 1: cannot allocate {len} bytes: {e}"))
+                    BenchError::Usage(format!(
+                        "-R 1: cannot allocate {len} bytes of registered memory: {e} (lower -e, or run with -R 0)"
+                    ))
                 })?;
                 h.fill(GARBAGE);
                 return Ok((Mem::Host(h), false));
@@ -213,10 +221,9 @@ impl Buffers {
             let (a, advised) = Aligned::new(len, align, hugepages, GARBAGE)?;
             Ok((Mem::Heap(a), advised))
         };
-        let (mut send, h1) = alloc()?;
+        let (send, h1) = alloc()?;
         let (recv, h2) = alloc()?;
         Ok(Buffers {
-            len: send.bytes().len(),
             send,
             recv,
             huge: h1 && h2,
@@ -233,13 +240,13 @@ impl Buffers {
         if matches!(self.send, Mem::Host(_)) {
             return format!(
                 "2 x {} bytes per rank (-R 1: braid::HostBuffer, a sealed memory file mapped shared; ranks on this host map it and copy from it without process_vm_readv), first-touched before timing",
-                self.len
+                self.send.len()
             );
         }
         let tun = std::env::var("GLIBC_TUNABLES").unwrap_or_else(|_| "-".into());
         format!(
             "2 x {} bytes per rank ({}-aligned, system allocator, {}, GLIBC_TUNABLES={tun}), first-touched before timing",
-            self.len,
+            self.send.len(),
             if self.huge { "2 MiB" } else { "page" },
             if self.huge {
                 "madvise(MADV_HUGEPAGE)"

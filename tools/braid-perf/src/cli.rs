@@ -892,8 +892,9 @@ OPTIONS (nccl-tests' names and defaults):
   -H, --hugepages 0|1       madvise(MADV_HUGEPAGE) the buffers before first touch
   -R, --local_register 0|1  1: buffers from braid::HostBuffer, registered host
                             memory that ranks on this host map and copy from
-                            without process_vm_readv (default 0: the system
-                            allocator, like any application buffer)
+                            without process_vm_readv; -H does not apply
+                            (default 0: the system allocator, like any
+                            application buffer)
       --device cuda|host    cuda: buffers on this rank's GPU, collectives on a
                             CUDA stream over nvlink/pcie links; prints the
                             device-to-device copy bandwidth (default host)
