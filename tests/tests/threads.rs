@@ -476,3 +476,66 @@ fn host_buffers_as_collective_buffers() {
     });
     assert_eq!(got, vec![(true, true, true); 2]);
 }
+
+/// Small collectives (the latency path: pieces of at most 1 KiB run on the
+/// engine's small-program executor) and sizes just past it, back to back,
+/// on 2 to 5 ranks (powers of two and not), against plain loops.
+#[test]
+fn small_collectives_around_the_small_path_limit() {
+    for n in 2u32..=5 {
+        on_ranks(n, 30.0, move |c| {
+            let r = c.rank() as i64;
+            let p = c.nranks() as usize;
+            let ranks = 0..n as i64;
+            for count in [1usize, 3, 127, 128, 129, 256, 1000] {
+                let send: Vec<i64> = (0..count as i64).map(|i| i * 7 + r).collect();
+                let mut recv = vec![0i64; count];
+                c.all_reduce(&send, &mut recv, RedOp::Sum).unwrap();
+                for (i, &x) in recv.iter().enumerate() {
+                    let want: i64 = ranks.clone().map(|q| i as i64 * 7 + q).sum();
+                    assert_eq!(x, want, "AllReduce n={n} count={count} i={i}");
+                }
+                let mut m = send.clone();
+                c.all_reduce_in_place(&mut m, RedOp::Max).unwrap();
+                for (i, &x) in m.iter().enumerate() {
+                    assert_eq!(x, i as i64 * 7 + n as i64 - 1, "Max n={n} count={count}");
+                }
+                let root = (count % p) as u32;
+                let mut b: Vec<i64> = if c.rank() == root {
+                    send.clone()
+                } else {
+                    vec![-1; count]
+                };
+                c.broadcast(&mut b, root).unwrap();
+                for (i, &x) in b.iter().enumerate() {
+                    assert_eq!(
+                        x,
+                        i as i64 * 7 + root as i64,
+                        "Broadcast n={n} count={count}"
+                    );
+                }
+                let mut out = vec![0i64; if c.rank() == root { count } else { 0 }];
+                c.reduce(&send, &mut out, RedOp::Sum, root).unwrap();
+                for (i, &x) in out.iter().enumerate() {
+                    let want: i64 = ranks.clone().map(|q| i as i64 * 7 + q).sum();
+                    assert_eq!(x, want, "Reduce n={n} count={count}");
+                }
+                let mut g = vec![0i64; count * p];
+                c.all_gather(&send, &mut g).unwrap();
+                for q in 0..p {
+                    for i in 0..count {
+                        assert_eq!(g[q * count + i], i as i64 * 7 + q as i64, "AllGather n={n}");
+                    }
+                }
+                let big: Vec<i64> = (0..(count * p) as i64).map(|i| i + r).collect();
+                let mut rs = vec![0i64; count];
+                c.reduce_scatter(&big, &mut rs, RedOp::Sum).unwrap();
+                for (i, &x) in rs.iter().enumerate() {
+                    let at = (c.rank() as usize * count + i) as i64;
+                    let want: i64 = ranks.clone().map(|q| at + q).sum();
+                    assert_eq!(x, want, "ReduceScatter n={n} count={count}");
+                }
+            }
+        });
+    }
+}

@@ -820,11 +820,10 @@ impl Communicator {
         let (prog, single_copy) = (&*planned.prog, planned.single_copy);
         debug!(ops = prog.ops.len(), "start");
         let st = &mut *st;
-        let mut headers = std::mem::take(&mut st.headers);
         let use_headers = if !sh.check_headers {
             false
         } else if let Collective::Group(_) = coll {
-            headers = Headers::for_group(
+            st.headers = Headers::for_group(
                 &coll,
                 dt,
                 sh.rank,
@@ -834,7 +833,8 @@ impl Communicator {
             );
             true
         } else {
-            headers.fill_collective(&coll, dt, st.coll_seq, prog, sh.nranks);
+            st.headers
+                .fill_collective(&coll, dt, st.coll_seq, prog, sh.nranks);
             st.coll_seq += 1;
             true
         };
@@ -850,7 +850,7 @@ impl Communicator {
             },
             stream_copies: buf_bytes >= sh.stream_min,
             rank: sh.rank,
-            headers: use_headers.then_some(&headers),
+            headers: use_headers.then_some(&st.headers),
             progress: Some(&sh.progress),
         };
         // Operations that may run a while without waiting (long copies and
@@ -861,7 +861,6 @@ impl Communicator {
         // right lengths (checked), borrowed for this whole call, aligned for
         // `dt`, aliasing only as the in-place plans allow.
         let res = unsafe { engine::execute(prog, &mut st.chans, &ex, &mut st.header_flags) };
-        st.headers = headers;
         if !matches!(coll, Collective::Group(_)) {
             // Put the plan back where the next identical call finds it
             // (moved, not cloned: an Arc's count is two atomic operations).

@@ -371,6 +371,10 @@ pub unsafe fn execute(
     ex: &Exec<'_>,
     flags: &mut Vec<u8>,
 ) -> Result<(), CoreError> {
+    if small_program(prog, ex.direct_min) {
+        // SAFETY: forwarded from this function's contract.
+        return unsafe { execute_small(prog, chans, ex, flags) };
+    }
     let mut waiter = Waiter::new(ex.policy, ex.abort, ex.progress);
     let n = ex.headers.map(|h| h.expect.len()).unwrap_or(0);
     flags.clear();
@@ -455,6 +459,229 @@ pub unsafe fn execute(
         waiter.progressed();
     }
     Ok(())
+}
+
+/// Largest piece (and local copy) of a program that [`execute_small`] runs.
+pub const SMALL_PIECE_BYTES: usize = 1024;
+
+/// Whether [`execute_small`] can run `prog`: one op per stage, every piece
+/// and copy at most [`SMALL_PIECE_BYTES`] and below the single-copy
+/// threshold. O(1) for large programs (their first op is large).
+fn small_program(prog: &Program, direct_min: usize) -> bool {
+    prog.stage_ends.len() == prog.ops.len()
+        && prog.ops.iter().all(|op| {
+            let len = match *op {
+                Op::Copy { src, .. } => src.len,
+                _ => op.wire_len(),
+            };
+            len <= SMALL_PIECE_BYTES && len < direct_min
+        })
+}
+
+/// The executor of small programs (small AllReduce, Broadcast, Reduce: the
+/// latency-bound ones): the semantics of [`execute`] for programs of one op
+/// per stage whose pieces travel in slots, without the generic path's
+/// single-copy reads, retries of whole ops and stage bookkeeping. Each op
+/// waits for its input, then for its output slot (holding the input, as
+/// the generic path does), then runs.
+///
+/// # Safety
+///
+/// As for [`execute`].
+unsafe fn execute_small(
+    prog: &Program,
+    chans: &mut Channels,
+    ex: &Exec<'_>,
+    flags: &mut Vec<u8>,
+) -> Result<(), CoreError> {
+    let mut waiter = Waiter::new(ex.policy, ex.abort, ex.progress);
+    let n = ex.headers.map(|h| h.expect.len()).unwrap_or(0);
+    flags.clear();
+    flags.resize(n, 0);
+    let mut hdr = HeaderCheck {
+        headers: ex.headers,
+        flags,
+    };
+    for (si, op) in prog.ops.iter().enumerate() {
+        waiter.stage = si;
+        if let &Op::Copy { src, dst, finalize } = op {
+            let (s, d) = (region_ptr(ex, src)?, region_ptr(ex, dst)?);
+            // SAFETY: both regions lie in the caller's buffers (checked);
+            // `copy` allows the in-place overlap plans may produce.
+            unsafe { std::ptr::copy(s, d, src.len) };
+            if finalize {
+                // SAFETY: `d` holds `src.len` bytes of the datatype.
+                unsafe { finalize_region(prog, d, src.len)? };
+            }
+            continue;
+        }
+        let len = op.wire_len();
+        let input = match op.recv_peer() {
+            Some(from) => Some(small_input(chans, ex, &mut hdr, &mut waiter, from, len)?),
+            None => None,
+        };
+        let output = match op.send_peer() {
+            Some(to) => Some(small_output(chans, &mut hdr, &mut waiter, to, len)?),
+            None => None,
+        };
+        let i = || input.ok_or_else(|| CoreError::InvalidArgument("op without input".into()));
+        let o = || output.ok_or_else(|| CoreError::InvalidArgument("op without output".into()));
+        // SAFETY: region pointers lie in the caller's buffers (checked) and
+        // hold `len` bytes; the input (a peeked slot or `remote`) and the
+        // output slot hold at least `len` bytes and overlap neither.
+        unsafe {
+            match op {
+                Op::Copy { .. } => {}
+                &Op::Send { src, .. } => {
+                    std::ptr::copy_nonoverlapping(region_ptr(ex, src)?, o()?.1, len)
+                }
+                &Op::Recv { dst, .. } => {
+                    std::ptr::copy_nonoverlapping(i()?, region_ptr(ex, dst)?, len)
+                }
+                &Op::RecvCopySend { dst, .. } => {
+                    let d = region_ptr(ex, dst)?;
+                    std::ptr::copy_nonoverlapping(i()?, d, len);
+                    std::ptr::copy_nonoverlapping(d, o()?.1, len);
+                }
+                &Op::RecvReduceSend { src, .. } => {
+                    let (dt, rop) = dtype_op(prog)?;
+                    reduce::reduce_raw(
+                        o()?.1,
+                        i()?,
+                        region_ptr(ex, src)?,
+                        len / dt.size(),
+                        dt,
+                        rop,
+                    );
+                }
+                &Op::RecvReduceCopy {
+                    src, dst, finalize, ..
+                }
+                | &Op::RecvReduceCopySend {
+                    src, dst, finalize, ..
+                } => {
+                    let (dt, rop) = dtype_op(prog)?;
+                    let d = region_ptr(ex, dst)?;
+                    reduce::reduce_raw(d, i()?, region_ptr(ex, src)?, len / dt.size(), dt, rop);
+                    if finalize {
+                        finalize_region(prog, d, len)?;
+                    }
+                    if output.is_some() {
+                        std::ptr::copy_nonoverlapping(d, o()?.1, len);
+                    }
+                }
+            }
+        }
+        if let Some(from) = op.recv_peer() {
+            chans.receiver(from)?.release()?;
+            hdr.set(from, PREFIX, false);
+        }
+        if let Some((to, _, extra)) = output {
+            chans.sender(to)?.commit(len + extra)?;
+            if extra > 0 {
+                hdr.set(to, SENT, true);
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Wait for the small piece of `len` bytes from `from` (checking the
+/// operation header in front of it first); where it can be read until the
+/// channel's `release`.
+fn small_input(
+    chans: &mut Channels,
+    ex: &Exec<'_>,
+    hdr: &mut HeaderCheck<'_>,
+    waiter: &mut Waiter<'_>,
+    from: u32,
+    len: usize,
+) -> Result<*const u8, CoreError> {
+    loop {
+        if !hdr.pending(from) || check_header(chans, ex, hdr, from)? {
+            let prefixed = hdr.flag(from, PREFIX);
+            let ch = chans.receiver(from)?;
+            let got = match ch.poll_peek_any()? {
+                None => None,
+                Some(Incoming::Inline(slot, l)) => {
+                    host_slot(ch.mem_kind(), from)?;
+                    Some(if prefixed {
+                        // SAFETY: the slot held a header and more.
+                        (
+                            unsafe { slot.ptr.add(HEADER_BYTES) } as *const u8,
+                            l - HEADER_BYTES,
+                        )
+                    } else {
+                        (slot.ptr as *const u8, l)
+                    })
+                }
+                Some(Incoming::Remote(l)) => {
+                    // Our plan moves this piece through a slot; a peer
+                    // whose plan sends it by reference runs another
+                    // configuration (the one the plans must share).
+                    return Err(CoreError::Protocol {
+                        peer: from,
+                        detail: format!(
+                            "rank {from} sent a piece of {l} bytes by reference where a small piece in a slot was expected: set BRAID_SINGLE_COPY_MIN_BYTES alike on every rank"
+                        ),
+                    });
+                }
+            };
+            if let Some((p, got)) = got {
+                if got != len {
+                    return Err(wrong_piece(from, got, len));
+                }
+                waiter.progressed();
+                return Ok(p);
+            }
+        }
+        waiter.idle(chans, (from, WAIT_DATA), &[])?;
+    }
+}
+
+/// Wait for a slot to `to`; returns where the piece goes and how many bytes
+/// of operation header lie in front of it.
+fn small_output(
+    chans: &mut Channels,
+    hdr: &mut HeaderCheck<'_>,
+    waiter: &mut Waiter<'_>,
+    to: u32,
+    len: usize,
+) -> Result<(u32, *mut u8, usize), CoreError> {
+    loop {
+        let ch = chans.sender(to)?;
+        if let Some(slot) = ch.poll_acquire()? {
+            host_slot(ch.mem_kind(), to)?;
+            let extra = match hdr.unsent(to) {
+                Some(hb) => {
+                    // SAFETY: a host slot holds at least 4096 bytes.
+                    unsafe { std::ptr::copy_nonoverlapping(hb.as_ptr(), slot.ptr, HEADER_BYTES) };
+                    HEADER_BYTES
+                }
+                None => 0,
+            };
+            if slot.cap < len + extra {
+                return Err(CoreError::InvalidArgument(format!(
+                    "piece of {len} bytes does not fit the {}-byte slots of the link to rank {to}",
+                    slot.cap
+                )));
+            }
+            waiter.progressed();
+            // SAFETY: cap ≥ extra + len.
+            return Ok((to, unsafe { slot.ptr.add(extra) }, extra));
+        }
+        waiter.idle(chans, (to, WAIT_SLOT), &[])?;
+    }
+}
+
+/// The error for a piece of the wrong length.
+fn wrong_piece(from: u32, got: usize, len: usize) -> CoreError {
+    CoreError::Protocol {
+        peer: from,
+        detail: format!(
+            "rank {from} sent a piece of {got} bytes where {len} were expected: the ranks called different operations, counts or datatypes"
+        ),
+    }
 }
 
 /// Whether `op` uses a link that an earlier, blocked op of its stage uses.
@@ -556,12 +783,7 @@ unsafe fn try_op(
                         Incoming::Inline(_, l) | Incoming::Remote(l) => l,
                     };
                     if got != len {
-                        return Err(CoreError::Protocol {
-                            peer: from,
-                            detail: format!(
-                                "rank {from} sent a piece of {got} bytes where {len} were expected: the ranks called different operations, counts or datatypes"
-                            ),
-                        });
+                        return Err(wrong_piece(from, got, len));
                     }
                     host_slot(ch.mem_kind(), from)?;
                     Some((from, inc))

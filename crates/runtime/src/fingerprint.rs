@@ -18,6 +18,8 @@ use braid_core::{DataType, RedOp};
 pub const HEADER_BYTES: usize = 32;
 const MAGIC: [u8; 4] = *b"BRHD";
 const NONE: u8 = 0xff;
+/// Where the sequence number lies in an encoded header.
+const SEQ_AT: std::ops::Range<usize> = 24..32;
 
 /// What one side of a link is doing in the current operation.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -70,7 +72,7 @@ impl OpHeader {
         b[6] = self.op;
         b[8..12].copy_from_slice(&self.root.to_le_bytes());
         b[16..24].copy_from_slice(&self.count.to_le_bytes());
-        b[24..32].copy_from_slice(&self.seq.to_le_bytes());
+        b[SEQ_AT].copy_from_slice(&self.seq.to_le_bytes());
         b
     }
 
@@ -91,7 +93,7 @@ impl OpHeader {
             op: b[6],
             root: u32_at(8),
             count: u64_at(16),
-            seq: u64_at(24),
+            seq: u64_at(SEQ_AT.start),
         })
     }
 
@@ -133,6 +135,9 @@ pub struct Headers {
     /// `expect`, encoded (zeros where `expect` is `None`): a matching header
     /// is recognised by comparing bytes, without decoding.
     pub expect_bytes: Vec<[u8; HEADER_BYTES]>,
+    /// The collective, datatype and rank count these headers were filled
+    /// for: the next fill of the same one only rewrites the sequence number.
+    filled_for: Option<(Collective, DataType, u32)>,
 }
 
 fn peers(prog: &Program, nranks: u32) -> (Vec<bool>, Vec<bool>) {
@@ -164,7 +169,10 @@ impl Headers {
     }
 
     /// As [`Headers::for_collective`], reusing this value's memory (no
-    /// allocation once it has grown: this runs for every operation).
+    /// allocation once it has grown: this runs for every operation). When
+    /// the previous fill was for the same collective and datatype (whose
+    /// program, planned alike, talks to the same peers), only the sequence
+    /// number changes.
     pub fn fill_collective(
         &mut self,
         coll: &Collective,
@@ -173,6 +181,25 @@ impl Headers {
         prog: &Program,
         nranks: u32,
     ) {
+        if self
+            .filled_for
+            .as_ref()
+            .is_some_and(|(c, d, n)| c == coll && *d == dt && *n == nranks)
+        {
+            let s = seq.to_le_bytes();
+            for (_, b) in &mut self.send {
+                b[SEQ_AT].copy_from_slice(&s);
+            }
+            for (e, b) in self.expect.iter_mut().zip(&mut self.expect_bytes) {
+                if let Some(h) = e {
+                    h.seq = seq;
+                    b[SEQ_AT].copy_from_slice(&s);
+                }
+            }
+            return;
+        }
+        self.filled_for =
+            (!matches!(coll, Collective::Group(_))).then(|| (coll.clone(), dt, nranks));
         let h = OpHeader::collective(coll, dt, seq);
         let bytes = h.encode();
         self.send.clear();
@@ -228,6 +255,7 @@ impl Headers {
             send: Vec::new(),
             expect: vec![None; nranks as usize],
             expect_bytes: vec![[0; HEADER_BYTES]; nranks as usize],
+            filled_for: None,
         };
         for p in 0..nranks as usize {
             if to[p] {
@@ -309,5 +337,49 @@ mod tests {
         assert!(check(0, 1, &[0u8; 17], &a)
             .unwrap_err()
             .contains("17 bytes"));
+    }
+
+    /// A refill for the same collective (only the sequence number changes)
+    /// must equal a fill from scratch; a different collective in between
+    /// must not leave stale headers behind.
+    #[test]
+    fn refilled_headers_equal_fresh_ones() {
+        use braid_core::plan::{plan, PlanParams};
+        let ar = Collective::AllReduce {
+            count: 3,
+            op: RedOp::Sum,
+        };
+        let bc = Collective::Broadcast { count: 3, root: 0 };
+        let params = PlanParams::new(1, 4, 4096);
+        let p_ar = plan(&ar, DataType::F32, &params).unwrap();
+        let p_bc = plan(&bc, DataType::F32, &params).unwrap();
+        let same = |a: &Headers, b: &Headers| {
+            assert_eq!(a.send, b.send);
+            assert_eq!(a.expect, b.expect);
+            assert_eq!(a.expect_bytes, b.expect_bytes);
+        };
+        let mut h = Headers::default();
+        h.fill_collective(&ar, DataType::F32, 5, &p_ar, 4);
+        h.fill_collective(&ar, DataType::F32, 6, &p_ar, 4);
+        same(
+            &h,
+            &Headers::for_collective(&ar, DataType::F32, 6, &p_ar, 4),
+        );
+        assert!(h.expect.iter().flatten().all(|e| e.seq == 6));
+        h.fill_collective(&bc, DataType::F32, 7, &p_bc, 4);
+        same(
+            &h,
+            &Headers::for_collective(&bc, DataType::F32, 7, &p_bc, 4),
+        );
+        h.fill_collective(&ar, DataType::I32, 8, &p_ar, 4);
+        same(
+            &h,
+            &Headers::for_collective(&ar, DataType::I32, 8, &p_ar, 4),
+        );
+        h.fill_collective(&ar, DataType::I32, 9, &p_ar, 4);
+        same(
+            &h,
+            &Headers::for_collective(&ar, DataType::I32, 9, &p_ar, 4),
+        );
     }
 }
