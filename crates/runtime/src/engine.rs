@@ -598,24 +598,33 @@ fn small_input(
     len: usize,
 ) -> Result<*const u8, CoreError> {
     loop {
-        if !hdr.pending(from) || check_header(chans, ex, hdr, from)? {
-            let prefixed = hdr.flag(from, PREFIX);
-            let ch = chans.receiver(from)?;
-            let got = match ch.poll_peek_any()? {
-                None => None,
-                Some(Incoming::Inline(slot, l)) => {
-                    host_slot(ch.mem_kind(), from)?;
-                    Some(if prefixed {
-                        // SAFETY: the slot held a header and more.
-                        (
-                            unsafe { slot.ptr.add(HEADER_BYTES) } as *const u8,
-                            l - HEADER_BYTES,
-                        )
-                    } else {
-                        (slot.ptr as *const u8, l)
-                    })
+        let pending = hdr.pending(from);
+        let ch = chans.receiver(from)?;
+        if let Some(inc) = ch.poll_peek_any()? {
+            let kind = ch.mem_kind();
+            host_slot(kind, from)?;
+            // The header in front of the first piece: checked on the same
+            // peek; a header that came alone frees its slot and we look for
+            // the piece.
+            let prefixed = if pending {
+                if !accept_header(ex, hdr, from, inc, kind)? {
+                    chans.receiver(from)?.release()?;
+                    continue;
                 }
-                Some(Incoming::Remote(l)) => {
+                true
+            } else {
+                hdr.flag(from, PREFIX)
+            };
+            let (p, got) = match inc {
+                Incoming::Inline(slot, l) if prefixed => {
+                    // SAFETY: the slot held a header and more.
+                    (
+                        unsafe { slot.ptr.add(HEADER_BYTES) } as *const u8,
+                        l - HEADER_BYTES,
+                    )
+                }
+                Incoming::Inline(slot, l) => (slot.ptr as *const u8, l),
+                Incoming::Remote(l) => {
                     // Our plan moves this piece through a slot; a peer
                     // whose plan sends it by reference runs another
                     // configuration (the one the plans must share).
@@ -627,13 +636,11 @@ fn small_input(
                     });
                 }
             };
-            if let Some((p, got)) = got {
-                if got != len {
-                    return Err(wrong_piece(from, got, len));
-                }
-                waiter.progressed();
-                return Ok(p);
+            if got != len {
+                return Err(wrong_piece(from, got, len));
             }
+            waiter.progressed();
+            return Ok(p);
         }
         waiter.idle(chans, (from, WAIT_DATA), &[])?;
     }
@@ -1021,23 +1028,39 @@ fn check_header(
     hdr: &mut HeaderCheck<'_>,
     from: u32,
 ) -> Result<bool, CoreError> {
+    let ch = chans.receiver(from)?;
+    let Some(inc) = ch.poll_peek_any()? else {
+        return Ok(false);
+    };
+    if !accept_header(ex, hdr, from, inc, ch.mem_kind())? {
+        ch.release()?;
+    }
+    Ok(true)
+}
+
+/// Check the message `inc` from `from`, which must start with its operation
+/// header (pending in `hdr`); whether data follows the header in the same
+/// slot (else the caller releases the header's slot).
+fn accept_header(
+    ex: &Exec<'_>,
+    hdr: &mut HeaderCheck<'_>,
+    from: u32,
+    inc: Incoming,
+    kind: MemKind,
+) -> Result<bool, CoreError> {
     let Some(want) = hdr.headers.and_then(|h| h.expect[from as usize]) else {
         return Ok(true);
     };
-    let ch = chans.receiver(from)?;
     let mut b = [0u8; HEADER_BYTES];
-    let with_data = match ch.poll_peek_any()? {
-        None => return Ok(false),
-        Some(Incoming::Inline(slot, len))
-            if len >= HEADER_BYTES && ch.mem_kind() == MemKind::Host =>
-        {
+    let with_data = match inc {
+        Incoming::Inline(slot, len) if len >= HEADER_BYTES && kind == MemKind::Host => {
             // SAFETY: the host slot holds at least HEADER_BYTES bytes.
             unsafe {
                 std::ptr::copy_nonoverlapping(slot.ptr as *const u8, b.as_mut_ptr(), HEADER_BYTES)
             };
             len > HEADER_BYTES
         }
-        Some(Incoming::Inline(_, len)) | Some(Incoming::Remote(len)) => {
+        Incoming::Inline(_, len) | Incoming::Remote(len) => {
             return Err(CoreError::Protocol {
                 peer: from,
                 detail: fingerprint::not_a_header(from, len),
@@ -1058,10 +1081,8 @@ fn check_header(
     if with_data {
         // The first piece follows the header in this slot.
         hdr.set(from, PREFIX, true);
-    } else {
-        ch.release()?;
     }
-    Ok(true)
+    Ok(with_data)
 }
 
 /// Apply the Avg division to `len` bytes at `d`.
