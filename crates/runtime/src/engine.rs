@@ -183,7 +183,7 @@ impl<'a> Waiter<'a> {
         blocked: (u32, &'static str),
         helping: &[u32],
     ) -> Result<(), CoreError> {
-        if blocked.1 != WAIT_DATA {
+        if !helping.is_empty() && blocked.1 != WAIT_DATA {
             for &peer in helping {
                 if chans.sender(peer)?.poll_help()? {
                     return Ok(());

@@ -689,6 +689,7 @@ impl PendingRecv for ShmPendingRecv {
             slots: layout.slots as u64,
             slot_bytes: layout.slot_bytes,
             tail: 0,
+            tail_slot: 0,
             head_cache: 0,
             peeked: false,
             remote: None,
@@ -766,12 +767,23 @@ impl PendingSend for ShmPendingSend {
             slots: layout.slots as u64,
             slot_bytes: layout.slot_bytes,
             head: 0,
+            head_slot: 0,
             tail_cache: 0,
             acquired: false,
             direct: false,
             help_failed: false,
             aborted: None,
         }))
+    }
+}
+
+/// The slot after `i` of a ring of `slots`.
+#[inline]
+fn next_slot(i: usize, slots: u64) -> usize {
+    if i as u64 + 1 == slots {
+        0
+    } else {
+        i + 1
     }
 }
 
@@ -785,6 +797,8 @@ struct ShmSend {
     slot_bytes: usize,
     /// Slots committed (only this side writes the shared `head`).
     head: u64,
+    /// `head % slots`, kept without a division (the hot path's index).
+    head_slot: usize,
     /// Last `tail` seen.
     tail_cache: u64,
     /// A slot was handed out by `poll_acquire` and not committed yet.
@@ -806,10 +820,11 @@ impl ShmSend {
                 "shm commit without a slot from poll_acquire".into(),
             ));
         }
-        let idx = (self.head % self.slots) as usize;
+        let idx = self.head_slot;
         // Relaxed: ordered before the receiver's read by the Release below.
         self.seg.len_word(idx).store(word, Ordering::Relaxed);
         self.head += 1;
+        self.head_slot = next_slot(self.head_slot, self.slots);
         // Release: the payload (or address) and length written before become
         // visible to the receiver's Acquire load of the box's `seq` that
         // sees this message number — the one line the receiver polls.
@@ -875,7 +890,7 @@ impl SendChannel for ShmSend {
         }
         self.acquired = true;
         Ok(Some(SlotBuf {
-            ptr: self.seg.slot_ptr((self.head % self.slots) as usize),
+            ptr: self.seg.slot_ptr(self.head_slot),
             cap: self.slot_bytes,
         }))
     }
@@ -889,7 +904,7 @@ impl SendChannel for ShmSend {
         }
         if len <= segment::INLINE_BYTES {
             // A small message travels in the box line the receiver polls.
-            let idx = (self.head % self.slots) as usize;
+            let idx = self.head_slot;
             // SAFETY: the acquired slot and its box are ours to write until
             // published; both hold at least `len` bytes and do not overlap.
             unsafe {
@@ -927,10 +942,7 @@ impl SendChannel for ShmSend {
                 "shm direct commit without a slot, or of an impossible length".into(),
             ));
         }
-        let slot = self
-            .seg
-            .slot_ptr((self.head % self.slots) as usize)
-            .cast::<u64>();
+        let slot = self.seg.slot_ptr(self.head_slot).cast::<u64>();
         // A piece in a registered host buffer: name its file too (words
         // REGION_WORD.., after the receiver's help words), so the receiver
         // can map it and copy without the kernel.
@@ -1084,6 +1096,8 @@ struct ShmRecv {
     slot_bytes: usize,
     /// Slots released (only this side writes the shared `tail`).
     tail: u64,
+    /// `tail % slots`, kept without a division (polled in a spin loop).
+    tail_slot: usize,
     /// Last `head` seen.
     head_cache: u64,
     /// A slot was handed out by `poll_peek` and not released yet.
@@ -1210,7 +1224,7 @@ impl ShmRecv {
     /// claim word opens the chunks to both sides.
     fn offer(&mut self, dst: *mut u8, len: usize, chunk: usize, chunks: usize) {
         self.generation = (self.generation % 0x3f_ffff) + 1;
-        let idx = (self.tail % self.slots) as usize;
+        let idx = self.tail_slot;
         let slot = self.seg.slot_ptr(idx).cast::<u64>();
         // SAFETY: the peeked slot is published and not released, page-aligned
         // and at least 4096 bytes: its second and third u64 are ours to write
@@ -1256,7 +1270,7 @@ impl ShmRecv {
         // (`release` refuses to move `tail` meanwhile).
         let closed = Claim {
             generation: self.generation,
-            slot: (self.tail % self.slots) as usize,
+            slot: self.tail_slot,
             front: 0,
             back: 0,
         };
@@ -1310,7 +1324,7 @@ impl ShmRecv {
             // Relaxed load, then AcqRel CAS: pairs with the sender's claims.
             let w = h.claim.load(Ordering::Relaxed);
             let c = Claim::unpack(w);
-            if c.generation != self.generation || c.slot != (self.tail % self.slots) as usize {
+            if c.generation != self.generation || c.slot != self.tail_slot {
                 self.sharing = Some(sh);
                 return Err(protocol(
                     self.peer,
@@ -1400,7 +1414,7 @@ impl RecvChannel for ShmRecv {
         if let Some(r) = &self.aborted {
             return Err(CoreError::Aborted(r.clone()));
         }
-        let idx = (self.tail % self.slots) as usize;
+        let idx = self.tail_slot;
         // Acquire: pairs with the sender's Release store of the message
         // number, after the payload (slot or box) and the length word.
         if self.seg.box_seq(idx).load(Ordering::Acquire) != self.tail + 1 {
@@ -1531,6 +1545,7 @@ impl RecvChannel for ShmRecv {
             ));
         }
         self.tail += 1;
+        self.tail_slot = next_slot(self.tail_slot, self.slots);
         self.peeked = false;
         self.remote = None;
         self.remote_region = None;
