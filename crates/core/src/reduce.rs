@@ -511,6 +511,11 @@ unsafe trait Kernel: Copy + 'static {
     fn divide(dst: &mut [Self], divisor: u32);
 }
 
+/// Up to this many elements the baseline loop runs without the dispatch to
+/// the AVX2 copy (the latency path: an 8-byte AllReduce reduces one element;
+/// element-wise results are the same either way).
+const SCALAR_MAX: usize = 16;
+
 macro_rules! kernel_direct {
     ($($t:ty),*) => {$(
         // SAFETY: a primitive number: size == DTYPE.size(), align == size, no
@@ -519,10 +524,16 @@ macro_rules! kernel_direct {
             const ZERO: Self = 0 as $t;
             #[inline(never)]
             fn binary(dst: &mut [Self], a: &[Self], b: &[Self], op: RedOp) {
+                if dst.len() <= SCALAR_MAX {
+                    return <$t>::visit(op, Binary { dst, a, b });
+                }
                 fastest(|| <$t>::visit(op, Binary { dst, a, b }))
             }
             #[inline(never)]
             fn accumulate(acc: &mut [Self], other: &[Self], op: RedOp, rev: bool) {
+                if acc.len() <= SCALAR_MAX {
+                    return <$t>::visit(op, Acc { acc, other, rev });
+                }
                 fastest(|| <$t>::visit(op, Acc { acc, other, rev }))
             }
             #[inline(never)]

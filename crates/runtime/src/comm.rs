@@ -834,7 +834,7 @@ impl Communicator {
             true
         } else {
             st.headers
-                .fill_collective(&coll, dt, st.coll_seq, prog, sh.nranks);
+                .fill_collective(&coll, dt, st.coll_seq, sh.nranks);
             st.coll_seq += 1;
             true
         };

@@ -343,16 +343,14 @@ impl HeaderCheck<'_> {
         if self.flag(to, SENT) || to as usize >= self.flags.len() {
             return None;
         }
-        h.send.iter().find(|(p, _)| *p == to).map(|(_, b)| *b)
+        h.to_peer(to)
     }
 
     /// Whether a header from `from` must still be read before its data.
     fn pending(&self, from: u32) -> bool {
-        self.headers
-            .and_then(|h| h.expect.get(from as usize).copied().flatten())
-            .is_some()
-            && (from as usize) < self.flags.len()
+        (from as usize) < self.flags.len()
             && !self.flag(from, GOT)
+            && self.headers.is_some_and(|h| h.from_peer(from).is_some())
     }
 }
 
@@ -376,7 +374,7 @@ pub unsafe fn execute(
         return unsafe { execute_small(prog, chans, ex, flags) };
     }
     let mut waiter = Waiter::new(ex.policy, ex.abort, ex.progress);
-    let n = ex.headers.map(|h| h.expect.len()).unwrap_or(0);
+    let n = ex.headers.map(|h| h.nranks()).unwrap_or(0);
     flags.clear();
     flags.resize(n, 0);
     let mut hdr = HeaderCheck {
@@ -495,7 +493,7 @@ unsafe fn execute_small(
     flags: &mut Vec<u8>,
 ) -> Result<(), CoreError> {
     let mut waiter = Waiter::new(ex.policy, ex.abort, ex.progress);
-    let n = ex.headers.map(|h| h.expect.len()).unwrap_or(0);
+    let n = ex.headers.map(|h| h.nranks()).unwrap_or(0);
     flags.clear();
     flags.resize(n, 0);
     let mut hdr = HeaderCheck {
@@ -1048,13 +1046,14 @@ fn accept_header(
     inc: Incoming,
     kind: MemKind,
 ) -> Result<bool, CoreError> {
-    let Some(want) = hdr.headers.and_then(|h| h.expect[from as usize]) else {
+    let Some((want, want_bytes)) = hdr.headers.and_then(|h| h.from_peer(from)) else {
         return Ok(true);
     };
     let mut b = [0u8; HEADER_BYTES];
     let with_data = match inc {
         Incoming::Inline(slot, len) if len >= HEADER_BYTES && kind == MemKind::Host => {
-            // SAFETY: the host slot holds at least HEADER_BYTES bytes.
+            // SAFETY: the host slot holds at least HEADER_BYTES bytes (copied
+            // out: the peer's memory is not ours to reference).
             unsafe {
                 std::ptr::copy_nonoverlapping(slot.ptr as *const u8, b.as_mut_ptr(), HEADER_BYTES)
             };
@@ -1069,12 +1068,8 @@ fn accept_header(
     };
     // The common case, a match, by comparing bytes; decoding (for the error
     // message) only when they differ.
-    let same = hdr
-        .headers
-        .and_then(|h| h.expect_bytes.get(from as usize))
-        .is_some_and(|w| *w == b);
-    if !same {
-        fingerprint::check(from, ex.rank, &b, &want)
+    if b != *want_bytes {
+        fingerprint::check(from, ex.rank, &b, want)
             .map_err(|detail| CoreError::Protocol { peer: from, detail })?;
     }
     hdr.set(from, GOT, true);

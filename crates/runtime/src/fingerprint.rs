@@ -125,19 +125,23 @@ impl OpHeader {
 }
 
 /// The headers of one operation: what to send to each peer and what to
-/// expect from each peer (indexed by rank).
+/// expect from each peer (indexed by rank). A collective sends one header,
+/// the same on every link, and expects the same from every peer; a group
+/// has a header per peer.
 #[derive(Clone, Debug, Default)]
 pub struct Headers {
-    /// `(peer, header)` for every peer the program sends to.
-    pub send: Vec<(u32, [u8; HEADER_BYTES])>,
-    /// For each rank the program receives from, the header it must send.
-    pub expect: Vec<Option<OpHeader>>,
+    /// Ranks of the communicator.
+    nranks: usize,
+    /// A collective's header, decoded and encoded.
+    common: Option<(OpHeader, [u8; HEADER_BYTES])>,
+    /// A group: `(peer, header)` for every peer the program sends to.
+    send: Vec<(u32, [u8; HEADER_BYTES])>,
+    /// A group: for each rank the program receives from, the header it
+    /// must send.
+    expect: Vec<Option<OpHeader>>,
     /// `expect`, encoded (zeros where `expect` is `None`): a matching header
     /// is recognised by comparing bytes, without decoding.
-    pub expect_bytes: Vec<[u8; HEADER_BYTES]>,
-    /// The collective, datatype and rank count these headers were filled
-    /// for: the next fill of the same one only rewrites the sequence number.
-    filled_for: Option<(Collective, DataType, u32)>,
+    expect_bytes: Vec<[u8; HEADER_BYTES]>,
 }
 
 fn peers(prog: &Program, nranks: u32) -> (Vec<bool>, Vec<bool>) {
@@ -155,67 +159,45 @@ fn peers(prog: &Program, nranks: u32) -> (Vec<bool>, Vec<bool>) {
 }
 
 impl Headers {
-    /// Headers of collective `coll` number `seq`: the same on every link.
-    pub fn for_collective(
-        coll: &Collective,
-        dt: DataType,
-        seq: u64,
-        prog: &Program,
-        nranks: u32,
-    ) -> Headers {
+    /// Headers of collective `coll` number `seq` on `nranks` ranks.
+    pub fn for_collective(coll: &Collective, dt: DataType, seq: u64, nranks: u32) -> Headers {
         let mut h = Headers::default();
-        h.fill_collective(coll, dt, seq, prog, nranks);
+        h.fill_collective(coll, dt, seq, nranks);
         h
     }
 
-    /// As [`Headers::for_collective`], reusing this value's memory (no
-    /// allocation once it has grown: this runs for every operation). When
-    /// the previous fill was for the same collective and datatype (whose
-    /// program, planned alike, talks to the same peers), only the sequence
-    /// number changes.
-    pub fn fill_collective(
-        &mut self,
-        coll: &Collective,
-        dt: DataType,
-        seq: u64,
-        prog: &Program,
-        nranks: u32,
-    ) {
-        if self
-            .filled_for
-            .as_ref()
-            .is_some_and(|(c, d, n)| c == coll && *d == dt && *n == nranks)
-        {
-            let s = seq.to_le_bytes();
-            for (_, b) in &mut self.send {
-                b[SEQ_AT].copy_from_slice(&s);
-            }
-            for (e, b) in self.expect.iter_mut().zip(&mut self.expect_bytes) {
-                if let Some(h) = e {
-                    h.seq = seq;
-                    b[SEQ_AT].copy_from_slice(&s);
-                }
-            }
-            return;
-        }
-        self.filled_for =
-            (!matches!(coll, Collective::Group(_))).then(|| (coll.clone(), dt, nranks));
+    /// As [`Headers::for_collective`], reusing this value (this runs for
+    /// every operation: one header to encode, nothing per peer).
+    pub fn fill_collective(&mut self, coll: &Collective, dt: DataType, seq: u64, nranks: u32) {
         let h = OpHeader::collective(coll, dt, seq);
-        let bytes = h.encode();
+        self.nranks = nranks as usize;
+        self.common = Some((h, h.encode()));
         self.send.clear();
         self.expect.clear();
-        self.expect.resize(nranks as usize, None);
         self.expect_bytes.clear();
-        self.expect_bytes.resize(nranks as usize, [0; HEADER_BYTES]);
-        for op in &prog.ops {
-            if let Some(p) = op.recv_peer() {
-                self.expect[p as usize] = Some(h);
-                self.expect_bytes[p as usize] = bytes;
-            }
-            if let Some(p) = op.send_peer() {
-                if !self.send.iter().any(|(q, _)| *q == p) {
-                    self.send.push((p, bytes));
-                }
+    }
+
+    /// Ranks of the communicator (peers are below this).
+    pub fn nranks(&self) -> usize {
+        self.nranks
+    }
+
+    /// The header to send to `to` (if the program sends to it: a
+    /// collective's program is only asked about the peers it sends to).
+    pub fn to_peer(&self, to: u32) -> Option<[u8; HEADER_BYTES]> {
+        match &self.common {
+            Some((_, b)) => Some(*b),
+            None => self.send.iter().find(|(p, _)| *p == to).map(|(_, b)| *b),
+        }
+    }
+
+    /// The header `from` must send, decoded and encoded.
+    pub fn from_peer(&self, from: u32) -> Option<(&OpHeader, &[u8; HEADER_BYTES])> {
+        match &self.common {
+            Some((h, b)) => Some((h, b)),
+            None => {
+                let h = self.expect.get(from as usize)?.as_ref()?;
+                Some((h, self.expect_bytes.get(from as usize)?))
             }
         }
     }
@@ -252,10 +234,11 @@ impl Headers {
             seq,
         };
         let mut h = Headers {
+            nranks: nranks as usize,
+            common: None,
             send: Vec::new(),
             expect: vec![None; nranks as usize],
             expect_bytes: vec![[0; HEADER_BYTES]; nranks as usize],
-            filled_for: None,
         };
         for p in 0..nranks as usize {
             if to[p] {
@@ -339,47 +322,52 @@ mod tests {
             .contains("17 bytes"));
     }
 
-    /// A refill for the same collective (only the sequence number changes)
-    /// must equal a fill from scratch; a different collective in between
-    /// must not leave stale headers behind.
+    /// A collective sends and expects the same header on every link; a
+    /// group one per peer, with the counts and sequence numbers of that
+    /// pair, and nothing for peers it does not talk to.
     #[test]
-    fn refilled_headers_equal_fresh_ones() {
-        use braid_core::plan::{plan, PlanParams};
+    fn collective_and_group_headers_per_peer() {
+        use braid_core::plan::{plan, P2p, PlanParams};
         let ar = Collective::AllReduce {
             count: 3,
             op: RedOp::Sum,
         };
-        let bc = Collective::Broadcast { count: 3, root: 0 };
-        let params = PlanParams::new(1, 4, 4096);
-        let p_ar = plan(&ar, DataType::F32, &params).unwrap();
-        let p_bc = plan(&bc, DataType::F32, &params).unwrap();
-        let same = |a: &Headers, b: &Headers| {
-            assert_eq!(a.send, b.send);
-            assert_eq!(a.expect, b.expect);
-            assert_eq!(a.expect_bytes, b.expect_bytes);
-        };
-        let mut h = Headers::default();
-        h.fill_collective(&ar, DataType::F32, 5, &p_ar, 4);
-        h.fill_collective(&ar, DataType::F32, 6, &p_ar, 4);
-        same(
-            &h,
-            &Headers::for_collective(&ar, DataType::F32, 6, &p_ar, 4),
+        let h = Headers::for_collective(&ar, DataType::F32, 6, 4);
+        let want = OpHeader::collective(&ar, DataType::F32, 6);
+        for p in 0..4 {
+            assert_eq!(h.to_peer(p), Some(want.encode()));
+            assert_eq!(h.from_peer(p), Some((&want, &want.encode())));
+        }
+        assert_eq!(h.nranks(), 4);
+        let g = Collective::Group(vec![
+            P2p {
+                kind: P2pKind::Send,
+                peer: 2,
+                count: 5,
+            },
+            P2p {
+                kind: P2pKind::Recv,
+                peer: 3,
+                count: 7,
+            },
+        ]);
+        let prog = plan(&g, DataType::I8, &PlanParams::new(1, 4, 4096)).unwrap();
+        let (mut ss, mut rs) = (vec![10u64; 4], vec![20u64; 4]);
+        let h = Headers::for_group(&g, DataType::I8, 1, &prog, &mut ss, &mut rs);
+        let dec = |b: [u8; HEADER_BYTES]| OpHeader::decode(&b).unwrap();
+        assert_eq!(
+            h.to_peer(2).map(dec).map(|x| (x.count, x.seq)),
+            Some((5, 10))
         );
-        assert!(h.expect.iter().flatten().all(|e| e.seq == 6));
-        h.fill_collective(&bc, DataType::F32, 7, &p_bc, 4);
-        same(
-            &h,
-            &Headers::for_collective(&bc, DataType::F32, 7, &p_bc, 4),
-        );
-        h.fill_collective(&ar, DataType::I32, 8, &p_ar, 4);
-        same(
-            &h,
-            &Headers::for_collective(&ar, DataType::I32, 8, &p_ar, 4),
-        );
-        h.fill_collective(&ar, DataType::I32, 9, &p_ar, 4);
-        same(
-            &h,
-            &Headers::for_collective(&ar, DataType::I32, 9, &p_ar, 4),
-        );
+        assert_eq!(h.to_peer(3), None);
+        assert_eq!(h.from_peer(3).map(|(x, _)| (x.count, x.seq)), Some((7, 20)));
+        assert_eq!(h.from_peer(2), None);
+        assert_eq!((ss[2], rs[3], ss[3], rs[2]), (11, 21, 10, 20));
+        // A collective after a group: the group's per-peer headers are gone.
+        let mut h = h;
+        h.fill_collective(&ar, DataType::F32, 7, 4);
+        let want = OpHeader::collective(&ar, DataType::F32, 7);
+        assert_eq!(h.to_peer(2), Some(want.encode()));
+        assert_eq!(h.from_peer(2), Some((&want, &want.encode())));
     }
 }
