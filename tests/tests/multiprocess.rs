@@ -103,7 +103,15 @@ fn matrix_2_ranks() {
 /// slots (as for every collective below 8 MiB by default).
 #[test]
 fn matrix_3_ranks_two_copy() {
-    matrix_env(3, &[("BRAID_DIRECT_MIN_BYTES", "18446744073709551615")]);
+    // Every copy into a slot with streaming stores, as operations larger
+    // than the cache do.
+    matrix_env(
+        3,
+        &[
+            ("BRAID_DIRECT_MIN_BYTES", "18446744073709551615"),
+            ("BRAID_STREAM_MIN_BYTES", "0"),
+        ],
+    );
 }
 
 /// Four ranks with single copy for every collective (by default only

@@ -933,8 +933,22 @@ unsafe fn try_op(
                     Ok(())
                 }
                 Some((to, Some(slot))) => {
-                    // SAFETY: the slot holds at least `len` bytes (checked).
-                    unsafe { std::ptr::copy_nonoverlapping(p, slot.ptr, len) };
+                    // An operation larger than the cache streams into the
+                    // slots: the receiver reads them from memory either way,
+                    // and ordinary stores would first fetch every line back
+                    // from the receiver's cache, where its last read left
+                    // it. Side by side, 2 ranks, 64 MiB: AllReduce 13.6-16.1
+                    // ms against 13.8-26.3, Reduce 9.5-11.0 against 8.4-29.5.
+                    if ex.stream_copies {
+                        // SAFETY: the slot holds at least `len` bytes
+                        // (checked) and never overlaps user memory; the copy
+                        // ends with a store fence, so the commit's Release
+                        // store follows the streaming stores.
+                        unsafe { braid_core::copy::copy_streaming(slot.ptr, p, len) };
+                    } else {
+                        // SAFETY: the slot holds at least `len` bytes (checked).
+                        unsafe { std::ptr::copy_nonoverlapping(p, slot.ptr, len) };
+                    }
                     chans.sender(to)?.commit(len + extra)
                 }
                 None => Err(CoreError::InvalidArgument("op without output".into())),
