@@ -460,7 +460,7 @@ pub unsafe fn execute(
 }
 
 /// Largest piece (and local copy) of a program that [`execute_small`] runs.
-pub const SMALL_PIECE_BYTES: usize = 1024;
+const SMALL_PIECE_BYTES: usize = 1024;
 
 /// Whether [`execute_small`] can run `prog`: one op per stage, every piece
 /// and copy at most [`SMALL_PIECE_BYTES`] and below the single-copy
