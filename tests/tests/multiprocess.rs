@@ -135,7 +135,10 @@ fn matrix_4_ranks_single_copy() {
 
 /// Three ranks single-copy with the ring plans for AllGather and Broadcast
 /// (`BRAID_DIRECT_MOVES=0`); single-copy, they read each block straight from
-/// its owner (the matrix above covers that).
+/// its owner (the matrix above covers that). Also every piece of 64 KiB and
+/// more streamed into its slot, as links across dies do
+/// (`BRAID_SLOT_STREAM=1`: reductions into a scratch buffer first, relayed
+/// and reduced pieces through slots instead of by reference).
 #[test]
 fn matrix_3_ranks_single_copy_ring() {
     matrix_env(
@@ -143,6 +146,7 @@ fn matrix_3_ranks_single_copy_ring() {
         &[
             ("BRAID_SINGLE_COPY_MIN_BYTES", "0"),
             ("BRAID_DIRECT_MOVES", "0"),
+            ("BRAID_SLOT_STREAM", "1"),
         ],
     );
 }

@@ -23,6 +23,7 @@ use crate::fingerprint::Headers;
 use crate::oplock::{OpGuard, OpLock};
 use crate::progress::{self, Progress, Snapshot};
 use crate::select::{self, TransportTable};
+use crate::slot_stores::{self, SlotStores};
 use crate::topology;
 
 /// Options for creating a communicator.
@@ -124,6 +125,8 @@ struct State {
     /// Reused per operation (no allocation on the hot path).
     headers: Headers,
     header_flags: Vec<u8>,
+    /// Per peer: ordinary or streaming stores into its slots.
+    slot_stores: SlotStores,
     broken: Option<String>,
     cache: HashMap<(Collective, DataType), Planned>,
     /// The last collective run and its plan: a loop of the same call skips
@@ -464,6 +467,8 @@ impl Communicator {
         // larger than a slot: fewer system calls; pieces below `direct_min`
         // still fit a slot).
         let direct_min = env_bytes("BRAID_DIRECT_MIN_BYTES", 64 * 1024)?;
+        let slot_mode = slot_stores::Mode::parse(std::env::var(slot_stores::ENV).ok().as_deref())
+            .map_err(Error::Env)?;
         let local_piece = chans.min_slot_bytes().unwrap_or(usize::MAX) as u64;
         let local_direct = chans.send.iter_mut().flatten().all(|c| c.can_send_direct());
         // With them, the CPUs this rank may run on (a hex mask; empty when
@@ -574,6 +579,7 @@ impl Communicator {
                     p2p_recv_seq: vec![0; p],
                     headers: Headers::default(),
                     header_flags: Vec::new(),
+                    slot_stores: SlotStores::new(p, slot_mode),
                     broken: None,
                     cache: HashMap::new(),
                     last: None,
@@ -849,6 +855,7 @@ impl Communicator {
                 usize::MAX
             },
             stream_copies: buf_bytes >= sh.stream_min,
+            slot_stores: Some(&st.slot_stores),
             rank: sh.rank,
             headers: use_headers.then_some(&st.headers),
             progress: Some(&sh.progress),

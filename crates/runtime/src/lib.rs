@@ -25,6 +25,7 @@ pub mod fingerprint;
 mod oplock;
 pub mod progress;
 pub mod select;
+pub mod slot_stores;
 pub mod stream;
 pub mod topology;
 
