@@ -8,9 +8,10 @@
 //! (two dies or sockets; on the 2-core VMs braid is developed on, whenever
 //! the hypervisor runs the two vCPUs on different dies, which it does for
 //! seconds at a time: a cache-line round trip then takes 0.35 µs instead of
-//! 0.09), each line crosses the fabric before it is overwritten: in a C
-//! model of two processes passing 128 KiB pieces through 16 slots, the
-//! sender wrote at 2.4 GB/s instead of 12, while streaming stores, which write
+//! 0.09: `scripts/placement-probe.c`), each line crosses the fabric before
+//! it is overwritten: in a C model of two processes passing 128 KiB pieces
+//! through 16 slots (`scripts/slot-stores.c`), the sender wrote at 2.4 GB/s
+//! instead of 12, while streaming stores, which write
 //! whole lines to memory without fetching them, ran at 30 GB/s on either
 //! placement and the receiver read their data from memory at 7-8 GB/s. So
 //! ordinary stores win 12 to 7 on a shared cache and lose 2.4 to 8 across
