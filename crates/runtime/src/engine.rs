@@ -466,6 +466,22 @@ pub unsafe fn execute(
 /// Largest piece (and local copy) of a program that [`execute_small`] runs.
 const SMALL_PIECE_BYTES: usize = 1024;
 
+/// Writes one piece of `len` bytes into `to`'s slot with `write(stream)`.
+/// Operations larger than the cache (`ex.stream_copies`) take `big` and are
+/// not timed; the others take what the link's [`SlotStores`] chooses, and
+/// pieces it times are timed here.
+fn slot_write(ex: &Exec, to: u32, len: usize, big: bool, write: impl FnOnce(bool)) {
+    match ex.slot_stores {
+        Some(s) if !ex.stream_copies && len >= crate::slot_stores::TIMED_MIN_BYTES => {
+            let stream = s.choose(to, len);
+            let t0 = Instant::now();
+            write(stream);
+            s.record(to, stream, len, t0.elapsed().as_nanos() as u64);
+        }
+        _ => write(ex.stream_copies && big),
+    }
+}
+
 /// Whether [`execute_small`] can run `prog`: one op per stage, every piece
 /// and copy at most [`SMALL_PIECE_BYTES`] and below the single-copy
 /// threshold. O(1) for large programs (their first op is large).
@@ -956,24 +972,19 @@ unsafe fn try_op(
                     // Smaller operations stream where ordinary stores have
                     // been much slower on this link (`slot_stores`: the
                     // receiver's cache is on another die).
-                    let timed = ex.slot_stores.filter(|_| !ex.stream_copies);
-                    let stream = ex.stream_copies || timed.is_some_and(|s| s.choose(to, len));
-                    let t0 = timed
-                        .filter(|_| len >= crate::slot_stores::TIMED_MIN_BYTES)
-                        .map(|_| Instant::now());
-                    if stream {
-                        // SAFETY: the slot holds at least `len` bytes
-                        // (checked) and never overlaps user memory; the copy
-                        // ends with a store fence, so the commit's Release
-                        // store follows the streaming stores.
-                        unsafe { braid_core::copy::copy_streaming(slot.ptr, p, len) };
-                    } else {
-                        // SAFETY: the slot holds at least `len` bytes (checked).
-                        unsafe { std::ptr::copy_nonoverlapping(p, slot.ptr, len) };
-                    }
-                    if let (Some(s), Some(t0)) = (timed, t0) {
-                        s.record(to, stream, len, t0.elapsed().as_nanos() as u64);
-                    }
+                    slot_write(ex, to, len, ex.stream_copies, |stream| {
+                        if stream {
+                            // SAFETY: the slot holds at least `len` bytes
+                            // (checked) and never overlaps user memory; the
+                            // copy ends with a store fence, so the commit's
+                            // Release store follows the streaming stores.
+                            unsafe { braid_core::copy::copy_streaming(slot.ptr, p, len) };
+                        } else {
+                            // SAFETY: the slot holds at least `len` bytes
+                            // (checked).
+                            unsafe { std::ptr::copy_nonoverlapping(p, slot.ptr, len) };
+                        }
+                    });
                     chans.sender(to)?.commit(len + extra)
                 }
                 None => Err(CoreError::InvalidArgument("op without output".into())),
@@ -1011,24 +1022,18 @@ unsafe fn try_op(
                 };
                 let a = region_ptr(ex, src)?;
                 let n = len / dt.size();
-                match ex.slot_stores.filter(|_| !ex.stream_copies) {
-                    Some(s) if len >= crate::slot_stores::TIMED_MIN_BYTES => {
-                        // Timed like `emit`'s copies; streaming means
-                        // reducing into a scratch buffer (in our cache) and
-                        // streaming that into the slot.
-                        let stream = s.choose(to, len);
-                        let t0 = Instant::now();
-                        if stream {
-                            let tmp = s.scratch(len);
-                            reduce::reduce_raw(tmp, i, a, n, dt, rop);
-                            braid_core::copy::copy_streaming(slot.ptr, tmp, len);
-                        } else {
-                            reduce::reduce_raw(slot.ptr, i, a, n, dt, rop);
-                        }
-                        s.record(to, stream, len, t0.elapsed().as_nanos() as u64);
+                // Streaming means reducing into a scratch buffer (in our
+                // cache) and streaming that into the slot; operations
+                // larger than the cache reduce straight into the slot
+                // (through scratch measured no faster there).
+                slot_write(ex, to, len, false, |stream| match ex.slot_stores {
+                    Some(s) if stream => {
+                        let tmp = s.scratch(len);
+                        reduce::reduce_raw(tmp, i, a, n, dt, rop);
+                        braid_core::copy::copy_streaming(slot.ptr, tmp, len);
                     }
                     _ => reduce::reduce_raw(slot.ptr, i, a, n, dt, rop),
-                }
+                });
                 chans.sender(to)?.commit(len + extra)?;
             }
             Op::RecvReduceCopy {
