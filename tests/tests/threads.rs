@@ -238,6 +238,75 @@ fn one_rank_communicator_copies() {
     let mut g = vec![0u8; 4];
     c.all_gather(&[1, 2, 3, 4], &mut g).unwrap();
     assert_eq!(g, vec![1, 2, 3, 4]);
+    c.barrier().expect("a one-rank barrier returns at once");
+}
+
+/// No rank leaves a barrier before every rank entered it: each round one
+/// rank arrives late, every rank counts itself in before the barrier and
+/// checks after it that all ranks of the round had. An AllReduce after each
+/// barrier checks that barriers and collectives keep their order. 2 ranks
+/// and 5 (recursive doubling with ranks beyond the power of two).
+#[test]
+fn barrier_waits_for_the_last_rank() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+    for n in [2u32, 5] {
+        let arrived = Arc::new(AtomicUsize::new(0));
+        let rounds = 2 * n as usize;
+        on_ranks(n, 30.0, move |c| {
+            let r = c.rank() as usize;
+            for round in 0..rounds {
+                if round % n as usize == r {
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+                arrived.fetch_add(1, Ordering::SeqCst);
+                c.barrier().expect("barrier");
+                let seen = arrived.load(Ordering::SeqCst);
+                assert!(
+                    seen >= (round + 1) * n as usize,
+                    "{n} ranks, round {round}: rank {r} left the barrier when only {seen} arrivals were counted"
+                );
+                let mut v = [1u32];
+                c.all_reduce_in_place(&mut v, RedOp::Sum)
+                    .expect("allreduce");
+                assert_eq!(v[0], n);
+            }
+        });
+    }
+}
+
+/// A rank that never reaches the barrier is an error on the others within
+/// the timeout, naming it and the barrier.
+#[test]
+fn a_missing_rank_at_a_barrier_is_named() {
+    let res = on_ranks(3, 1.0, |c| {
+        if c.rank() == 2 {
+            std::thread::sleep(Duration::from_millis(2500));
+            return (Duration::ZERO, String::new());
+        }
+        let t0 = Instant::now();
+        let e = c.barrier().expect_err("rank 2 never arrives");
+        (t0.elapsed(), e.to_string())
+    });
+    for (r, (elapsed, msg)) in res.iter().take(2).enumerate() {
+        assert!(
+            *elapsed < Duration::from_secs(5),
+            "rank {r} took {elapsed:?}"
+        );
+        assert!(msg.contains("Barrier #0"), "rank {r}: {msg}");
+        assert!(msg.contains("timed out"), "rank {r}: {msg}");
+    }
+    // Rank 0 waits on rank 2 itself. Rank 1 waits on rank 0 (its partner in
+    // the recursive doubling): it times out on rank 0 too, or first receives
+    // rank 0's abort, which carries rank 0's reason naming rank 2.
+    let m1 = &res[1].1;
+    assert!(res[0].1.contains("waiting for rank 2"), "{}", res[0].1);
+    assert!(
+        m1.contains("waiting for rank 0")
+            || m1.contains("rank 0 closed or aborted the shm link: rank 0: timed out after")
+                && m1.contains("waiting for rank 2"),
+        "{m1}"
+    );
 }
 
 /// Hang localisation: while rank 0 waits in an AllReduce that rank 1 has not

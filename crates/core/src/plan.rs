@@ -168,6 +168,10 @@ pub enum Collective {
     },
     /// Point-to-point operations issued together (Send/Recv is a group of one).
     Group(Vec<P2p>),
+    /// No rank leaves before every rank entered. Planned as the small
+    /// AllReduce (maximum) of a one-element token that the runtime supplies
+    /// as both buffers, so it runs over the data links like any collective.
+    Barrier,
 }
 
 impl Collective {
@@ -186,6 +190,7 @@ impl Collective {
                 P2pKind::Recv => "Recv",
             },
             Collective::Group(_) => "Group",
+            Collective::Barrier => "Barrier",
         }
     }
 
@@ -239,6 +244,7 @@ impl Collective {
             Collective::AllGather { send_count } => [send_count, times(send_count)?],
             Collective::AllToAll { count } => [times(count)?, times(count)?],
             Collective::Group(_) => [0, 0],
+            Collective::Barrier => [1, 1],
         })
     }
 
@@ -508,7 +514,12 @@ pub fn plan(coll: &Collective, dtype: DataType, params: &PlanParams) -> Result<P
         params.piece_bytes
     };
     let piece = (piece_bytes / es).max(1);
-    let mut prog = Program::new(dtype, coll.red_op(), p);
+    // A barrier reduces its token with the maximum (any operator would do).
+    let op = match coll {
+        Collective::Barrier => Some(RedOp::Max),
+        _ => coll.red_op(),
+    };
+    let mut prog = Program::new(dtype, op, p);
     let ctx = Ctx {
         ring: &params.ring,
         pos,
@@ -535,6 +546,7 @@ pub fn plan(coll: &Collective, dtype: DataType, params: &PlanParams) -> Result<P
         Collective::Reduce { count, root, .. } => ctx.reduce(&mut prog, count, root),
         Collective::AllToAll { count } => ctx.all_to_all(&mut prog, params.rank, count),
         Collective::Group(ref ops) => ctx.group(&mut prog, params.rank, ops),
+        Collective::Barrier => ctx.all_reduce_rd(&mut prog, 1),
     }
     Ok(prog)
 }

@@ -406,6 +406,37 @@ fn point_to_point_groups() {
     }
 }
 
+/// A barrier's plan carries every rank's token to every rank: with rank
+/// `k`'s token the only non-zero one, every rank ends with it, for every
+/// `k` — so no rank can finish before rank `k` started.
+#[test]
+fn barrier_reaches_every_rank_from_every_rank() {
+    for p in 1..=16usize {
+        for k in 0..p {
+            let setups: Vec<RankSetup> = (0..p)
+                .map(|r| RankSetup {
+                    program: plan(
+                        &Collective::Barrier,
+                        DataType::U8,
+                        &PlanParams::new(r as u32, p as u32, 64),
+                    )
+                    .unwrap(),
+                    storages: vec![vec![u8::from(r == k)], vec![GARBAGE]],
+                    buffers: vec![(0, 0), (1, 0)],
+                })
+                .collect();
+            let report = run(setups, 1).unwrap_or_else(|e| panic!("p={p} k={k}: {e}"));
+            for r in 0..p {
+                assert_eq!(
+                    report.storages[r][1],
+                    vec![1],
+                    "p={p}: rank {r} missed rank {k}"
+                );
+            }
+        }
+    }
+}
+
 #[test]
 fn invalid_descriptions_are_rejected_before_planning() {
     let params = PlanParams::new(0, 4, 1024);

@@ -1,6 +1,6 @@
 //! A real N-rank AllReduce on this machine, one process per rank over shared
-//! memory: checks the result, then measures bus bandwidth at 64 MiB and the
-//! latency of an 8-byte AllReduce.
+//! memory: checks the result, then measures bus bandwidth at 64 MiB, the
+//! latency of an 8-byte AllReduce and that of a barrier.
 //!
 //! ```text
 //! cargo run --release --example allreduce -- -n 4
@@ -140,6 +140,20 @@ fn rank_main(args: &[String]) -> Result<(), Box<dyn std::error::Error>> {
     comm.all_reduce_in_place(&mut t, RedOp::Max)?;
     if rank == 0 {
         println!("  8 bytes: {:.2} µs per AllReduce", t[0] * 1e6);
+    }
+
+    // 4. Latency of a barrier (over the same links).
+    for _ in 0..100 {
+        comm.barrier()?;
+    }
+    let t0 = Instant::now();
+    for _ in 0..iters {
+        comm.barrier()?;
+    }
+    let mut t = [t0.elapsed().as_secs_f64() / iters as f64];
+    comm.all_reduce_in_place(&mut t, RedOp::Max)?;
+    if rank == 0 {
+        println!("  barrier: {:.2} µs", t[0] * 1e6);
     }
     Ok(())
 }

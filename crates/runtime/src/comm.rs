@@ -791,14 +791,16 @@ impl Communicator {
         (self.shared.policy, self.shared.small_allreduce)
     }
 
-    /// Synchronise all ranks through the bootstrap (slow path; for set-up and
-    /// tests, not for hot loops).
+    /// Returns once every rank of the communicator called `barrier`, like
+    /// `MPI_Barrier`: a collective over the data links (the small AllReduce
+    /// of a one-byte token, [`Collective::Barrier`]), so it costs about what
+    /// a one-element AllReduce costs, it has the collectives' deadline (a
+    /// rank that never arrives is an error naming it) and, like any
+    /// collective, every rank must call it in the same order relative to
+    /// the others.
     pub fn barrier(&self) -> Result<()> {
-        self.shared
-            .bootstrap
-            .lock()
-            .map_err(|_| Error::Unusable("a thread panicked while holding the bootstrap".into()))?
-            .barrier()
+        let (send, mut recv) = ([0u8], [0u8]);
+        self.run_bytes(&Collective::Barrier, DataType::U8, &send, &mut recv)
     }
 
     fn lock(&self) -> Result<OpGuard<'_, State>> {
@@ -1010,7 +1012,8 @@ impl Communicator {
         let bufs = match *coll {
             Collective::AllReduce { .. }
             | Collective::Broadcast { .. }
-            | Collective::Reduce { .. } => {
+            | Collective::Reduce { .. }
+            | Collective::Barrier => {
                 self.check_buf(coll, "buffer", b, counts[0], dt)?;
                 [b, b]
             }

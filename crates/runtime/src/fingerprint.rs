@@ -52,6 +52,7 @@ impl OpHeader {
             Collective::Reduce { count, .. } => (5, count),
             Collective::AllToAll { count } => (6, count),
             Collective::Group(_) => (7, 0),
+            Collective::Barrier => (8, 0),
         };
         OpHeader {
             kind,
@@ -99,6 +100,9 @@ impl OpHeader {
 
     /// Human-readable form: `AllReduce(count=1024, float, sum) #7`.
     pub fn describe(&self) -> String {
+        if self.kind == 8 {
+            return format!("Barrier #{}", self.seq);
+        }
         let name = match self.kind {
             1 => "AllReduce",
             2 => "ReduceScatter",

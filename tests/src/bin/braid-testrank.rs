@@ -442,7 +442,9 @@ fn main() -> ExitCode {
         }
         "mismatch" => {
             // 0: ranks call different collectives; 1: different counts;
-            // 2: different roots. Then an AllReduce that everyone agrees on.
+            // 2: different roots; 3: rank 0 calls Barrier, the others the
+            // one-byte AllReduce a barrier is planned as. Then an AllReduce
+            // that everyone agrees on.
             let variant = extra.first().copied().unwrap_or(0);
             let mut a = vec![1.0f32; 100 + if variant == 1 { rank as usize } else { 0 }];
             let first = match variant {
@@ -452,6 +454,8 @@ fn main() -> ExitCode {
                     comm.all_gather(&a, &mut g)
                 }
                 1 => comm.all_reduce_in_place(&mut a, RedOp::Sum),
+                3 if rank == 0 => comm.barrier(),
+                3 => comm.all_reduce_in_place(&mut [0u8], RedOp::Max),
                 _ => comm.broadcast(&mut a, rank % 2),
             };
             let second = first.and_then(|_| comm.all_reduce_in_place(&mut [1u64; 8], RedOp::Sum));
