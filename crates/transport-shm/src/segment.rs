@@ -18,9 +18,9 @@
 //! | 128 | `head`: slots committed by the sender | sender |
 //! | 256 | `tail`: slots released by the receiver | receiver |
 //! | 384 | sender side: pid, attached, closed, abort, abort reason, probe address | sender |
-//! | 512 | receiver side: pid, attached, closed, abort, abort reason, direct_ok | receiver |
-//! | 640 | `help`: the direct transfer shared with the sender (claim, done, failed) | both |
-//! | 768 | `boxes[slots]`, 64 bytes each: up to 48 bytes of inline payload, the length word and the message number (`seq`) of each slot's message | sender |
+//! | 896 | receiver side: pid, attached, closed, abort, abort reason, direct_ok | receiver |
+//! | 1408 | `help`: the direct transfer shared with the sender (claim, done, failed) | both |
+//! | 1536 | `boxes[slots]`, 64 bytes each: up to 48 bytes of inline payload, the length word and the message number (`seq`) of each slot's message | sender |
 //! | `data_offset` (multiple of 4096) | `slots` slots, each `stride` bytes apart (`stride` = `slot_bytes` rounded up to 4096) | sender writes, receiver reads |
 //!
 //! Fields that different processes write sit on separate 128-byte lines (two
@@ -40,13 +40,15 @@ use nix::sys::stat::Mode;
 /// `"BRAIDSHM"` in ASCII: the first word of every segment.
 pub(crate) const HEADER_MAGIC: u64 = u64::from_be_bytes(*b"BRAIDSHM");
 /// Version of the in-memory layout (bumped on any change to [`Header`]).
-pub(crate) const LAYOUT_VERSION: u32 = 4;
+pub(crate) const LAYOUT_VERSION: u32 = 5;
 /// Page size the layout aligns to.
 pub(crate) const PAGE: usize = 4096;
 /// Payload bytes a message may carry inside its slot's box (see [`SlotBox`]).
 pub(crate) const INLINE_BYTES: usize = 48;
-/// Bytes of abort reason kept in the segment (longer reasons are cut).
-pub(crate) const REASON_BYTES: usize = 96;
+/// Bytes of abort reason kept in the segment (longer reasons are cut): room
+/// for a whole error message with the peer's own cause nested in it (the
+/// RDMA link keeps 512).
+pub(crate) const REASON_BYTES: usize = 480;
 /// Most slots a segment may have.
 pub(crate) const MAX_SLOTS: usize = 1024;
 /// Largest slot.
@@ -670,13 +672,13 @@ mod tests {
         assert_eq!(std::mem::offset_of!(Header, head), 128);
         assert_eq!(std::mem::offset_of!(Header, tail), 256);
         assert_eq!(std::mem::offset_of!(Header, sender), 384);
-        assert_eq!(std::mem::offset_of!(Header, receiver), 512);
-        assert_eq!(std::mem::offset_of!(Header, help), 640);
-        assert_eq!(size_of::<Header>(), 768);
+        assert_eq!(std::mem::offset_of!(Header, receiver), 896);
+        assert_eq!(std::mem::offset_of!(Header, help), 1408);
+        assert_eq!(size_of::<Header>(), 1536);
         assert_eq!(size_of::<SlotBox>(), 64);
         assert_eq!(std::mem::align_of::<SlotBox>(), 64);
         assert_eq!(std::mem::offset_of!(SlotBox, inline), 0);
-        assert_eq!(Layout::new(4096, 2).unwrap().boxes_offset, 768);
+        assert_eq!(Layout::new(4096, 2).unwrap().boxes_offset, 1536);
     }
 
     #[test]

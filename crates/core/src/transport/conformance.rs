@@ -701,25 +701,53 @@ fn wait_peer_error(what: &str, mut check: impl FnMut() -> crate::error::Result<(
     e
 }
 
-/// Case 5: `abort` on one end makes the other end's `check_peer` fail.
+/// Length of the abort reasons case 5 sends: every transport delivers at
+/// least this much of a reason, enough for an error message that nests the
+/// aborting rank's own cause.
+pub const ABORT_REASON_MIN_BYTES: usize = 400;
+
+/// Case 5: `abort` on one end makes the other end's `check_peer` fail, with
+/// the whole reason (of [`ABORT_REASON_MIN_BYTES`]) in the error.
 pub fn abort_is_seen_by_peer(factory: &Factory) {
+    let reason = |tag: &str| {
+        let head = format!("conformance abort {tag} ");
+        let tail = " end of reason";
+        let fill = ABORT_REASON_MIN_BYTES - head.len() - tail.len();
+        format!(
+            "{head}{}{tail}",
+            "é".repeat(fill / 2) + &"r".repeat(fill % 2)
+        )
+    };
     let (mut tx, mut rx) = fresh_pair(factory);
     tx.check_peer()
         .expect("conformance: sender check_peer on a live link");
     rx.check_peer()
         .expect("conformance: receiver check_peer on a live link");
-    tx.abort("conformance abort x");
-    wait_peer_error("receiver check_peer to report the sender's abort", || {
+    let x = reason("x");
+    assert_eq!(x.len(), ABORT_REASON_MIN_BYTES);
+    tx.abort(&x);
+    let e = wait_peer_error("receiver check_peer to report the sender's abort", || {
         rx.check_peer()
     });
+    assert!(
+        e.to_string().contains(&x),
+        "conformance: the receiver's error lacks the sender's {}-byte reason: {e}",
+        x.len()
+    );
 
     let (mut tx, mut rx) = fresh_pair(factory);
     tx.check_peer()
         .expect("conformance: sender check_peer on a live link");
-    rx.abort("conformance abort y");
-    wait_peer_error("sender check_peer to report the receiver's abort", || {
+    let y = reason("y");
+    rx.abort(&y);
+    let e = wait_peer_error("sender check_peer to report the receiver's abort", || {
         tx.check_peer()
     });
+    assert!(
+        e.to_string().contains(&y),
+        "conformance: the sender's error lacks the receiver's {}-byte reason: {e}",
+        y.len()
+    );
 }
 
 /// Case 6: dropping one end makes the other end's `check_peer` fail.
