@@ -275,6 +275,26 @@ fn barrier_waits_for_the_last_rank() {
     }
 }
 
+/// A stream's barrier completes only once every rank reached it, after the
+/// stream's earlier operations.
+#[test]
+fn stream_barrier_waits_for_every_rank() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+    let arrived = Arc::new(AtomicUsize::new(0));
+    on_ranks(3, 30.0, move |c| {
+        let s = Stream::new(&c).unwrap();
+        let h = s.all_reduce_in_place(vec![1u32; 1000], RedOp::Sum);
+        if c.rank() == 2 {
+            std::thread::sleep(Duration::from_millis(30));
+        }
+        arrived.fetch_add(1, Ordering::SeqCst);
+        s.barrier().wait().expect("stream barrier");
+        assert_eq!(arrived.load(Ordering::SeqCst), 3, "rank {}", c.rank());
+        assert!(h.wait().unwrap().iter().all(|&x| x == 3));
+    });
+}
+
 /// A rank that never reaches the barrier is an error on the others within
 /// the timeout, naming it and the barrier.
 #[test]

@@ -188,6 +188,12 @@ impl Stream {
         })
     }
 
+    /// Barrier, asynchronously (`MPI_Ibarrier`): the handle completes once
+    /// every rank reached the barrier, in this stream's order.
+    pub fn barrier(&self) -> Handle<()> {
+        self.submit(|c| c.barrier())
+    }
+
     /// Send, asynchronously.
     pub fn send<T, B>(&self, buf: B, peer: u32) -> Handle<B>
     where
