@@ -343,6 +343,7 @@ fn pending_operation_names_the_peer_it_waits_for() {
         let mut a = vec![1.0f32; 1000];
         c0.all_reduce_in_place(&mut a, RedOp::Sum).unwrap();
         c0.all_reduce_in_place(&mut a, RedOp::Sum).unwrap();
+        c0.barrier().unwrap();
         a[0]
     });
     // Rank 1 takes part in the first operation only after a while.
@@ -370,9 +371,30 @@ fn pending_operation_names_the_peer_it_waits_for() {
         "{line}"
     );
     c1.all_reduce_in_place(&mut a, RedOp::Sum).unwrap();
+    // Then rank 0 waits in a barrier that rank 1 joins late.
+    let start = Instant::now();
+    let line = loop {
+        let snap = watch.pending();
+        if let Some(r) = snap.running.as_ref().filter(|r| r.op == "Barrier") {
+            if let Some(w) = r.waiting.as_ref() {
+                assert_eq!((w.peer, r.seq), (1, 2));
+                break braid::dump_pending();
+            }
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(20),
+            "rank 0 never waited in the barrier: {snap:?}"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    assert!(
+        line.contains("Barrier #2") && line.contains("from rank 1 over"),
+        "{line}"
+    );
+    c1.barrier().unwrap();
     assert_eq!(t0.join().unwrap(), 4.0);
     let snap = watch.pending();
-    assert!(snap.running.is_none() && snap.finished == 2, "{snap:?}");
+    assert!(snap.running.is_none() && snap.finished == 3, "{snap:?}");
 }
 
 /// `split(color, key)`: ranks of one color form a communicator ordered by key;

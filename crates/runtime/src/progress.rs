@@ -90,7 +90,7 @@ struct Slow {
 const IDLE: u64 = u64::MAX;
 
 /// Operation names by index (what `Collective::name` returns).
-const OPS: [&str; 9] = [
+const OPS: [&str; 10] = [
     "AllReduce",
     "ReduceScatter",
     "AllGather",
@@ -100,6 +100,7 @@ const OPS: [&str; 9] = [
     "Send",
     "Recv",
     "Group",
+    "Barrier",
 ];
 
 /// A coarse monotonic clock (the kernel's last tick, a few milliseconds
@@ -369,6 +370,48 @@ pub(crate) fn install_dump_signal() -> Result<(), String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Every operation name the communicator reports has a slot in `OPS`
+    /// (else a hang dump would show "?").
+    #[test]
+    fn every_operation_name_is_recorded() {
+        use braid_core::plan::{Collective, P2p, P2pKind};
+        use braid_core::RedOp;
+        let p2p = |kind| P2p {
+            kind,
+            peer: 0,
+            count: 1,
+        };
+        let all = [
+            Collective::AllReduce {
+                count: 1,
+                op: RedOp::Sum,
+            },
+            Collective::ReduceScatter {
+                recv_count: 1,
+                op: RedOp::Sum,
+            },
+            Collective::AllGather { send_count: 1 },
+            Collective::Broadcast { count: 1, root: 0 },
+            Collective::Reduce {
+                count: 1,
+                op: RedOp::Sum,
+                root: 0,
+            },
+            Collective::AllToAll { count: 1 },
+            Collective::Group(vec![p2p(P2pKind::Send)]),
+            Collective::Group(vec![p2p(P2pKind::Recv)]),
+            Collective::Group(vec![p2p(P2pKind::Send), p2p(P2pKind::Recv)]),
+            Collective::Barrier,
+        ];
+        let p = Progress::register(0, 1, "names".into());
+        for c in &all {
+            p.start(c.name(), 1, 1, false);
+            let snap = p.snapshot();
+            assert_eq!(snap.running.map(|r| r.op), Some(c.name()));
+            p.finish(None);
+        }
+    }
 
     #[test]
     fn description_names_op_peer_transport_and_stage() {
