@@ -169,8 +169,9 @@ pub enum Collective {
     /// Point-to-point operations issued together (Send/Recv is a group of one).
     Group(Vec<P2p>),
     /// No rank leaves before every rank entered. Planned as the small
-    /// AllReduce (maximum) of a one-element token that the runtime supplies
-    /// as both buffers, so it runs over the data links like any collective.
+    /// AllReduce (maximum) of a one-element token, so it runs over the data
+    /// links like any collective; `Communicator::barrier` supplies the token,
+    /// the untyped API takes one element of any datatype as each buffer.
     Barrier,
 }
 
