@@ -2,7 +2,8 @@
 
 use braid::{Communicator, RedOp};
 
-/// `iters` rounds of mixed collectives: every collective in turn, sizes
+/// `iters` rounds of mixed collectives: every collective in turn (the
+/// SendRecv round ends in a barrier), sizes
 /// varying from one element to a few hundred KiB, results checked;
 /// `after(i)` runs after round `i`.
 pub fn mixed(
@@ -100,6 +101,9 @@ pub fn mixed(
                 if inc.iter().any(|&x| x != prev) {
                     return wrong("SendRecv");
                 }
+                // Every seventh round ends in a barrier, so that faults also
+                // land in one.
+                comm.barrier().map_err(e)?;
             }
         }
         after(i);
