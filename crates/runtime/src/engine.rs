@@ -674,22 +674,22 @@ fn small_output(
     len: usize,
 ) -> Result<(u32, *mut u8, usize), CoreError> {
     loop {
+        // The operation header goes in front of the piece if not sent yet.
+        let header = hdr.unsent(to);
+        let need = len + header.map_or(0, |_| HEADER_BYTES);
         let ch = chans.sender(to)?;
-        if let Some(slot) = ch.poll_acquire()? {
+        if let Some(slot) = ch.poll_acquire_small(need)? {
             host_slot(ch.mem_kind(), to)?;
-            let extra = match hdr.unsent(to) {
-                Some(hb) => {
-                    // SAFETY: a host slot holds at least 4096 bytes.
-                    unsafe { std::ptr::copy_nonoverlapping(hb.as_ptr(), slot.ptr, HEADER_BYTES) };
-                    HEADER_BYTES
-                }
-                None => 0,
-            };
-            if slot.cap < len + extra {
+            if slot.cap < need {
                 return Err(CoreError::InvalidArgument(format!(
                     "piece of {len} bytes does not fit the {}-byte slots of the link to rank {to}",
                     slot.cap
                 )));
+            }
+            let extra = need - len;
+            if let Some(hb) = header {
+                // SAFETY: the slot holds `need` = len + HEADER_BYTES bytes.
+                unsafe { std::ptr::copy_nonoverlapping(hb.as_ptr(), slot.ptr, HEADER_BYTES) };
             }
             waiter.progressed();
             // SAFETY: cap ≥ extra + len.

@@ -20,14 +20,18 @@
 //!   right after attaching (best effort, `ENOENT` ignored), which closes the
 //!   window in which a receiver crash would leak the name. If set-up fails or
 //!   a pending receiver is dropped, the receiver unlinks.
-//! - **Credits.** `head` counts slots the sender committed, `tail` slots the
-//!   receiver released; both only grow. A slot is free for the sender iff
-//!   `head - tail < slots`; slot `n % slots` carries message `n`. Its
-//!   *box* (one cache line per slot) holds its length word and `n + 1`
-//!   (`seq`), stored last; the receiver polls that one line instead of
-//!   `head`. A message of at most 48 bytes (an 8-byte AllReduce with its
-//!   operation header is 40) travels inside the box, so it reaches the
-//!   receiver in a single cache-line transfer, as in Open MPI's fast boxes.
+//! - **Credits.** `head` counts messages the sender committed, `tail`
+//!   messages the receiver released; both only grow, and messages are
+//!   released in order. Message `n` is announced in *box* `n % boxes` (one
+//!   cache line each, at least 256 of them: see `segment::boxes_for`),
+//!   which holds its length word and `n + 1` (`seq`), stored last; the
+//!   receiver polls that one line instead of `head`. A message of at most
+//!   48 bytes (an 8-byte AllReduce with its operation header is 40) travels
+//!   inside the box, so it reaches the receiver in a single cache-line
+//!   transfer, as in Open MPI's fast boxes, and needs only a free box:
+//!   `head - tail < boxes` ([`SendChannel::poll_acquire_small`]). Any other
+//!   message also takes slot `n % slots`, free iff `head - tail < slots`
+//!   (message `n - slots`, its last user, was released).
 //! - **Data path.** `poll_acquire`/`commit`/`poll_peek`/`release`/
 //!   `poll_drained` are plain loads and stores on the mapping, never a system
 //!   call, so the engine can spin on them.
@@ -262,7 +266,8 @@ fn help_split(len: usize, min: usize) -> (usize, usize) {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct Claim {
     generation: u32,
-    /// Slot index (10 bits: `MAX_SLOTS` is 1024).
+    /// Box index of the offered message (10 bits: at most `MAX_SLOTS`,
+    /// 1024, boxes).
     slot: usize,
     /// First unclaimed chunk (16 bits: at most [`HELP_CHUNKS_MAX`] chunks).
     front: u32,
@@ -687,9 +692,11 @@ impl PendingRecv for ShmPendingRecv {
             peer,
             peer_pid: info.pid,
             slots: layout.slots as u64,
+            boxes: layout.boxes as u64,
             slot_bytes: layout.slot_bytes,
             tail: 0,
             tail_slot: 0,
+            tail_box: 0,
             head_cache: 0,
             peeked: false,
             remote: None,
@@ -765,16 +772,28 @@ impl PendingSend for ShmPendingSend {
             peer,
             peer_pid: info.pid,
             slots: layout.slots as u64,
+            boxes: layout.boxes as u64,
             slot_bytes: layout.slot_bytes,
             head: 0,
             head_slot: 0,
+            head_box: 0,
             tail_cache: 0,
-            acquired: false,
+            acquired: Acquired::Nothing,
             direct: false,
             help_failed: false,
             aborted: None,
         }))
     }
+}
+
+/// What [`ShmSend`] handed out for the message it is about to commit.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Acquired {
+    Nothing,
+    /// Slot `head % slots` (and box `head % boxes`).
+    Slot,
+    /// Only the inline payload of box `head % boxes`.
+    Inline,
 }
 
 /// The slot after `i` of a ring of `slots`.
@@ -794,15 +813,18 @@ struct ShmSend {
     peer: u32,
     peer_pid: u32,
     slots: u64,
+    boxes: u64,
     slot_bytes: usize,
-    /// Slots committed (only this side writes the shared `head`).
+    /// Messages committed (only this side writes the shared `head`).
     head: u64,
     /// `head % slots`, kept without a division (the hot path's index).
     head_slot: usize,
+    /// `head % boxes`.
+    head_box: usize,
     /// Last `tail` seen.
     tail_cache: u64,
-    /// A slot was handed out by `poll_acquire` and not committed yet.
-    acquired: bool,
+    /// What was handed out for the next message and not committed yet.
+    acquired: Acquired,
     /// The receiver proved it can read our memory (cached once seen).
     direct: bool,
     /// A write into the receiver's memory failed: no more helping.
@@ -812,19 +834,20 @@ struct ShmSend {
 }
 
 impl ShmSend {
-    /// Publish the acquired slot with length word `word`.
+    /// Publish the acquired message with length word `word`.
     fn publish(&mut self, word: u64) -> Result<()> {
         self.not_aborted()?;
-        if !self.acquired {
+        if self.acquired == Acquired::Nothing {
             return Err(CoreError::InvalidArgument(
                 "shm commit without a slot from poll_acquire".into(),
             ));
         }
-        let idx = self.head_slot;
+        let idx = self.head_box;
         // Relaxed: ordered before the receiver's read by the Release below.
         self.seg.len_word(idx).store(word, Ordering::Relaxed);
         self.head += 1;
         self.head_slot = next_slot(self.head_slot, self.slots);
+        self.head_box = next_slot(self.head_box, self.boxes);
         // Release: the payload (or address) and length written before become
         // visible to the receiver's Acquire load of the box's `seq` that
         // sees this message number — the one line the receiver polls.
@@ -832,7 +855,7 @@ impl ShmSend {
         // `head` is read only by the receiver's `check_peer` (its slow path:
         // a line it rarely reads).
         self.seg.header().head.0.store(self.head, Ordering::Release);
-        self.acquired = false;
+        self.acquired = Acquired::Nothing;
         Ok(())
     }
 
@@ -888,27 +911,60 @@ impl SendChannel for ShmSend {
         {
             return Ok(None);
         }
-        self.acquired = true;
+        self.acquired = Acquired::Slot;
         Ok(Some(SlotBuf {
             ptr: self.seg.slot_ptr(self.head_slot),
             cap: self.slot_bytes,
         }))
     }
 
+    /// A message of at most [`segment::INLINE_BYTES`] is written straight
+    /// into its box and needs a free box only (`boxes` ≥ `slots` of them):
+    /// a sender of small messages runs further ahead of a receiver that is
+    /// not running.
+    fn poll_acquire_small(&mut self, len: usize) -> Result<Option<SlotBuf>> {
+        if len > segment::INLINE_BYTES {
+            return self.poll_acquire();
+        }
+        self.not_aborted()?;
+        if self.head - self.tail_cache >= self.boxes && self.head - self.load_tail()? >= self.boxes
+        {
+            return Ok(None);
+        }
+        self.acquired = Acquired::Inline;
+        Ok(Some(SlotBuf {
+            ptr: self.seg.inline_ptr(self.head_box),
+            cap: segment::INLINE_BYTES,
+        }))
+    }
+
     fn commit(&mut self, len: usize) -> Result<()> {
+        if self.acquired == Acquired::Inline {
+            // Written in place by the caller.
+            if len > segment::INLINE_BYTES {
+                return Err(CoreError::InvalidArgument(format!(
+                    "shm commit of {len} bytes into a box acquired for at most {}",
+                    segment::INLINE_BYTES
+                )));
+            }
+            return self.publish(len as u64 | INLINE_FLAG);
+        }
         if len > self.slot_bytes {
             return Err(CoreError::InvalidArgument(format!(
                 "shm commit of {len} bytes into a {}-byte slot",
                 self.slot_bytes
             )));
         }
-        if len <= segment::INLINE_BYTES {
+        if len <= segment::INLINE_BYTES && self.acquired == Acquired::Slot {
             // A small message travels in the box line the receiver polls.
-            let idx = self.head_slot;
-            // SAFETY: the acquired slot and its box are ours to write until
+            // SAFETY: the acquired slot and box are ours to write until
             // published; both hold at least `len` bytes and do not overlap.
             unsafe {
-                std::ptr::copy_nonoverlapping(self.seg.slot_ptr(idx), self.seg.inline_ptr(idx), len)
+                std::ptr::copy_nonoverlapping(
+                    self.seg.slot_ptr(self.head_slot),
+                    self.seg.inline_ptr(self.head_box),
+                    len,
+                )
             };
             return self.publish(len as u64 | INLINE_FLAG);
         }
@@ -937,7 +993,7 @@ impl SendChannel for ShmSend {
                 reason: format!("rank {} cannot read this process's memory", self.peer),
             });
         }
-        if !self.acquired || len as u64 >= DIRECT_FLAG {
+        if self.acquired != Acquired::Slot || len as u64 >= DIRECT_FLAG {
             return Err(CoreError::InvalidArgument(
                 "shm direct commit without a slot, or of an impossible length".into(),
             ));
@@ -975,32 +1031,33 @@ impl SendChannel for ShmSend {
         // word, after it wrote the destination into the slot.
         let w = self.seg.header().help.0.claim.load(Ordering::Acquire);
         let c = Claim::unpack(w);
-        let idx = c.slot;
-        if c.generation == 0 || idx >= self.slots as usize || c.front >= c.back {
+        let bx = c.slot;
+        if c.generation == 0 || bx >= self.boxes as usize || c.front >= c.back {
+            return Ok(false);
+        }
+        // Only a message we committed and the receiver has not released can
+        // be on offer; anything else is a stale word: leave it.
+        let tail = self.load_tail()?;
+        let t = tail + (bx as u64 + self.boxes - tail % self.boxes) % self.boxes;
+        if t >= self.head {
             return Ok(false);
         }
         // The last unclaimed chunk is ours to take.
         let k = c.back - 1;
-        // Relaxed: our own store (this thread) when we committed the slot.
-        let word = self.seg.len_word(idx).load(Ordering::Relaxed);
+        // Relaxed: our own store (this thread) when we committed message t.
+        let word = self.seg.len_word(bx).load(Ordering::Relaxed);
         if word & DIRECT_FLAG == 0 {
             return Ok(false);
         }
         let len = (word & !DIRECT_FLAG) as usize;
-        let slot = self.seg.slot_ptr(idx).cast::<u64>();
+        let slot = self.seg.slot_ptr((t % self.slots) as usize).cast::<u64>();
         // SAFETY: slots are page-aligned and at least 4096 bytes; the third
         // word holds the receiver's chunk size, written before the claim
-        // word we loaded with Acquire (a stale slot is rejected below, after
-        // the claim, before anything is written).
+        // word we loaded with Acquire (an offer of a released message was
+        // rejected above; one replaced since fails the claim below, before
+        // anything is written).
         let chunk = unsafe { slot.add(2).read_volatile() } as usize;
         if chunk < 4096 || k as usize >= len.div_ceil(chunk) {
-            return Ok(false);
-        }
-        // Only a slot we committed and the receiver has not released can be
-        // on offer; anything else is a stale word: leave it.
-        let tail = self.load_tail()?;
-        let t = tail + (idx as u64 + self.slots - tail % self.slots) % self.slots;
-        if t >= self.head {
             return Ok(false);
         }
         let h = &self.seg.header().help.0;
@@ -1093,11 +1150,14 @@ struct ShmRecv {
     peer: u32,
     peer_pid: u32,
     slots: u64,
+    boxes: u64,
     slot_bytes: usize,
-    /// Slots released (only this side writes the shared `tail`).
+    /// Messages released (only this side writes the shared `tail`).
     tail: u64,
-    /// `tail % slots`, kept without a division (polled in a spin loop).
+    /// `tail % slots`, kept without a division.
     tail_slot: usize,
+    /// `tail % boxes` (polled in a spin loop).
+    tail_box: usize,
     /// Last `head` seen.
     head_cache: u64,
     /// A slot was handed out by `poll_peek` and not released yet.
@@ -1145,12 +1205,12 @@ impl ShmRecv {
     /// making every committed payload and length visible) and validates it.
     fn load_head(&mut self) -> Result<u64> {
         let h = self.seg.header().head.0.load(Ordering::Acquire);
-        if h < self.head_cache || h - self.tail > self.slots {
+        if h < self.head_cache || h - self.tail > self.boxes {
             return Err(protocol(
                 self.peer,
                 format!(
-                    "shm sender committed {h} slots with {} released and {} slots (corrupt segment)",
-                    self.tail, self.slots
+                    "shm sender committed {h} messages with {} released and {} boxes (corrupt segment)",
+                    self.tail, self.boxes
                 ),
             ));
         }
@@ -1224,8 +1284,7 @@ impl ShmRecv {
     /// claim word opens the chunks to both sides.
     fn offer(&mut self, dst: *mut u8, len: usize, chunk: usize, chunks: usize) {
         self.generation = (self.generation % 0x3f_ffff) + 1;
-        let idx = self.tail_slot;
-        let slot = self.seg.slot_ptr(idx).cast::<u64>();
+        let slot = self.seg.slot_ptr(self.tail_slot).cast::<u64>();
         // SAFETY: the peeked slot is published and not released, page-aligned
         // and at least 4096 bytes: its second and third u64 are ours to write
         // (the sender wrote only the first word and rewrites the slot only
@@ -1241,7 +1300,7 @@ impl ShmRecv {
         // to the sender's Acquire load of a claim word of this generation.
         let open = Claim {
             generation: self.generation,
-            slot: idx,
+            slot: self.tail_box,
             front: 0,
             back: chunks as u32,
         };
@@ -1266,11 +1325,11 @@ impl ShmRecv {
             return;
         };
         let h = &self.seg.header().help.0;
-        // The offer's generation and slot stay ours while it is open
+        // The offer's generation and box stay ours while it is open
         // (`release` refuses to move `tail` meanwhile).
         let closed = Claim {
             generation: self.generation,
-            slot: self.tail_slot,
+            slot: self.tail_box,
             front: 0,
             back: 0,
         };
@@ -1324,7 +1383,7 @@ impl ShmRecv {
             // Relaxed load, then AcqRel CAS: pairs with the sender's claims.
             let w = h.claim.load(Ordering::Relaxed);
             let c = Claim::unpack(w);
-            if c.generation != self.generation || c.slot != self.tail_slot {
+            if c.generation != self.generation || c.slot != self.tail_box {
                 self.sharing = Some(sh);
                 return Err(protocol(
                     self.peer,
@@ -1414,15 +1473,15 @@ impl RecvChannel for ShmRecv {
         if let Some(r) = &self.aborted {
             return Err(CoreError::Aborted(r.clone()));
         }
-        let idx = self.tail_slot;
+        let bx = self.tail_box;
         // Acquire: pairs with the sender's Release store of the message
         // number, after the payload (slot or box) and the length word.
-        if self.seg.box_seq(idx).load(Ordering::Acquire) != self.tail + 1 {
+        if self.seg.box_seq(bx).load(Ordering::Acquire) != self.tail + 1 {
             return Ok(None);
         }
-        let word = self.seg.len_word(idx).load(Ordering::Relaxed);
+        let word = self.seg.len_word(bx).load(Ordering::Relaxed);
         let slot = SlotBuf {
-            ptr: self.seg.slot_ptr(idx),
+            ptr: self.seg.slot_ptr(self.tail_slot),
             cap: self.slot_bytes,
         };
         self.peeked = true;
@@ -1458,7 +1517,7 @@ impl RecvChannel for ShmRecv {
             self.remote = None;
             return Ok(Some(Incoming::Inline(
                 SlotBuf {
-                    ptr: self.seg.inline_ptr(idx),
+                    ptr: self.seg.inline_ptr(bx),
                     cap: segment::INLINE_BYTES,
                 },
                 len,
@@ -1546,6 +1605,7 @@ impl RecvChannel for ShmRecv {
         }
         self.tail += 1;
         self.tail_slot = next_slot(self.tail_slot, self.slots);
+        self.tail_box = next_slot(self.tail_box, self.boxes);
         self.peeked = false;
         self.remote = None;
         self.remote_region = None;

@@ -350,6 +350,21 @@ fn direct_transfers_are_shared_with_the_sender() {
         return;
     }
     let off = std::env::var("BRAID_SHM_HELP").as_deref() == Ok("0");
+    // Five small messages first, so that the direct transfers' boxes
+    // (message number mod 256) and slots (mod 4) differ: the sender finds
+    // the slot of the offered box.
+    for i in 0..5u8 {
+        let buf = wait_for("a box", Duration::from_secs(10), || {
+            tx.poll_acquire_small(1).unwrap()
+        });
+        write(buf, &[i]);
+        tx.commit(1).unwrap();
+        let (buf, len) = wait_for("the small message", Duration::from_secs(10), || {
+            rx.poll_peek().unwrap()
+        });
+        assert_eq!(read(buf, len), [i]);
+        rx.release().unwrap();
+    }
     // 64 chunks of 256 KiB and a short one.
     let len = (16 << 20) + 4097;
     let mut shared = 0;
@@ -457,6 +472,71 @@ fn finished_shared_transfer_leaves_no_offer() {
     let mut out2 = vec![0u8; long];
     recv(&mut rx, &mut out2, long);
     assert!(out2 == c, "long transfer corrupted");
+    wait_for("drain", Duration::from_secs(10), || {
+        tx.poll_drained().unwrap().then_some(())
+    });
+}
+
+/// Messages of at most 48 bytes need a box, not a slot: on a link of 4
+/// slots (256 boxes) a sender whose receiver does not run commits 256 small
+/// messages, then no more; meanwhile an ordinary acquisition (or a small
+/// one of 49 bytes) waits for a slot, which it gets once fewer than 4
+/// messages are outstanding. Everything arrives in order.
+#[test]
+fn small_messages_run_ahead_of_the_slots() {
+    let _g = lock();
+    let t = small();
+    let (mut tx, mut rx) = connect_pair(&t, &t, 0, 1);
+    let mut n = 0u64;
+    while let Some(buf) = tx.poll_acquire_small(8).unwrap() {
+        assert_eq!(buf.cap, 48, "a small message's buffer is its box");
+        write(buf, &n.to_le_bytes());
+        tx.commit(8).unwrap();
+        n += 1;
+        assert!(n <= 256, "more than 256 small messages outstanding");
+    }
+    assert_eq!(n, 256, "small messages outstanding on a link of 4 slots");
+    assert!(
+        tx.poll_acquire().unwrap().is_none(),
+        "a slot with 256 messages outstanding"
+    );
+    assert!(
+        tx.poll_acquire_small(49).unwrap().is_none(),
+        "49 bytes do not fit a box"
+    );
+    let mut next = 0u64;
+    let mut expect = |rx: &mut Box<dyn braid_core::transport::RecvChannel>, want: &[u8]| {
+        let (buf, len) = wait_for("a message", Duration::from_secs(10), || {
+            rx.poll_peek().unwrap()
+        });
+        assert_eq!(read(buf, len), want, "message {next}");
+        rx.release().unwrap();
+        next += 1;
+    };
+    expect(&mut rx, &0u64.to_le_bytes());
+    // One box free, still no slot.
+    assert!(
+        tx.poll_acquire().unwrap().is_none(),
+        "a slot with 255 messages outstanding"
+    );
+    let buf = tx.poll_acquire_small(8).unwrap().expect("the released box");
+    write(buf, &256u64.to_le_bytes());
+    tx.commit(8).unwrap();
+    for i in 1..=253u64 {
+        expect(&mut rx, &i.to_le_bytes());
+    }
+    // Three outstanding (254, 255, 256): a slot again.
+    let big: Vec<u8> = (0..1000).map(|i| (i * 7) as u8).collect();
+    let buf = tx
+        .poll_acquire()
+        .unwrap()
+        .expect("a slot with 3 of 4 outstanding");
+    write(buf, &big);
+    tx.commit(big.len()).unwrap();
+    for i in 254..=256u64 {
+        expect(&mut rx, &i.to_le_bytes());
+    }
+    expect(&mut rx, &big);
     wait_for("drain", Duration::from_secs(10), || {
         tx.poll_drained().unwrap().then_some(())
     });

@@ -1032,9 +1032,6 @@ pub fn oversized_commit_rejected(factory: &Factory) {
     wait_drained(&mut *tx);
 }
 
-/// Expands to one `#[test]` per conformance case for the transport made by
-/// `$factory` (a non-capturing closure or fn returning a `Transport` or a
-/// `Box<dyn Transport>`). Use once per module.
 /// Case 11: direct (single-copy) transfers, where the transport offers them:
 /// a reference to a buffer larger than a slot arrives as
 /// [`Incoming::Remote`](super::Incoming::Remote), reads back exactly, and `poll_drained` turns true
@@ -1102,6 +1099,143 @@ pub fn direct_transfers_when_offered(factory: &Factory) {
     rx.release().unwrap();
 }
 
+/// Writes message `seq` of `len` bytes into a buffer from
+/// `poll_acquire_small(len)` and commits it.
+fn put_small(tx: &mut dyn SendChannel, buf: SlotBuf, seq: u64, len: usize) {
+    assert!(
+        (len..=tx.slot_bytes()).contains(&buf.cap),
+        "conformance: poll_acquire_small({len}) returned a {}-byte buffer",
+        buf.cap
+    );
+    assert_eq!(
+        buf.ptr as usize % 64,
+        0,
+        "conformance: small buffer not 64-byte aligned"
+    );
+    if tx.mem_kind() == MemKind::Host {
+        let mut data = vec![0u8; len];
+        fill(0, seq, &mut data);
+        write_slot(buf, &data);
+    }
+    tx.commit(len).unwrap_or_else(|e| {
+        panic!("conformance: commit({len}) of small message {seq} failed: {e}")
+    });
+}
+
+/// Case 12: `poll_acquire_small`. A sender of small messages (0 to 48
+/// bytes, what a transport may carry outside its slots) takes every credit
+/// it is granted without a release (at least `slots`), and then an
+/// ordinary `poll_acquire` grants nothing: small messages never let a
+/// sender overrun the slots. They all arrive in order and intact. Then
+/// small and ordinary acquisitions, mixed (small ones also of 49 and 200
+/// bytes, which a transport must serve like ordinary ones), over many
+/// more messages than slots and than 256 (where the shm transport's
+/// boxes wrap), arrive in order and intact.
+pub fn small_acquisitions(factory: &Factory) {
+    let (mut tx, mut rx) = fresh_pair(factory);
+    let slots = tx.slots();
+    let sb = tx.slot_bytes();
+    let small = [8usize, 40, 48, 0];
+    let mut sent = 0u64;
+    loop {
+        let len = small[sent as usize % small.len()];
+        let buf = if (sent as usize) < slots {
+            wait_for(
+                &format!("small credit {sent} of {slots} on a fresh link"),
+                WAIT,
+                || {
+                    tx.poll_acquire_small(len)
+                        .expect("conformance: poll_acquire_small")
+                },
+            )
+        } else {
+            match tx
+                .poll_acquire_small(len)
+                .expect("conformance: poll_acquire_small")
+            {
+                Some(b) => b,
+                None => break,
+            }
+        };
+        put_small(&mut *tx, buf, sent, len);
+        sent += 1;
+        assert!(
+            sent <= 1 << 16,
+            "conformance: {sent} small messages committed without a release"
+        );
+    }
+    assert!(
+        tx.poll_acquire().expect("conformance: poll_acquire").is_none(),
+        "conformance: poll_acquire returned a slot with {sent} messages outstanding ({slots} slots)"
+    );
+    for seq in 0..sent {
+        let (buf, len) = wait_peek(&mut *rx, &format!("small message {seq} of {sent}"));
+        check_msg(&*rx, buf, len, 0, seq, small[seq as usize % small.len()]);
+        rx.release().expect("conformance: release");
+    }
+    wait_drained(&mut *tx);
+
+    // Mixed: (length, acquired with poll_acquire_small).
+    let kinds = [
+        (0, true),
+        (8, true),
+        (sb, false),
+        (48, true),
+        (49, true),
+        (40, false),
+        (200, true),
+        (1, true),
+        (sb - 1, false),
+    ];
+    let n = sent + (10 * slots).max(600) as u64;
+    let first = sent;
+    let kind = |seq: u64| kinds[((seq - first) % kinds.len() as u64) as usize];
+    let deadline = Instant::now() + WAIT;
+    let (mut got, mut round) = (first, 0u64);
+    while got < n {
+        assert!(
+            Instant::now() < deadline,
+            "conformance: mixed delivery stuck: {sent} sent, {got} received of {n}"
+        );
+        while sent < n {
+            let (len, small) = kind(sent);
+            let buf = if small {
+                tx.poll_acquire_small(len)
+            } else {
+                tx.poll_acquire()
+            }
+            .expect("conformance: poll_acquire(_small)");
+            let Some(buf) = buf else {
+                break;
+            };
+            if small {
+                put_small(&mut *tx, buf, sent, len);
+            } else {
+                put(&mut *tx, buf, 0, sent, len);
+            }
+            sent += 1;
+        }
+        let budget = 1 + round % (2 * slots as u64 + 3);
+        round += 1;
+        for _ in 0..budget {
+            let Some((buf, len)) = rx.poll_peek().expect("conformance: poll_peek") else {
+                break;
+            };
+            assert!(
+                got < sent,
+                "conformance: received message {got} that was never sent"
+            );
+            check_msg(&*rx, buf, len, 0, got, kind(got).0);
+            rx.release().expect("conformance: release");
+            got += 1;
+        }
+    }
+    wait_drained(&mut *tx);
+}
+
+/// Expands to one `#[test]` per conformance case for the transport made by
+/// `$factory` (a non-capturing closure or fn returning a `Transport` or a
+/// `Box<dyn Transport>`). Use once per module.
 #[macro_export]
 macro_rules! transport_conformance_tests {
     (@cases $($test:ident => $case:ident),* $(,)?) => {
@@ -1128,6 +1262,7 @@ macro_rules! transport_conformance_tests {
             conformance_both_directions => both_directions,
             conformance_oversized_commit_rejected => oversized_commit_rejected,
             conformance_direct_transfers_when_offered => direct_transfers_when_offered,
+            conformance_small_acquisitions => small_acquisitions,
         );
     };
 }

@@ -157,8 +157,21 @@ pub trait SendChannel: Send {
     /// Non-blocking: the next free slot, or `None` while no credit is left.
     /// Calling it again before `commit` returns the same slot.
     fn poll_acquire(&mut self) -> Result<Option<SlotBuf>>;
-    /// Publish the slot last returned by `poll_acquire`, holding `len` bytes
-    /// (`len <= slot_bytes`).
+    /// Like [`SendChannel::poll_acquire`], for a message the caller will
+    /// commit with at most `len` bytes: the returned buffer may hold just
+    /// `len` bytes (`cap ≥ len`), and a transport that carries small
+    /// messages outside its slots may grant it while every slot is taken
+    /// (the shm transport writes them into the cache line the receiver
+    /// polls, and keeps more of those lines than slots), so a sender of
+    /// small messages can run further ahead of its receiver. The default
+    /// is `poll_acquire`.
+    fn poll_acquire_small(&mut self, len: usize) -> Result<Option<SlotBuf>> {
+        let _ = len;
+        self.poll_acquire()
+    }
+    /// Publish the slot last returned by `poll_acquire` (or
+    /// `poll_acquire_small`), holding `len` bytes (`len <= slot_bytes`, and
+    /// at most what `poll_acquire_small` was asked for).
     fn commit(&mut self, len: usize) -> Result<()>;
     /// Non-blocking: true once the receiver has released every committed slot.
     fn poll_drained(&mut self) -> Result<bool>;
