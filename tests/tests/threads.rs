@@ -329,6 +329,27 @@ fn a_missing_rank_at_a_barrier_is_named() {
     );
 }
 
+/// Polls `watch`'s progress record (for at most 20 s) until it waits for a
+/// peer in operation `op`; returns that peer, the operation's sequence
+/// number and the process-wide dump taken then.
+fn wait_in(watch: &Communicator, op: &str) -> (u32, u64, String) {
+    let start = Instant::now();
+    loop {
+        let snap = watch.pending();
+        if let Some(r) = snap.running.as_ref().filter(|r| r.op == op) {
+            if let Some(w) = r.waiting.as_ref() {
+                return (w.peer, r.seq, braid::dump_pending());
+            }
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(20),
+            "rank {} never waited in {op}: {snap:?}",
+            watch.rank()
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
 /// Hang localisation: while rank 0 waits in an AllReduce that rank 1 has not
 /// joined, its progress record (and the process-wide dump) names the
 /// operation, its sequence number, the peer and the transport; once rank 1
@@ -349,21 +370,8 @@ fn pending_operation_names_the_peer_it_waits_for() {
     // Rank 1 takes part in the first operation only after a while.
     let mut a = vec![1.0f32; 1000];
     c1.all_reduce_in_place(&mut a, RedOp::Sum).unwrap();
-    let start = Instant::now();
-    let line = loop {
-        let snap = watch.pending();
-        if let Some(w) = snap.running.as_ref().and_then(|r| r.waiting.as_ref()) {
-            assert_eq!(w.peer, 1);
-            let r = snap.running.as_ref().unwrap();
-            assert_eq!((r.op, r.seq), ("AllReduce", 1));
-            break braid::dump_pending();
-        }
-        assert!(
-            start.elapsed() < Duration::from_secs(20),
-            "rank 0 never waited: {snap:?}"
-        );
-        std::thread::sleep(Duration::from_millis(10));
-    };
+    let (peer, seq, line) = wait_in(&watch, "AllReduce");
+    assert_eq!((peer, seq), (1, 1));
     assert!(
         line.contains("rank 0/2")
             && line.contains("AllReduce #1")
@@ -372,21 +380,8 @@ fn pending_operation_names_the_peer_it_waits_for() {
     );
     c1.all_reduce_in_place(&mut a, RedOp::Sum).unwrap();
     // Then rank 0 waits in a barrier that rank 1 joins late.
-    let start = Instant::now();
-    let line = loop {
-        let snap = watch.pending();
-        if let Some(r) = snap.running.as_ref().filter(|r| r.op == "Barrier") {
-            if let Some(w) = r.waiting.as_ref() {
-                assert_eq!((w.peer, r.seq), (1, 2));
-                break braid::dump_pending();
-            }
-        }
-        assert!(
-            start.elapsed() < Duration::from_secs(20),
-            "rank 0 never waited in the barrier: {snap:?}"
-        );
-        std::thread::sleep(Duration::from_millis(10));
-    };
+    let (peer, seq, line) = wait_in(&watch, "Barrier");
+    assert_eq!((peer, seq), (1, 2));
     assert!(
         line.contains("Barrier #2") && line.contains("from rank 1 over"),
         "{line}"

@@ -18,6 +18,9 @@ use braid_core::{DataType, RedOp};
 pub const HEADER_BYTES: usize = 32;
 const MAGIC: [u8; 4] = *b"BRHD";
 const NONE: u8 = 0xff;
+/// [`OpHeader::kind`] of a barrier (which has no count, datatype or operator
+/// of its own to describe).
+const KIND_BARRIER: u8 = 8;
 /// Where the sequence number lies in an encoded header.
 const SEQ_AT: std::ops::Range<usize> = 24..32;
 
@@ -25,7 +28,7 @@ const SEQ_AT: std::ops::Range<usize> = 24..32;
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct OpHeader {
     /// 1 AllReduce, 2 ReduceScatter, 3 AllGather, 4 Broadcast, 5 Reduce,
-    /// 6 AllToAll, 7 point-to-point.
+    /// 6 AllToAll, 7 point-to-point, 8 barrier.
     pub kind: u8,
     /// Datatype wire code.
     pub dtype: u8,
@@ -52,7 +55,7 @@ impl OpHeader {
             Collective::Reduce { count, .. } => (5, count),
             Collective::AllToAll { count } => (6, count),
             Collective::Group(_) => (7, 0),
-            Collective::Barrier => (8, 0),
+            Collective::Barrier => (KIND_BARRIER, 0),
         };
         OpHeader {
             kind,
@@ -100,7 +103,7 @@ impl OpHeader {
 
     /// Human-readable form: `AllReduce(count=1024, float, sum) #7`.
     pub fn describe(&self) -> String {
-        if self.kind == 8 {
+        if self.kind == KIND_BARRIER {
             return format!("Barrier #{}", self.seq);
         }
         let name = match self.kind {

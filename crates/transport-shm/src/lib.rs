@@ -866,6 +866,13 @@ impl ShmSend {
         }
     }
 
+    /// Whether fewer than `limit` messages are outstanding (`slots` for a
+    /// message that takes a slot, `boxes` for one that fits its box); the
+    /// shared `tail` is loaded only when the cached one says no.
+    fn credit(&mut self, limit: u64) -> Result<bool> {
+        Ok(self.head - self.tail_cache < limit || self.head - self.load_tail()? < limit)
+    }
+
     /// Loads `tail` (Acquire: the receiver's reads of released slots happen
     /// before our next writes to them) and validates it.
     fn load_tail(&mut self) -> Result<u64> {
@@ -907,8 +914,7 @@ impl SendChannel for ShmSend {
 
     fn poll_acquire(&mut self) -> Result<Option<SlotBuf>> {
         self.not_aborted()?;
-        if self.head - self.tail_cache >= self.slots && self.head - self.load_tail()? >= self.slots
-        {
+        if !self.credit(self.slots)? {
             return Ok(None);
         }
         self.acquired = Acquired::Slot;
@@ -927,8 +933,7 @@ impl SendChannel for ShmSend {
             return self.poll_acquire();
         }
         self.not_aborted()?;
-        if self.head - self.tail_cache >= self.boxes && self.head - self.load_tail()? >= self.boxes
-        {
+        if !self.credit(self.boxes)? {
             return Ok(None);
         }
         self.acquired = Acquired::Inline;

@@ -304,6 +304,30 @@ fn check_msg(rx: &dyn RecvChannel, buf: SlotBuf, len: usize, src: u32, seq: u64,
     }
 }
 
+/// Receives and checks up to `budget` messages that have arrived (pattern
+/// from rank 0, message `seq` of `len_of(seq)` bytes), advancing `got`;
+/// `sent` messages were committed so far.
+fn receive_some(
+    rx: &mut dyn RecvChannel,
+    budget: u64,
+    got: &mut u64,
+    sent: u64,
+    len_of: impl Fn(u64) -> usize,
+) {
+    for _ in 0..budget {
+        let Some((buf, len)) = rx.poll_peek().expect("conformance: poll_peek") else {
+            break;
+        };
+        assert!(
+            *got < sent,
+            "conformance: received message {got} that was never sent"
+        );
+        check_msg(rx, buf, len, 0, *got, len_of(*got));
+        rx.release().expect("conformance: release");
+        *got += 1;
+    }
+}
+
 fn wait_acquire(tx: &mut dyn SendChannel, what: &str) -> SlotBuf {
     wait_for(what, WAIT, || {
         tx.poll_acquire()
@@ -357,18 +381,9 @@ pub fn ordered_delivery(factory: &Factory) {
         // every offset of the ring.
         let budget = 1 + round % slots as u64;
         round += 1;
-        for _ in 0..budget {
-            let Some((buf, len)) = rx.poll_peek().expect("conformance: poll_peek") else {
-                break;
-            };
-            assert!(
-                got < sent,
-                "conformance: received message {got} that was never sent"
-            );
-            check_msg(&*rx, buf, len, 0, got, lens[got as usize % lens.len()]);
-            rx.release().expect("conformance: release");
-            got += 1;
-        }
+        receive_some(&mut *rx, budget, &mut got, sent, |seq| {
+            lens[seq as usize % lens.len()]
+        });
     }
     wait_drained(&mut *tx);
     assert!(
@@ -1217,18 +1232,7 @@ pub fn small_acquisitions(factory: &Factory) {
         }
         let budget = 1 + round % (2 * slots as u64 + 3);
         round += 1;
-        for _ in 0..budget {
-            let Some((buf, len)) = rx.poll_peek().expect("conformance: poll_peek") else {
-                break;
-            };
-            assert!(
-                got < sent,
-                "conformance: received message {got} that was never sent"
-            );
-            check_msg(&*rx, buf, len, 0, got, kind(got).0);
-            rx.release().expect("conformance: release");
-            got += 1;
-        }
+        receive_some(&mut *rx, budget, &mut got, sent, |seq| kind(seq).0);
     }
     wait_drained(&mut *tx);
 }
