@@ -4,9 +4,15 @@
 //! - [`reduce`]: host reduction loops (vectorised by the compiler).
 //! - [`plan`]: pure collective plans — a rank's program of primitive steps.
 //! - [`sim`]: an in-memory simulator that runs every rank's plan together.
-//! - [`transport`]: the transport seam (slot FIFOs with credits) and its
-//!   conformance suite.
+//! - [`transport`]: the transport seam (slot FIFOs with credits) and the
+//!   [`TransportKind`](transport::TransportKind) enum naming every transport.
+//! - [`topo`]: host topology (detection, NCCL XML) and the planner that
+//!   chooses a transport per rank pair and the rings.
+//! - [`config`]: how `BRAID_*` values are read (booleans, numbers, NCCL's
+//!   device lists), the same way in every crate.
+//! - [`wire`]: reading and writing the connect-info blobs.
 
+pub mod config;
 pub mod copy;
 pub mod error;
 pub mod plan;

@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 
 use braid_core::topo::{
     self, detect, json, plan, render, xml, Cluster, NicKind, NoGpus, PathType, RecordedGpus,
-    SysfsReader, System, Topology, Transport, TransportPolicy,
+    SysfsReader, System, Topology, TransportKind, TransportPolicy,
 };
 
 fn fixtures() -> PathBuf {
@@ -41,7 +41,7 @@ fn plan_for(
         .map(|(k, v)| (k.to_string(), v.to_string()))
         .collect();
     let policy =
-        TransportPolicy::from_env(|k| env.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone()))?;
+        TransportPolicy::from_env(&|k| env.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone()))?;
     let c = Cluster::uniform(t, "h", ranks, hosts)?;
     let p = plan(&c, &policy)?;
     Ok((c, p))
@@ -210,7 +210,7 @@ fn paths_follow_nccl_rules() {
     assert_eq!(t.path(t.gpus[0], t.gpus[2]).unwrap().kind, PathType::Sys);
 }
 
-fn transports(p: &topo::Plan, a: usize, b: usize) -> Transport {
+fn transports(p: &topo::Plan, a: usize, b: usize) -> TransportKind {
     p.transports[a][b].unwrap()
 }
 
@@ -221,7 +221,7 @@ fn planner_nvswitch_server() {
     for a in 0..8 {
         for b in 0..8 {
             if a != b {
-                assert_eq!(transports(&p, a, b), Transport::Nvlink);
+                assert_eq!(transports(&p, a, b), TransportKind::Nvlink);
             }
         }
     }
@@ -229,8 +229,8 @@ fn planner_nvswitch_server() {
     assert_eq!(p.rings[0].order, (0..8).collect::<Vec<u32>>());
 
     let (c, p) = plan_for(&t, 16, 2, &[]).unwrap();
-    assert_eq!(transports(&p, 0, 8), Transport::Ib);
-    assert_eq!(transports(&p, 0, 1), Transport::Nvlink);
+    assert_eq!(transports(&p, 0, 8), TransportKind::Ib);
+    assert_eq!(transports(&p, 0, 1), TransportKind::Nvlink);
     assert_eq!(p.rings.len(), 8, "one channel per NIC rail");
     let mut entries = Vec::new();
     for ring in &p.rings {
@@ -238,7 +238,7 @@ fn planner_nvswitch_server() {
         let cross: Vec<_> = ring
             .hops
             .iter()
-            .filter(|h| h.transport == Transport::Ib)
+            .filter(|h| h.transport == TransportKind::Ib)
             .collect();
         assert_eq!(cross.len(), 2, "a ring leaves each host once");
         for h in cross {
@@ -264,13 +264,17 @@ fn planner_nvswitch_server() {
 fn planner_pcie_server() {
     let t = Topology::new(load_xml("pcie4"));
     let (_, p) = plan_for(&t, 4, 1, &[]).unwrap();
-    assert_eq!(transports(&p, 0, 1), Transport::Pcie, "same PCIe switch");
+    assert_eq!(
+        transports(&p, 0, 1),
+        TransportKind::Pcie,
+        "same PCIe switch"
+    );
     assert_eq!(
         transports(&p, 2, 3),
-        Transport::Shm,
+        TransportKind::Shm,
         "through the CPU: no P2P at the default level"
     );
-    assert_eq!(transports(&p, 0, 2), Transport::Shm, "across sockets");
+    assert_eq!(transports(&p, 0, 2), TransportKind::Shm, "across sockets");
     assert_eq!(p.rings.len(), 1);
     assert_eq!(
         p.rings[0].order,
@@ -279,16 +283,16 @@ fn planner_pcie_server() {
     );
 
     let (_, p) = plan_for(&t, 4, 1, &[("BRAID_P2P_LEVEL", "SYS")]).unwrap();
-    assert_eq!(transports(&p, 0, 2), Transport::Pcie);
+    assert_eq!(transports(&p, 0, 2), TransportKind::Pcie);
 
     let (_, p) = plan_for(&t, 8, 2, &[]).unwrap();
     assert_eq!(
         transports(&p, 0, 4),
-        Transport::Ib,
+        TransportKind::Ib,
         "RoCE port is active on both hosts"
     );
     let (_, p) = plan_for(&t, 8, 2, &[("BRAID_IB_DISABLE", "1")]).unwrap();
-    assert_eq!(transports(&p, 0, 4), Transport::Socket);
+    assert_eq!(transports(&p, 0, 4), TransportKind::Socket);
     assert_eq!(
         p.nearest_nic[0].as_deref(),
         Some("ens1f0np0"),
@@ -300,10 +304,10 @@ fn planner_pcie_server() {
 fn planner_nvlink_bridges_keep_pairs_adjacent() {
     let t = Topology::new(load_xml("nvbridge4"));
     let (_, p) = plan_for(&t, 4, 1, &[]).unwrap();
-    assert_eq!(transports(&p, 0, 2), Transport::Nvlink);
-    assert_eq!(transports(&p, 1, 3), Transport::Nvlink);
-    assert_eq!(transports(&p, 0, 1), Transport::Pcie);
-    assert_eq!(transports(&p, 0, 3), Transport::Shm);
+    assert_eq!(transports(&p, 0, 2), TransportKind::Nvlink);
+    assert_eq!(transports(&p, 1, 3), TransportKind::Nvlink);
+    assert_eq!(transports(&p, 0, 1), TransportKind::Pcie);
+    assert_eq!(transports(&p, 0, 3), TransportKind::Shm);
     let order = &p.rings[0].order;
     let adjacent = |a: u32, b: u32| {
         (0..order.len()).any(|i| {
@@ -319,18 +323,18 @@ fn planner_nvlink_bridges_keep_pairs_adjacent() {
     assert!(p.rings[0]
         .hops
         .iter()
-        .all(|h| h.transport != Transport::Shm));
+        .all(|h| h.transport != TransportKind::Shm));
     assert_eq!(p.rings.len(), 2);
 
     let (_, p) = plan_for(&t, 4, 1, &[("BRAID_NVLINK_DISABLE", "1")]).unwrap();
     assert_eq!(
         transports(&p, 0, 2),
-        Transport::Shm,
+        TransportKind::Shm,
         "PCIe path between the bridged GPUs is PHB"
     );
 
     let (_, p) = plan_for(&t, 8, 2, &[]).unwrap();
-    assert_eq!(transports(&p, 0, 4), Transport::Socket, "no RDMA NIC");
+    assert_eq!(transports(&p, 0, 4), TransportKind::Socket, "no RDMA NIC");
 }
 
 #[test]
@@ -342,12 +346,12 @@ fn planner_this_vm() {
         .iter()
         .flatten()
         .flatten()
-        .all(|&t| t == Transport::Shm));
+        .all(|&t| t == TransportKind::Shm));
     assert_eq!(p.rings.len(), 1);
     assert_eq!(p.rings[0].order, vec![0, 1, 2, 3]);
     let (_, p) = plan_for(&t, 4, 2, &[]).unwrap();
-    assert_eq!(transports(&p, 0, 2), Transport::Socket);
-    assert_eq!(transports(&p, 0, 1), Transport::Shm);
+    assert_eq!(transports(&p, 0, 2), TransportKind::Socket);
+    assert_eq!(transports(&p, 0, 1), TransportKind::Shm);
     assert_eq!(p.nearest_nic[0].as_deref(), Some("eth0"));
 }
 
@@ -364,9 +368,9 @@ fn policy_errors_name_the_problem() {
     // On one host without shm the network transport takes over (as NCCL
     // falls back to NET inside a node); with that disabled too, nothing is left.
     let (_, p) = plan_for(&t, 2, 1, &[("BRAID_SHM_DISABLE", "1")]).unwrap();
-    assert_eq!(transports(&p, 0, 1), Transport::Socket);
+    assert_eq!(transports(&p, 0, 1), TransportKind::Socket);
     let (_, p) = plan_for(&t, 2, 1, &[("BRAID_TRANSPORT", "socket")]).unwrap();
-    assert_eq!(transports(&p, 0, 1), Transport::Socket);
+    assert_eq!(transports(&p, 0, 1), TransportKind::Socket);
     let e = plan_for(
         &t,
         2,
@@ -382,7 +386,7 @@ fn policy_errors_name_the_problem() {
     assert!(e.contains("unknown transport"), "{e}");
     assert!(Cluster::uniform(&t, "h", 2, 3).is_err());
     let (_, p) = plan_for(&t, 2, 1, &[("BRAID_TRANSPORT", "shm")]).unwrap();
-    assert_eq!(transports(&p, 0, 1), Transport::Shm);
+    assert_eq!(transports(&p, 0, 1), TransportKind::Shm);
 }
 
 #[test]

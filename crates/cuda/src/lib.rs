@@ -10,7 +10,6 @@
 //! - [`schedule`]: a collective as one in-order list of stream commands
 //!   with GPU-side synchronisation (stream memory operations on counters
 //!   next to each slot ring), and an in-memory simulator for it (pure).
-//! - [`select`]: which GPU link two ranks use (pure).
 //!
 //! The driver and NVRTC are loaded at run time (cudarc `dynamic-loading`,
 //! bindings pinned to the CUDA 12.4 API): this crate builds and its tests
@@ -23,7 +22,6 @@ pub mod error;
 pub mod ipc;
 pub mod kernels;
 pub mod schedule;
-pub mod select;
 
 pub use driver::link;
 pub use driver::{
@@ -31,7 +29,6 @@ pub use driver::{
     ProbeInfo, Stream,
 };
 pub use error::{CudaError, Result};
-pub use select::{GpuLink, P2pPolicy};
 
 /// GPUs for topology detection, from the CUDA driver (no context is
 /// created): bus id, device ordinal and compute capability. Without CUDA it

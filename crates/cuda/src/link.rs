@@ -467,6 +467,13 @@ impl IpcTransport {
 }
 
 impl Transport for IpcTransport {
+    fn kind(&self) -> braid_core::transport::TransportKind {
+        if self.name == "pcie" {
+            braid_core::transport::TransportKind::Pcie
+        } else {
+            braid_core::transport::TransportKind::Nvlink
+        }
+    }
     fn name(&self) -> &'static str {
         self.name
     }

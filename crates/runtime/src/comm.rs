@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use braid_core::plan::{self, Collective, P2p, P2pKind, PlanParams, Program};
-use braid_core::topo::CpuSet;
+use braid_core::topo::{CpuSet, TransportPolicy};
 use braid_core::transport::{PeerDesc, PendingRecv, PendingSend};
 use braid_core::types::Element;
 use braid_core::{CoreError, DataType, RedOp};
@@ -97,6 +97,10 @@ struct Shared {
     bootstrap: Mutex<Bootstrap>,
     transports: Vec<&'static str>,
     topo_plan: braid_core::topo::Plan,
+    /// The fused topology of every rank (without GPUs) and the transport
+    /// policy it was planned under, for device communicators.
+    topo_cluster: braid_core::topo::Cluster,
+    transport_policy: TransportPolicy,
     progress: Arc<Progress>,
     /// Communicators split from this one ([`Communicator::abort_with_splits`]).
     children: Mutex<Vec<std::sync::Weak<Shared>>>,
@@ -419,7 +423,8 @@ impl Communicator {
         let timeout = config.timeout;
         // The table first: network transports probe their fabric, which
         // every rank needs to know about the others.
-        let table = TransportTable::from_env(id.addr)?;
+        let policy = TransportPolicy::from_env(&braid_core::config::process_env)?;
+        let table = TransportTable::from_env(id.addr, &policy)?;
         let me = PeerDesc {
             rank,
             host_id: select::host_id(),
@@ -447,8 +452,9 @@ impl Communicator {
         // The CPUs this rank may run on: its NUMA node in the topology round,
         // the oversubscription test after link set-up.
         let allowed = braid_core::topo::bind::allowed_cpus();
-        let placement = topology::place(&boot, &me, &peers, &table, allowed.as_ref())?;
+        let placement = topology::place(&boot, &me, &peers, &table, &policy, allowed.as_ref())?;
         let (choice, ring, topo_plan) = (placement.choice, placement.ring, placement.plan);
+        let topo_cluster = placement.cluster;
 
         // Phase 1: allocate both ends of every link, collect connect-info.
         let p = nranks as usize;
@@ -587,6 +593,8 @@ impl Communicator {
                 bootstrap: Mutex::new(boot),
                 transports,
                 topo_plan,
+                topo_cluster,
+                transport_policy: policy,
                 children: Mutex::new(Vec::new()),
                 progress: Progress::register(rank, nranks, format!("comm@{}", id.addr)),
                 _root: root,
@@ -634,6 +642,12 @@ impl Communicator {
     /// channel 0's ring).
     pub fn topology_plan(&self) -> &braid_core::topo::Plan {
         &self.shared.topo_plan
+    }
+
+    /// The fused topology (ranks placed without GPUs) and the environment's
+    /// transport policy, for a device communicator to plan its GPU links.
+    pub(crate) fn topology_inputs(&self) -> (&braid_core::topo::Cluster, &TransportPolicy) {
+        (&self.shared.topo_cluster, &self.shared.transport_policy)
     }
 
     /// Make every pending and later operation fail promptly. Callable from any

@@ -2,7 +2,7 @@
 //!
 //! [`CudaComm::new`] (collective over an existing [`Communicator`]) opens
 //! this rank's GPU (`BRAID_CUDA_DEVICE`, else the local rank modulo the
-//! devices), chooses a GPU link per peer ([`braid_cuda::select`]: NVLink /
+//! devices), chooses a GPU link per peer (the topology planner, `braid_core::topo::plan`: NVLink /
 //! same GPU → `nvlink`, PCIe P2P → `pcie` over CUDA IPC, else `pcie` staged
 //! through shared host memory), connects those links through the bootstrap
 //! (the IPC handles travel in the connect-info), and starts a proxy thread.
@@ -58,13 +58,13 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use braid_core::plan::{self, Collective, Op, PlanParams, Program, Region};
-use braid_core::topo::{PathType, Topology};
+use braid_core::topo::{Cluster, GpuLink, TransportPolicy};
 use braid_core::transport::{PeerDesc, SlotBuf, Transport};
 use braid_core::types::MemKind;
 use braid_core::{CoreError, DataType, RedOp};
 use braid_cuda::link::Geometry;
 use braid_cuda::schedule::Cursor;
-use braid_cuda::{Device, DeviceBuffer, Event, GpuLink, HostFlag, Kernels, P2pPolicy, Stream};
+use braid_cuda::{Device, DeviceBuffer, Event, HostFlag, Kernels, Stream};
 use braid_transport_nvlink::NvlinkTransport;
 use braid_transport_pcie::PcieTransport;
 use tracing::info;
@@ -200,15 +200,39 @@ fn geometry_from_env() -> Result<Geometry> {
     Ok(g.validate()?)
 }
 
-/// The path class between two GPUs of one host: LOC for the same GPU, the
-/// topology file's path when `BRAID_TOPO_FILE` names both, else PHB (not
-/// known to be P2P-capable: staged unless `BRAID_P2P_LEVEL` allows PHB).
-fn gpu_path(topo: Option<&Topology>, a: &str, b: &str) -> PathType {
-    if a.eq_ignore_ascii_case(b) {
-        return PathType::Loc;
+/// The device link from `rank` to every rank (its own entry is unused):
+/// the planner's transports for the fused topology with every rank placed
+/// on its GPU (`busids`), under the environment's policy. A GPU missing from
+/// its host's model has no peer-to-peer path (staged), except to ranks on
+/// the same GPU.
+fn device_links(
+    cluster: &Cluster,
+    policy: &TransportPolicy,
+    busids: &[&str],
+    rank: u32,
+) -> Result<Vec<GpuLink>> {
+    let mut cluster = cluster.clone();
+    for (place, bus) in cluster.ranks.iter_mut().zip(busids) {
+        place.gpu = Some(bus.to_string());
     }
-    topo.and_then(|t| braid_cuda::select::path_between(t, a, b))
-        .unwrap_or(PathType::Phb)
+    let plan = braid_core::topo::plan(&cluster, policy)?;
+    for n in &plan.notes {
+        info!(rank, "braid: device topology plan: {n}");
+    }
+    let me = rank as usize;
+    (0..busids.len())
+        .map(|q| {
+            if q == me {
+                return Ok(GpuLink::Nvlink);
+            }
+            plan.gpu_link(me, q).ok_or_else(|| {
+                let t = plan.transports[me][q].map_or("none", |t| t.name());
+                Error::InvalidArgument(format!(
+                    "the transport policy leaves only {t} between ranks {me} and {q}, which cannot carry device memory; unset BRAID_TRANSPORT or the BRAID_*_DISABLE variables that remove nvlink, pcie and shm"
+                ))
+            })
+        })
+        .collect()
 }
 
 impl CudaComm {
@@ -253,35 +277,27 @@ impl CudaComm {
             .enumerate()
             .map(|(r, b)| decode_gpu(b, r as u32))
             .collect::<Result<_>>()?;
-        let topo = match std::env::var(braid_core::topo::TOPO_FILE_ENV) {
-            Ok(f) if !f.trim().is_empty() => Some(Topology::new(
-                braid_core::topo::load_file(std::path::Path::new(f.trim()))
-                    .map_err(|e| Error::Env(format!("BRAID_TOPO_FILE: {e}")))?,
-            )),
-            _ => None,
-        };
-        let policy = P2pPolicy::from_env(|k| std::env::var(k).ok())?;
-        let mut links = Vec::with_capacity(nranks as usize);
-        for (q, (_, qhost, qbus, _)) in gpus.iter().enumerate() {
+        for (q, (_, qhost, _, _)) in gpus.iter().enumerate() {
             if *qhost != host {
                 return Err(Error::InvalidArgument(format!(
                     "rank {q} runs on another host ({qhost}): device collectives across hosts need a GPU network transport, which this build lacks"
                 )));
             }
-            let path = gpu_path(topo.as_ref(), dev.bus_id(), qbus);
-            let link = braid_cuda::select::select(path, &policy);
+        }
+        let busids: Vec<&str> = gpus.iter().map(|g| g.2.as_str()).collect();
+        let (cluster, policy) = comm.topology_inputs();
+        let links = device_links(cluster, policy, &busids, rank)?;
+        for (q, link) in links.iter().enumerate() {
             if q as u32 != rank {
                 info!(
                     rank,
                     peer = q,
                     gpu = dev.bus_id(),
-                    peer_gpu = %qbus,
-                    path = %path,
+                    peer_gpu = busids[q],
                     link = link.describe(),
-                    "braid: device link selected"
+                    "braid: device link selected (topology plan)"
                 );
             }
-            links.push(link);
         }
         let geo = geometry_from_env()?;
         let nvlink = NvlinkTransport::new(Some(dev.clone()), geo, links.clone());
@@ -1112,21 +1128,40 @@ mod tests {
         }
     }
 
+    /// GPUs missing from the host's model (detection without GPUs) are not
+    /// assumed peer-to-peer capable: staged, except ranks on one GPU; a
+    /// policy leaving only a network transport is an error naming it.
     #[test]
     fn unknown_gpu_pairs_are_not_assumed_p2p() {
-        assert_eq!(
-            gpu_path(None, "0000:01:00.0", "0000:01:00.0"),
-            PathType::Loc
-        );
-        assert_eq!(
-            gpu_path(None, "0000:01:00.0", "0000:02:00.0"),
-            PathType::Phb
-        );
-        let staged = braid_cuda::select::select(
-            gpu_path(None, "0000:01:00.0", "0000:02:00.0"),
-            &P2pPolicy::default(),
-        );
-        assert_eq!(staged, GpuLink::PcieStaged);
+        let sys = braid_core::topo::System {
+            cpus: vec![braid_core::topo::Cpu::default()],
+            ..Default::default()
+        };
+        let host = braid_core::topo::plan::Host {
+            name: "h".into(),
+            topo: braid_core::topo::Topology::new(sys),
+        };
+        let place = braid_core::topo::RankPlace {
+            host: 0,
+            gpu: None,
+            numa: None,
+        };
+        let cluster = Cluster {
+            hosts: vec![host],
+            ranks: vec![place.clone(), place.clone(), place],
+        };
+        let bus = ["0000:01:00.0", "0000:01:00.0", "0000:02:00.0"];
+        let links = device_links(&cluster, &TransportPolicy::default(), &bus, 0).unwrap();
+        assert_eq!(links[1], GpuLink::Nvlink, "same GPU");
+        assert_eq!(links[2], GpuLink::PcieStaged, "unknown path");
+        let net = TransportPolicy {
+            forced: Some(braid_core::topo::TransportKind::Socket),
+            ..TransportPolicy::default()
+        };
+        let e = device_links(&cluster, &net, &bus, 0)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("only socket between ranks 0 and 1"), "{e}");
     }
 
     /// Without CUDA every rank of a communicator gets "CUDA unavailable"

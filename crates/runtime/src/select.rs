@@ -10,7 +10,8 @@
 
 use std::net::SocketAddr;
 
-use braid_core::transport::Transport;
+use braid_core::topo::TransportPolicy;
+use braid_core::transport::{Transport, TransportKind};
 use braid_transport_shm::ShmTransport;
 use braid_transport_socket::{SocketConfig, SocketTransport};
 use tracing::{info, warn};
@@ -40,21 +41,13 @@ impl std::fmt::Debug for TransportTable {
     }
 }
 
-fn env_flag(name: &str) -> bool {
-    std::env::var(name)
-        .map(|v| !matches!(v.trim(), "" | "0" | "false" | "no"))
-        .unwrap_or(false)
-}
-
 impl TransportTable {
     /// Build the table from the environment. `root` is the bootstrap root's
     /// address: the socket transport listens on the interface that routes to
     /// it unless `BRAID_SOCKET_IFNAME` says otherwise.
-    pub fn from_env(root: SocketAddr) -> Result<TransportTable> {
-        let forced = std::env::var("BRAID_TRANSPORT")
-            .ok()
-            .map(|s| s.trim().to_ascii_lowercase())
-            .filter(|s| !s.is_empty());
+    pub fn from_env(root: SocketAddr, policy: &TransportPolicy) -> Result<TransportTable> {
+        let forced = policy.forced.map(|f| f.name().to_owned());
+        let off = |t: TransportKind| policy.disabled.contains(&t);
         if let Some(f) = &forced {
             if !KNOWN.contains(&f.as_str()) {
                 return Err(Error::Env(format!(
@@ -69,11 +62,11 @@ impl TransportTable {
             }
         }
         let mut entries: Vec<Box<dyn Transport>> = Vec::new();
-        if !env_flag("BRAID_SHM_DISABLE") {
+        if !off(TransportKind::Shm) {
             entries.push(Box::new(ShmTransport::new()));
         }
         #[cfg(feature = "ib")]
-        if !env_flag("BRAID_IB_DISABLE") {
+        if !off(TransportKind::Ib) {
             match braid_transport_ib::IbTransport::from_env() {
                 Ok(t) => {
                     let c = t.chosen();
@@ -90,7 +83,7 @@ impl TransportTable {
                 Err(e) => info!("braid: {e}"),
             }
         }
-        if !env_flag("BRAID_SOCKET_DISABLE") {
+        if !off(TransportKind::Socket) {
             match SocketConfig::from_env().and_then(|c| SocketTransport::new(c.with_root(root))) {
                 Ok(t) => {
                     info!(
@@ -104,6 +97,10 @@ impl TransportTable {
                 Err(e) if forced.as_deref() == Some("socket") => return Err(Error::Core(e)),
                 Err(e) => warn!("braid: socket transport unavailable: {e}"),
             }
+        }
+        #[cfg(not(feature = "ib"))]
+        if !off(TransportKind::Ib) {
+            warn_rdma_unused(std::path::Path::new("/sys/class/infiniband"));
         }
         Ok(TransportTable { entries, forced })
     }
@@ -143,6 +140,41 @@ impl TransportTable {
     }
 }
 
+/// The RDMA devices under `dir` (`/sys/class/infiniband`), sorted.
+#[cfg_attr(feature = "ib", allow(dead_code))]
+fn rdma_devices(dir: &std::path::Path) -> Vec<String> {
+    let mut v: Vec<String> = std::fs::read_dir(dir)
+        .map(|d| {
+            d.filter_map(|e| e.ok())
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .collect()
+        })
+        .unwrap_or_default();
+    v.sort();
+    v
+}
+
+/// A build without the `ib` feature on a host with RDMA devices: say so,
+/// once per process, instead of falling back to TCP in silence.
+#[cfg(not(feature = "ib"))]
+fn warn_rdma_unused(dir: &std::path::Path) {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    let devs = rdma_devices(dir);
+    if devs.is_empty() {
+        return;
+    }
+    ONCE.call_once(|| warn!("{}", rdma_unused_message(&devs)));
+}
+
+/// What [`warn_rdma_unused`] says.
+#[cfg_attr(feature = "ib", allow(dead_code))]
+fn rdma_unused_message(devs: &[String]) -> String {
+    format!(
+        "braid: this host has RDMA devices ({}) but this braid was built without the `ib` feature, so ranks on other hosts are reached over TCP; build with `--features braid/ib` (needs libibverbs) to use them, or set BRAID_IB_DISABLE=1 to silence this",
+        devs.join(", ")
+    )
+}
+
 /// Identity of the memory domain this process runs in: ranks with the same
 /// value can share memory. `BRAID_HOST_ID` overrides; otherwise the host name,
 /// the device and inode of the `/dev/shm` mount and the pid namespace, so that
@@ -167,4 +199,29 @@ pub fn host_id() -> String {
         .map(|p| p.to_string_lossy().into_owned())
         .unwrap_or_else(|_| "no-pidns".into());
     format!("{hostname}/{shm}/{pidns}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rdma_devices_are_listed_and_named_in_the_warning() {
+        let d = std::env::temp_dir().join(format!("braid-ib-class-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        assert!(
+            rdma_devices(&d).is_empty(),
+            "a missing class directory means none"
+        );
+        std::fs::create_dir_all(d.join("rxe0")).unwrap();
+        std::fs::create_dir_all(d.join("mlx5_0")).unwrap();
+        let devs = rdma_devices(&d);
+        assert_eq!(devs, ["mlx5_0", "rxe0"]);
+        let m = rdma_unused_message(&devs);
+        assert!(
+            m.contains("mlx5_0, rxe0") && m.contains("--features braid/ib"),
+            "{m}"
+        );
+        std::fs::remove_dir_all(&d).unwrap();
+    }
 }

@@ -21,7 +21,8 @@ use std::collections::BTreeSet;
 use std::path::Path;
 
 use braid_core::topo::{
-    self, xml, Cluster, Cpu, CpuSet, Plan, RankPlace, System, Topology, Transport, TransportPolicy,
+    self, xml, Cluster, Cpu, CpuSet, Plan, RankPlace, System, Topology, TransportKind,
+    TransportPolicy,
 };
 use braid_core::transport::PeerDesc;
 use tracing::{info, warn};
@@ -39,6 +40,9 @@ pub struct Placement {
     pub ring: Vec<u32>,
     /// The whole plan, for inspection.
     pub plan: Plan,
+    /// The fused topology the plan was made for (ranks without GPUs): a
+    /// device communicator places its GPUs in it and plans again.
+    pub cluster: Cluster,
 }
 
 /// This host's model and where it came from.
@@ -96,7 +100,7 @@ fn numa_of(sys: &System, allowed: Option<&CpuSet>) -> Option<i32> {
 #[derive(Debug, PartialEq)]
 struct Contribution {
     /// Transports in this rank's table.
-    transports: BTreeSet<Transport>,
+    transports: BTreeSet<TransportKind>,
     /// NUMA node the rank is bound to (-1: unknown).
     numa: i32,
     /// The host's model as NCCL XML (first rank of a host only).
@@ -105,7 +109,7 @@ struct Contribution {
 
 fn encode(c: &Contribution) -> Vec<u8> {
     let mask = c.transports.iter().fold(0u8, |m, t| {
-        m | 1 << Transport::ALL.iter().position(|x| x == t).unwrap_or(7)
+        m | 1 << TransportKind::ALL.iter().position(|x| x == t).unwrap_or(7)
     });
     let mut v = vec![mask];
     v.extend_from_slice(&c.numa.to_le_bytes());
@@ -137,7 +141,7 @@ fn decode(b: &[u8], from: usize) -> Result<Contribution> {
                 .to_string(),
         )
     };
-    let transports = Transport::ALL
+    let transports = TransportKind::ALL
         .iter()
         .enumerate()
         .filter(|(i, _)| mask & (1 << i) != 0)
@@ -199,7 +203,7 @@ fn fuse(
         })
         .collect();
     // Only what every rank has may be used.
-    let common: BTreeSet<Transport> = contribs
+    let common: BTreeSet<TransportKind> = contribs
         .iter()
         .map(|c| c.transports.clone())
         .reduce(|a, b| a.intersection(&b).copied().collect())
@@ -219,7 +223,7 @@ fn fuse(
             )));
         }
     }
-    for t in Transport::ALL {
+    for t in TransportKind::ALL {
         if !common.contains(&t) {
             policy.disabled.insert(t);
         }
@@ -235,6 +239,7 @@ pub fn place(
     me: &PeerDesc,
     peers: &[PeerDesc],
     table: &TransportTable,
+    policy: &TransportPolicy,
     allowed: Option<&CpuSet>,
 ) -> Result<Placement> {
     let rank = me.rank as usize;
@@ -243,7 +248,7 @@ pub fn place(
     let mine = Contribution {
         transports: table
             .names()
-            .filter_map(|n| n.parse::<Transport>().ok())
+            .filter_map(|n| n.parse::<TransportKind>().ok())
             .collect(),
         numa: numa_of(&sys, allowed).unwrap_or(-1),
         xml: leaders.contains(&rank).then(|| xml::to_xml(&sys)),
@@ -257,10 +262,13 @@ pub fn place(
         .enumerate()
         .map(|(r, b)| decode(b, r))
         .collect::<Result<_>>()?;
-    let policy = TransportPolicy::from_env(|k| std::env::var(k).ok())?;
+    let policy = policy.clone();
     let policy_forced = policy.forced;
     let (cluster, policy) = fuse(peers, &contribs, policy)?;
     let plan = topo::plan(&cluster, &policy)?;
+    for n in &plan.notes {
+        info!(rank, "braid: topology plan: {n}");
+    }
     let row = &plan.transports[rank];
     let mut choice = Vec::with_capacity(peers.len());
     for (q, t) in row.iter().enumerate() {
@@ -322,7 +330,12 @@ pub fn place(
         }
     }
     info!(rank, ring = ?ring, channels = plan.rings.len(), "braid: ring order (topology plan)");
-    Ok(Placement { choice, ring, plan })
+    Ok(Placement {
+        choice,
+        ring,
+        plan,
+        cluster,
+    })
 }
 
 #[cfg(test)]
@@ -338,7 +351,7 @@ mod tests {
         }
     }
 
-    fn contrib(ts: &[Transport], xml: Option<String>) -> Contribution {
+    fn contrib(ts: &[TransportKind], xml: Option<String>) -> Contribution {
         Contribution {
             transports: ts.iter().copied().collect(),
             numa: 0,
@@ -357,7 +370,9 @@ mod tests {
     #[test]
     fn contribution_round_trips_and_rejects_garbage() {
         let c = Contribution {
-            transports: [Transport::Shm, Transport::Socket].into_iter().collect(),
+            transports: [TransportKind::Shm, TransportKind::Socket]
+                .into_iter()
+                .collect(),
             numa: 3,
             xml: Some("<system/>".into()),
         };
@@ -380,7 +395,7 @@ mod tests {
             .into_iter()
             .map(|(r, h)| desc(r, h))
             .collect();
-        let both = [Transport::Shm, Transport::Socket];
+        let both = [TransportKind::Shm, TransportKind::Socket];
         let contribs = vec![
             contrib(&both, Some(vm_xml())),
             contrib(&both, Some(vm_xml())),
@@ -394,8 +409,8 @@ mod tests {
             [0, 1, 0, 1]
         );
         let plan = topo::plan(&c, &pol).unwrap();
-        assert_eq!(plan.transports[0][2], Some(Transport::Shm));
-        assert_eq!(plan.transports[0][1], Some(Transport::Socket));
+        assert_eq!(plan.transports[0][2], Some(TransportKind::Shm));
+        assert_eq!(plan.transports[0][1], Some(TransportKind::Socket));
         let ring = &plan.rings[0].order;
         let host = |r: u32| peers[r as usize].host_id.clone();
         let crossings = (0..4)
@@ -409,16 +424,16 @@ mod tests {
         let peers = vec![desc(0, "a"), desc(1, "b")];
         let contribs = vec![
             contrib(
-                &[Transport::Shm, Transport::Ib, Transport::Socket],
+                &[TransportKind::Shm, TransportKind::Ib, TransportKind::Socket],
                 Some(vm_xml()),
             ),
-            contrib(&[Transport::Shm, Transport::Socket], Some(vm_xml())),
+            contrib(&[TransportKind::Shm, TransportKind::Socket], Some(vm_xml())),
         ];
         let (_, pol) = fuse(&peers, &contribs, TransportPolicy::default()).unwrap();
-        assert!(pol.disabled.contains(&Transport::Ib));
-        assert!(!pol.disabled.contains(&Transport::Socket));
+        assert!(pol.disabled.contains(&TransportKind::Ib));
+        assert!(!pol.disabled.contains(&TransportKind::Socket));
         let forced = TransportPolicy {
-            forced: Some(Transport::Ib),
+            forced: Some(TransportKind::Ib),
             ..TransportPolicy::default()
         };
         let e = fuse(&peers, &contribs, forced).unwrap_err().to_string();
@@ -431,7 +446,7 @@ mod tests {
     #[test]
     fn a_host_without_a_model_is_an_error_naming_its_rank() {
         let peers = vec![desc(0, "a"), desc(1, "b")];
-        let both = [Transport::Shm, Transport::Socket];
+        let both = [TransportKind::Shm, TransportKind::Socket];
         let contribs = vec![contrib(&both, Some(vm_xml())), contrib(&both, None)];
         let e = fuse(&peers, &contribs, TransportPolicy::default())
             .unwrap_err()

@@ -217,8 +217,8 @@ fn connect_qps(
 }
 
 impl Transport for IbTransport {
-    fn name(&self) -> &'static str {
-        NAME
+    fn kind(&self) -> braid_core::transport::TransportKind {
+        braid_core::transport::TransportKind::Ib
     }
 
     fn mem_kind(&self) -> MemKind {

@@ -1,4 +1,4 @@
-//! The transport conformance suite from braid-core, run against the IB
+//! The transport conformance suite (braid-conformance), run against the IB
 //! transport on a real RDMA device (Soft-RoCE in `../shared/rdma-vm/run`:
 //! `scripts/rdma-tests.sh`). Without an RDMA device these tests fail with a
 //! message saying so: they are built only with the `verbs` feature, and the
@@ -28,17 +28,17 @@ fn ib(slot_bytes: usize, slots: usize, qps: usize) -> IbTransport {
 /// alternating QPs).
 mod two_qps {
     use super::*;
-    braid_core::transport_conformance_tests!(|| ib(64 * 1024, 16, 2));
+    braid_conformance::transport_conformance_tests!(|| ib(64 * 1024, 16, 2));
 }
 
 /// Slots that stripe over three QPs, odd slot count.
 mod striped {
     use super::*;
-    braid_core::transport_conformance_tests!(|| ib(192 * 1024 + 64, 5, 3));
+    braid_conformance::transport_conformance_tests!(|| ib(192 * 1024 + 64, 5, 3));
 }
 
 /// One QP, tiny slots, a deep FIFO.
 mod one_qp {
     use super::*;
-    braid_core::transport_conformance_tests!(|| ib(4096 + 64, 32, 1));
+    braid_conformance::transport_conformance_tests!(|| ib(4096 + 64, 32, 1));
 }

@@ -8,17 +8,18 @@
 //! NVLink. Credits travel in a small shared-memory FIFO. The mechanism is
 //! [`braid_cuda::link`], shared with `braid-transport-pcie` (NCCL has one P2P
 //! transport; the path class decides which of the two serves a pair, see
-//! [`braid_cuda::select`]).
+//! the planner, `braid_core::topo::plan`).
 //!
 //! Without CUDA (no driver, no NVRTC, no device) the transport connects
 //! nothing, and set-up errors say "CUDA unavailable" with the reason.
 
 use std::sync::Arc;
 
+use braid_core::topo::GpuLink;
 use braid_core::transport::{PeerDesc, PendingRecv, PendingSend, Transport};
 use braid_core::types::MemKind;
 use braid_cuda::link::{Geometry, IpcTransport};
-use braid_cuda::{Device, GpuLink};
+use braid_cuda::Device;
 
 /// The transport's name.
 pub const NAME: &str = "nvlink";
@@ -54,8 +55,8 @@ impl NvlinkTransport {
 }
 
 impl Transport for NvlinkTransport {
-    fn name(&self) -> &'static str {
-        NAME
+    fn kind(&self) -> braid_core::transport::TransportKind {
+        braid_core::transport::TransportKind::Nvlink
     }
     fn mem_kind(&self) -> MemKind {
         self.inner.mem_kind()

@@ -9,7 +9,7 @@
 //! `BRAID_P2P_DISABLE=1`), the link is a shared-memory slot FIFO in host
 //! memory (`braid-transport-shm`), like NCCL's SHM transport for GPUs: the
 //! device engine copies device → host slot on one side and host slot →
-//! device on the other. The per-pair choice is [`braid_cuda::select`]'s; the
+//! device on the other. The per-pair choice is the planner, `braid_core::topo::plan`'s; the
 //! connect-info starts with a mode byte so that two ranks that chose
 //! differently fail at set-up with a message instead of mis-reading slots.
 //!
@@ -19,13 +19,14 @@
 use std::sync::Arc;
 use std::time::Instant;
 
+use braid_core::topo::GpuLink;
 use braid_core::transport::{
     PeerDesc, PendingRecv, PendingSend, RecvChannel, SendChannel, Transport,
 };
 use braid_core::types::MemKind;
 use braid_core::CoreError;
 use braid_cuda::link::{Geometry, IpcTransport};
-use braid_cuda::{Device, GpuLink};
+use braid_cuda::Device;
 use braid_transport_shm::ShmTransport;
 
 /// The transport's name.
@@ -161,8 +162,8 @@ impl PendingSend for Tagged<Box<dyn PendingSend>> {
 }
 
 impl Transport for PcieTransport {
-    fn name(&self) -> &'static str {
-        NAME
+    fn kind(&self) -> braid_core::transport::TransportKind {
+        braid_core::transport::TransportKind::Pcie
     }
     fn mem_kind(&self) -> MemKind {
         self.p2p.mem_kind()

@@ -9,7 +9,7 @@
 //!   slot out into a buffer), reported as payload bytes per second.
 //!
 //! Channels are connected the way the runtime does it (see
-//! `braid_core::transport::conformance::connect_pair`), and every wait spins
+//! `braid_conformance::connect_pair`), and every wait spins
 //! with `std::hint::spin_loop`, yielding now and then so that two spinning
 //! threads on a busy machine still make progress, and panics after a generous
 //! deadline so a bug cannot hang the bench. Segments are unlinked from
@@ -22,7 +22,7 @@ use std::hint::black_box;
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use braid_core::transport::conformance::{connect_pair, WAIT};
+use braid_conformance::{connect_pair, WAIT};
 use braid_core::transport::{RecvChannel, SendChannel, SlotBuf};
 use braid_transport_shm::{leftover_segments, ShmTransport};
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};

@@ -425,8 +425,8 @@ fn random_u64() -> Result<u64> {
 }
 
 impl Transport for ShmTransport {
-    fn name(&self) -> &'static str {
-        NAME
+    fn kind(&self) -> braid_core::transport::TransportKind {
+        braid_core::transport::TransportKind::Shm
     }
 
     fn mem_kind(&self) -> MemKind {

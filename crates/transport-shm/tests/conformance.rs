@@ -1,4 +1,4 @@
-//! The transport conformance suite from braid-core, run against shm with a
+//! The transport conformance suite (braid-conformance), run against shm with a
 //! few geometries.
 
 use braid_transport_shm::ShmTransport;
@@ -6,17 +6,21 @@ use braid_transport_shm::ShmTransport;
 /// Small slots: fast, many wrap-arounds.
 mod small {
     use super::*;
-    braid_core::transport_conformance_tests!(|| ShmTransport::with_params(64 * 1024, 4).unwrap());
+    braid_conformance::transport_conformance_tests!(
+        || ShmTransport::with_params(64 * 1024, 4).unwrap()
+    );
 }
 
 /// Odd geometry: slot_bytes not a multiple of the page size, 3 slots.
 mod odd {
     use super::*;
-    braid_core::transport_conformance_tests!(|| ShmTransport::with_params(4096 + 64, 3).unwrap());
+    braid_conformance::transport_conformance_tests!(
+        || ShmTransport::with_params(4096 + 64, 3).unwrap()
+    );
 }
 
 /// The production defaults (512 KiB x 8).
 mod defaults {
     use super::*;
-    braid_core::transport_conformance_tests!(ShmTransport::default);
+    braid_conformance::transport_conformance_tests!(ShmTransport::default);
 }

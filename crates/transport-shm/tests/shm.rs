@@ -9,8 +9,8 @@ use std::process::{Child, Command, Stdio};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
+use braid_conformance::{connect_pair, desc, wait_for};
 use braid_core::error::CoreError;
-use braid_core::transport::conformance::{connect_pair, desc, wait_for};
 use braid_core::transport::{SlotBuf, Transport};
 use braid_transport_shm::{leftover_segments, ShmTransport};
 

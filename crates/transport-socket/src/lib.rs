@@ -441,8 +441,8 @@ fn bad_info(peer: u32, which: &str, e: String) -> CoreError {
 }
 
 impl Transport for SocketTransport {
-    fn name(&self) -> &'static str {
-        NAME
+    fn kind(&self) -> braid_core::transport::TransportKind {
+        braid_core::transport::TransportKind::Socket
     }
 
     fn mem_kind(&self) -> MemKind {
@@ -796,7 +796,7 @@ fn check_hello<T>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use braid_core::transport::conformance::desc;
+    use braid_conformance::desc;
     use braid_core::transport::Incoming;
 
     fn lo() -> SocketTransport {

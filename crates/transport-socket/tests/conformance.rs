@@ -1,4 +1,4 @@
-//! The transport conformance suite from braid-core, run against the socket
+//! The transport conformance suite (braid-conformance), run against the socket
 //! transport over loopback with a few geometries and socket counts.
 
 use braid_transport_socket::{SocketConfig, SocketTransport};
@@ -15,19 +15,19 @@ fn over(addr: &str, slot_bytes: usize, slots: usize, nsocks: usize) -> SocketTra
 /// minimum, so full slots are one piece).
 mod v4 {
     use super::*;
-    braid_core::transport_conformance_tests!(|| over("127.0.0.1", 64 * 1024, 4, 4));
+    braid_conformance::transport_conformance_tests!(|| over("127.0.0.1", 64 * 1024, 4, 4));
 }
 
 /// IPv4 loopback, slots that stripe over 3 sockets, odd slot count.
 mod v4_striped {
     use super::*;
-    braid_core::transport_conformance_tests!(|| over("127.0.0.1", 192 * 1024 + 64, 3, 3));
+    braid_conformance::transport_conformance_tests!(|| over("127.0.0.1", 192 * 1024 + 64, 3, 3));
 }
 
 /// One data socket, tiny slots.
 mod v4_one_socket {
     use super::*;
-    braid_core::transport_conformance_tests!(|| over("127.0.0.1", 4096 + 64, 2, 1));
+    braid_conformance::transport_conformance_tests!(|| over("127.0.0.1", 4096 + 64, 2, 1));
 }
 
 /// IPv6 loopback where the host has it; elsewhere IPv4 (with a message).
@@ -46,5 +46,5 @@ mod v6 {
             }
         })
     }
-    braid_core::transport_conformance_tests!(|| over(v6_addr(), 64 * 1024, 4, 2));
+    braid_conformance::transport_conformance_tests!(|| over(v6_addr(), 64 * 1024, 4, 2));
 }

@@ -5,8 +5,8 @@
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
+use braid_conformance::{connect_pair, desc};
 use braid_core::error::CoreError;
-use braid_core::transport::conformance::{connect_pair, desc};
 use braid_core::transport::{Incoming, RecvChannel, Transport};
 use braid_transport_socket::{SocketConfig, SocketTransport};
 

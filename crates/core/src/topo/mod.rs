@@ -34,9 +34,10 @@ pub mod xml;
 
 use std::path::Path;
 
+pub use crate::transport::TransportKind;
 pub use graph::{PathType, Topology};
 pub use model::{Cpu, CpuSet, Gpu, Net, Nic, NicKind, NvLink, Pci, System};
-pub use plan::{plan, Cluster, Plan, RankPlace, Transport, TransportPolicy};
+pub use plan::{plan, Cluster, GpuLink, Plan, RankPlace, TransportPolicy};
 pub use sysfs::{detect, Detected, GpuProvider, NoGpus, RecordedGpus, SysfsReader};
 
 /// Errors of topology detection and files. Each names the file (and line).

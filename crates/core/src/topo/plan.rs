@@ -21,74 +21,25 @@
 //! for rings through host memory).
 
 use std::collections::BTreeSet;
-use std::fmt;
-use std::str::FromStr;
 
 use serde::{Deserialize, Serialize};
 
 use super::graph::{PathType, Topology, LOC_BW};
 use super::TopoError;
+use crate::config;
+use crate::transport::TransportKind;
 
-/// braid's transports, best first.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Transport {
-    Nvlink,
-    Pcie,
-    Shm,
-    Ib,
-    Socket,
-}
-
-impl Transport {
-    pub const ALL: [Transport; 5] = [
-        Transport::Nvlink,
-        Transport::Pcie,
-        Transport::Shm,
-        Transport::Ib,
-        Transport::Socket,
-    ];
-    /// The transport's name as braid's runtime spells it.
-    pub fn name(self) -> &'static str {
-        match self {
-            Transport::Nvlink => "nvlink",
-            Transport::Pcie => "pcie",
-            Transport::Shm => "shm",
-            Transport::Ib => "ib",
-            Transport::Socket => "socket",
-        }
-    }
-}
-
-impl fmt::Display for Transport {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
-    }
-}
-
-impl FromStr for Transport {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        let l = s.trim().to_ascii_lowercase();
-        Transport::ALL
-            .into_iter()
-            .find(|t| {
-                t.name() == l
-                    || (l == "p2p" && *t == Transport::Pcie)
-                    || (l == "net" && *t == Transport::Ib)
-            })
-            .ok_or_else(|| format!("unknown transport '{s}' (nvlink, pcie, shm, ib, socket)"))
-    }
-}
-
-/// What the environment allows.
+/// What the environment allows: parsed once, here, for host and device
+/// communicators alike.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct TransportPolicy {
     /// `BRAID_TRANSPORT`: use only this one.
-    pub forced: Option<Transport>,
-    /// `BRAID_<NAME>_DISABLE`.
-    pub disabled: BTreeSet<Transport>,
-    /// `BRAID_P2P_LEVEL`: the worst PCIe path P2P may take (default PXB).
+    pub forced: Option<TransportKind>,
+    /// `BRAID_<NAME>_DISABLE` (and `BRAID_P2P_DISABLE`, which removes
+    /// nvlink and pcie peer-to-peer).
+    pub disabled: BTreeSet<TransportKind>,
+    /// `BRAID_P2P_LEVEL`: the worst path between two GPUs that peer-to-peer
+    /// (NVLink or PCIe) may take (default PXB: never through a CPU).
     pub p2p_level: PathType,
 }
 
@@ -103,28 +54,44 @@ impl Default for TransportPolicy {
 }
 
 impl TransportPolicy {
-    /// Read the policy through `env` (e.g. `|k| std::env::var(k).ok()`).
-    pub fn from_env(env: impl Fn(&str) -> Option<String>) -> Result<Self, TopoError> {
+    /// Read `BRAID_TRANSPORT`, `BRAID_<NAME>_DISABLE`, `BRAID_P2P_DISABLE`
+    /// and `BRAID_P2P_LEVEL` through `env` (e.g. [`config::process_env`]).
+    /// A value braid cannot use is an error naming the variable.
+    pub fn from_env(env: &dyn Fn(&str) -> Option<String>) -> Result<Self, TopoError> {
+        let bad = |e: config::ConfigError| TopoError::Invalid(e.to_string());
         let mut p = TransportPolicy::default();
-        if let Some(v) = env("BRAID_TRANSPORT").filter(|v| !v.trim().is_empty()) {
-            p.forced = Some(
-                v.parse()
-                    .map_err(|e| TopoError::Invalid(format!("BRAID_TRANSPORT: {e}")))?,
-            );
+        if let Some(v) = config::value(env, "BRAID_TRANSPORT") {
+            p.forced =
+                Some(v.parse().map_err(|e: String| {
+                    bad(config::ConfigError::new("BRAID_TRANSPORT", &v, e))
+                })?);
         }
-        for t in Transport::ALL {
-            let k = format!("BRAID_{}_DISABLE", t.name().to_ascii_uppercase());
-            if let Some(v) = env(&k) {
-                let v = v.trim().to_ascii_lowercase();
-                if !matches!(v.as_str(), "" | "0" | "false" | "no" | "off") {
-                    p.disabled.insert(t);
-                }
+        for t in TransportKind::ALL {
+            if config::flag(env, &t.disable_var(), false).map_err(bad)? {
+                p.disabled.insert(t);
             }
         }
-        if let Some(v) = env("BRAID_P2P_LEVEL").filter(|v| !v.trim().is_empty()) {
-            p.p2p_level = v
-                .parse()
-                .map_err(|e| TopoError::Invalid(format!("BRAID_P2P_LEVEL: {e}")))?;
+        if config::flag(env, "BRAID_P2P_DISABLE", false).map_err(bad)? {
+            p.disabled.insert(TransportKind::Nvlink);
+            p.disabled.insert(TransportKind::Pcie);
+        }
+        if let Some(v) = config::value(env, "BRAID_P2P_LEVEL") {
+            let expected = "use LOC, NVL, NVB, PIX, PXB, PHB or SYS (or NCCL's numbers 0-4)";
+            let level: PathType = v.parse().map_err(|e: String| {
+                bad(config::ConfigError::new(
+                    "BRAID_P2P_LEVEL",
+                    &v,
+                    format!("{e}; {expected}"),
+                ))
+            })?;
+            if level > PathType::Sys {
+                return Err(bad(config::ConfigError::new(
+                    "BRAID_P2P_LEVEL",
+                    &v,
+                    "peer-to-peer never crosses the network; use at most SYS",
+                )));
+            }
+            p.p2p_level = level;
         }
         Ok(p)
     }
@@ -210,7 +177,7 @@ impl Cluster {
 pub struct Hop {
     pub from: u32,
     pub to: u32,
-    pub transport: Transport,
+    pub transport: TransportKind,
     /// Path class between the two ends (NET across hosts).
     pub path: PathType,
     /// Bottleneck GB/s of the hop.
@@ -239,18 +206,71 @@ impl Ring {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Plan {
     /// `transports[a][b]`: how rank a talks to rank b (None on the diagonal).
-    pub transports: Vec<Vec<Option<Transport>>>,
+    pub transports: Vec<Vec<Option<TransportKind>>>,
     /// One ring per channel.
     pub rings: Vec<Ring>,
     /// Per rank: the port it uses to leave / enter its host (nearest its GPU).
     pub nearest_nic: Vec<Option<String>>,
+    /// What the planner assumed where the inputs were incomplete (a GPU
+    /// missing from its host's model, say), for the log.
+    #[serde(default)]
+    pub notes: Vec<String>,
+}
+
+/// How the device engines of two GPU ranks of one host move data: the
+/// device side of the planner's transport for the pair.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum GpuLink {
+    /// CUDA IPC into the peer's GPU memory over NVLink (or one shared GPU):
+    /// `braid-transport-nvlink`.
+    Nvlink,
+    /// CUDA IPC over PCIe peer-to-peer: `braid-transport-pcie`.
+    PcieP2p,
+    /// Staged through pinned shared host memory (where the planner chose
+    /// shared memory for the pair): `braid-transport-pcie`.
+    PcieStaged,
+}
+
+impl GpuLink {
+    /// The transport that serves the link.
+    pub fn transport(self) -> TransportKind {
+        match self {
+            GpuLink::Nvlink => TransportKind::Nvlink,
+            GpuLink::PcieP2p | GpuLink::PcieStaged => TransportKind::Pcie,
+        }
+    }
+
+    /// Short description for logs.
+    pub fn describe(self) -> &'static str {
+        match self {
+            GpuLink::Nvlink => "nvlink (CUDA IPC)",
+            GpuLink::PcieP2p => "pcie (CUDA IPC, P2P)",
+            GpuLink::PcieStaged => "pcie (staged through host memory)",
+        }
+    }
+}
+
+impl Plan {
+    /// The device link between GPU ranks `a` and `b`: NVLink and PCIe as
+    /// planned, shared memory as PCIe staged through host memory; `None` for
+    /// a network transport (the ranks are on different hosts, or only a
+    /// network transport was allowed) or `a == b`.
+    pub fn gpu_link(&self, a: usize, b: usize) -> Option<GpuLink> {
+        match self.transports.get(a)?.get(b).copied().flatten()? {
+            TransportKind::Nvlink => Some(GpuLink::Nvlink),
+            TransportKind::Pcie => Some(GpuLink::PcieP2p),
+            TransportKind::Shm => Some(GpuLink::PcieStaged),
+            TransportKind::Ib | TransportKind::Socket => None,
+        }
+    }
 }
 
 struct Ctx<'a> {
     c: &'a Cluster,
     policy: &'a TransportPolicy,
-    /// Per rank: GPU node (if any) and CPU node.
+    /// Per rank: GPU node (if any and in the host's model) and CPU node.
     gpu: Vec<Option<usize>>,
+
     cpu: Vec<usize>,
     near_rdma: Vec<Option<usize>>,
     near_any: Vec<Option<usize>>,
@@ -259,6 +279,14 @@ struct Ctx<'a> {
 impl Ctx<'_> {
     fn topo(&self, r: usize) -> &Topology {
         &self.c.hosts[self.c.ranks[r].host].topo
+    }
+    /// Whether ranks `a` and `b` (of one host) use the same GPU.
+    fn same_gpu(&self, a: usize, b: usize) -> bool {
+        let (ra, rb) = (&self.c.ranks[a], &self.c.ranks[b]);
+        match (&ra.gpu, &rb.gpu) {
+            (Some(x), Some(y)) => ra.host == rb.host && x.eq_ignore_ascii_case(y),
+            _ => false,
+        }
     }
     fn host_has_rdma(&self, r: usize) -> bool {
         self.near_rdma[r].is_some_and(|n| {
@@ -269,13 +297,16 @@ impl Ctx<'_> {
         })
     }
     /// (path type, GB/s) between two ranks of one host over `t`.
-    fn link(&self, a: usize, b: usize, t: Transport) -> (PathType, f64) {
+    fn link(&self, a: usize, b: usize, t: TransportKind) -> (PathType, f64) {
         let topo = self.topo(a);
+        if t == TransportKind::Nvlink && self.same_gpu(a, b) {
+            return (PathType::Loc, LOC_BW);
+        }
         match (t, self.gpu[a], self.gpu[b]) {
-            (Transport::Nvlink, Some(x), Some(y)) => topo
+            (TransportKind::Nvlink, Some(x), Some(y)) => topo
                 .path(x, y)
                 .map_or((PathType::Dis, 0.0), |p| (p.kind, p.bw)),
-            (Transport::Pcie, Some(x), Some(y)) => topo
+            (TransportKind::Pcie, Some(x), Some(y)) => topo
                 .pci_path(x, y)
                 .map_or((PathType::Dis, 0.0), |p| (p.kind, p.bw)),
             _ => {
@@ -300,25 +331,30 @@ impl Ctx<'_> {
             }
         }
     }
-    fn choose(&self, a: usize, b: usize) -> Result<Transport, TopoError> {
+    fn choose(&self, a: usize, b: usize) -> Result<TransportKind, TopoError> {
         let (ra, rb) = (&self.c.ranks[a], &self.c.ranks[b]);
         let mut cands = Vec::new();
         if ra.host == rb.host {
             let topo = self.topo(a);
-            if let (Some(x), Some(y)) = (self.gpu[a], self.gpu[b]) {
-                if x != y {
-                    if topo.path(x, y).is_some_and(|p| p.kind <= PathType::Nvb) {
-                        cands.push(Transport::Nvlink);
-                    }
-                    if topo
-                        .pci_path(x, y)
-                        .is_some_and(|p| p.kind <= self.policy.p2p_level)
-                    {
-                        cands.push(Transport::Pcie);
-                    }
+            let level = self.policy.p2p_level;
+            if self.same_gpu(a, b) {
+                // Ranks sharing one GPU share its memory through CUDA IPC,
+                // whatever the P2P level (NCCL's LOC level means no P2P
+                // between different GPUs).
+                cands.push(TransportKind::Nvlink);
+            } else if let (Some(x), Some(y)) = (self.gpu[a], self.gpu[b]) {
+                // The P2P level bounds NVLink paths too (NVL: NVLink only).
+                if topo
+                    .path(x, y)
+                    .is_some_and(|p| p.kind <= PathType::Nvb && p.kind <= level)
+                {
+                    cands.push(TransportKind::Nvlink);
+                }
+                if topo.pci_path(x, y).is_some_and(|p| p.kind <= level) {
+                    cands.push(TransportKind::Pcie);
                 }
             }
-            cands.push(Transport::Shm);
+            cands.push(TransportKind::Shm);
         }
         // Network transports connect any two ranks, on one host too (after
         // the host-local ones: used there only when forced or when those are
@@ -327,11 +363,11 @@ impl Ctx<'_> {
         // transport's own probe found one, or it would not be in the table;
         // virtual devices such as Soft-RoCE may have no PCI parent).
         if (self.host_has_rdma(a) && self.host_has_rdma(b))
-            || self.policy.forced == Some(Transport::Ib)
+            || self.policy.forced == Some(TransportKind::Ib)
         {
-            cands.push(Transport::Ib);
+            cands.push(TransportKind::Ib);
         }
-        cands.push(Transport::Socket);
+        cands.push(TransportKind::Socket);
         let what = || {
             format!(
                 "ranks {a} ({}) and {b} ({})",
@@ -363,7 +399,7 @@ impl Ctx<'_> {
     }
 }
 
-fn names(ts: &[Transport]) -> String {
+fn names(ts: &[TransportKind]) -> String {
     ts.iter().map(|t| t.name()).collect::<Vec<_>>().join(", ")
 }
 
@@ -374,6 +410,7 @@ pub fn plan(c: &Cluster, policy: &TransportPolicy) -> Result<Plan, TopoError> {
         return Err(TopoError::Invalid("no ranks to plan for".into()));
     }
     let mut gpu = Vec::with_capacity(n);
+    let mut notes = Vec::new();
     let mut cpu = Vec::with_capacity(n);
     for (r, p) in c.ranks.iter().enumerate() {
         let host = c.hosts.get(p.host).ok_or_else(|| {
@@ -384,12 +421,17 @@ pub fn plan(c: &Cluster, policy: &TransportPolicy) -> Result<Plan, TopoError> {
             ))
         })?;
         let t = &host.topo;
-        let g = match &p.gpu {
-            Some(b) => Some(t.gpu_by_busid(b).ok_or_else(|| {
-                TopoError::Invalid(format!("rank {r}: no GPU {b} on host {}", host.name))
-            })?),
-            None => None,
-        };
+        let g = p.gpu.as_deref().and_then(|b| t.gpu_by_busid(b));
+        if let (Some(b), None) = (&p.gpu, g) {
+            // Not in the model (a topology file without it, or detection
+            // that failed): nothing is known of its paths, so it gets no
+            // peer-to-peer except with ranks on the same GPU.
+            notes.push(format!(
+                "rank {r}: GPU {b} is not in the model of host {}; assuming no peer-to-peer path to other GPUs",
+                host.name
+            ));
+        }
+
         let cn = match (g, p.numa) {
             (Some(g), _) => t.cpu_of(g),
             (None, Some(numa)) => t.cpus.iter().copied().find(|&x| t.nodes[x].numaid == numa),
@@ -436,7 +478,7 @@ pub fn plan(c: &Cluster, policy: &TransportPolicy) -> Result<Plan, TopoError> {
     }
     let nearest_nic: Vec<Option<String>> = (0..n)
         .map(|r| {
-            let ib = transports[r].contains(&Some(Transport::Ib));
+            let ib = transports[r].contains(&Some(TransportKind::Ib));
             let net = if ib { cx.near_rdma[r] } else { cx.near_any[r] };
             net.map(|x| cx.topo(r).nodes[x].id.clone())
         })
@@ -458,7 +500,7 @@ pub fn plan(c: &Cluster, policy: &TransportPolicy) -> Result<Plan, TopoError> {
         let all_gpu_links = ring
             .hops
             .iter()
-            .all(|h| matches!(h.transport, Transport::Nvlink | Transport::Pcie));
+            .all(|h| matches!(h.transport, TransportKind::Nvlink | TransportKind::Pcie));
         let nch = if all_gpu_links && n > 1 {
             ((ring.bottleneck() / 12.0).floor() as usize).clamp(1, 16)
         } else {
@@ -516,12 +558,13 @@ pub fn plan(c: &Cluster, policy: &TransportPolicy) -> Result<Plan, TopoError> {
         transports,
         rings,
         nearest_nic,
+        notes,
     })
 }
 
 fn make_ring(
     cx: &Ctx,
-    transports: &[Vec<Option<Transport>>],
+    transports: &[Vec<Option<TransportKind>>],
     order: &[usize],
     nearest_nic: &[Option<String>],
 ) -> Ring {
@@ -530,27 +573,28 @@ fn make_ring(
     if n > 1 {
         for i in 0..n {
             let (a, b) = (order[i], order[(i + 1) % n]);
-            let t = transports[a][b].unwrap_or(Transport::Shm);
-            let (path, bw, nic_out, nic_in) = if matches!(t, Transport::Ib | Transport::Socket) {
-                let bw_of = |r: usize, nic: &Option<String>| {
-                    let topo = cx.topo(r);
-                    let sys_nets = topo.system.nets();
-                    nic.as_ref()
-                        .and_then(|name| sys_nets.iter().find(|x| &x.net.name == name))
-                        .and_then(|x| x.net.bw())
-                        .unwrap_or(super::graph::NET_BW_FALLBACK)
+            let t = transports[a][b].unwrap_or(TransportKind::Shm);
+            let (path, bw, nic_out, nic_in) =
+                if matches!(t, TransportKind::Ib | TransportKind::Socket) {
+                    let bw_of = |r: usize, nic: &Option<String>| {
+                        let topo = cx.topo(r);
+                        let sys_nets = topo.system.nets();
+                        nic.as_ref()
+                            .and_then(|name| sys_nets.iter().find(|x| &x.net.name == name))
+                            .and_then(|x| x.net.bw())
+                            .unwrap_or(super::graph::NET_BW_FALLBACK)
+                    };
+                    let bw = bw_of(a, &nearest_nic[a]).min(bw_of(b, &nearest_nic[b]));
+                    (
+                        PathType::Net,
+                        bw,
+                        nearest_nic[a].clone(),
+                        nearest_nic[b].clone(),
+                    )
+                } else {
+                    let (k, bw) = cx.link(a, b, t);
+                    (k, bw, None, None)
                 };
-                let bw = bw_of(a, &nearest_nic[a]).min(bw_of(b, &nearest_nic[b]));
-                (
-                    PathType::Net,
-                    bw,
-                    nearest_nic[a].clone(),
-                    nearest_nic[b].clone(),
-                )
-            } else {
-                let (k, bw) = cx.link(a, b, t);
-                (k, bw, None, None)
-            };
             hops.push(Hop {
                 from: a as u32,
                 to: b as u32,
@@ -599,7 +643,7 @@ impl Score {
 /// from `start`.
 fn best_order(
     cx: &Ctx,
-    transports: &[Vec<Option<Transport>>],
+    transports: &[Vec<Option<TransportKind>>],
     rs: &[usize],
     start: Option<usize>,
     cycle: bool,
@@ -609,7 +653,7 @@ fn best_order(
     if m <= 1 {
         return rs.to_vec();
     }
-    let edge = |a: usize, b: usize| cx.link(a, b, transports[a][b].unwrap_or(Transport::Shm));
+    let edge = |a: usize, b: usize| cx.link(a, b, transports[a][b].unwrap_or(TransportKind::Shm));
     let first = start.unwrap_or(rs[0]);
     let score = |order: &[usize]| {
         let mut s = Score {

@@ -21,9 +21,11 @@
 //! All data-path calls are non-blocking polls: the engine owns the waiting
 //! policy (spin, then yield, deadline, abort), so it is written once.
 
-pub mod conformance;
+mod kind;
 
 use std::time::Instant;
+
+pub use kind::TransportKind;
 
 use crate::error::Result;
 use crate::types::MemKind;
@@ -78,8 +80,12 @@ pub enum Incoming {
 
 /// A transport implementation: one per crate (`braid-transport-*`).
 pub trait Transport: Send + Sync {
+    /// Which transport this is.
+    fn kind(&self) -> TransportKind;
     /// Short name used in logs and errors (`shm`, `socket`, ...).
-    fn name(&self) -> &'static str;
+    fn name(&self) -> &'static str {
+        self.kind().name()
+    }
     /// Where this transport's slot memory lives.
     fn mem_kind(&self) -> MemKind;
     /// The fabric this end is attached to (what [`PeerDesc::fabrics`]
@@ -98,6 +104,36 @@ pub trait Transport: Send + Sync {
         me: &PeerDesc,
         peer: &PeerDesc,
     ) -> Result<(Box<dyn PendingSend>, Vec<u8>)>;
+}
+
+/// A boxed transport is a transport (so code generic over `Transport` takes
+/// the runtime's table entries as they are).
+impl<T: Transport + ?Sized> Transport for Box<T> {
+    fn kind(&self) -> TransportKind {
+        (**self).kind()
+    }
+    fn name(&self) -> &'static str {
+        (**self).name()
+    }
+    fn mem_kind(&self) -> MemKind {
+        (**self).mem_kind()
+    }
+    fn fabric(&self) -> Option<String> {
+        (**self).fabric()
+    }
+    fn can_connect(&self, me: &PeerDesc, peer: &PeerDesc) -> bool {
+        (**self).can_connect(me, peer)
+    }
+    fn listen(&self, me: &PeerDesc, peer: &PeerDesc) -> Result<(Box<dyn PendingRecv>, Vec<u8>)> {
+        (**self).listen(me, peer)
+    }
+    fn prepare_send(
+        &self,
+        me: &PeerDesc,
+        peer: &PeerDesc,
+    ) -> Result<(Box<dyn PendingSend>, Vec<u8>)> {
+        (**self).prepare_send(me, peer)
+    }
 }
 
 /// A link whose slots are a ring in GPU memory with two 32-bit counters

@@ -1,4 +1,7 @@
-//! Transport conformance suite: the seam's contract as executable checks.
+//! braid-conformance: the transport seam's contract as executable checks.
+//!
+//! Test support, not part of braid's library surface: transport crates use
+//! it as a dev-dependency.
 //!
 //! Every transport crate runs the same cases against its implementation. A
 //! case is a plain function taking a [`Factory`] (anything callable that
@@ -10,7 +13,7 @@
 //! Enable the whole suite with one line in `tests/conformance.rs`:
 //!
 //! ```text
-//! braid_core::transport_conformance_tests!(|| MyTransport::new());
+//! braid_conformance::transport_conformance_tests!(|| MyTransport::new());
 //! ```
 //!
 //! The expression must evaluate to something callable with no arguments that
@@ -38,9 +41,11 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::{PeerDesc, PendingRecv, PendingSend, RecvChannel, SendChannel, SlotBuf, Transport};
-use crate::error::CoreError;
-use crate::types::MemKind;
+use braid_core::error::CoreError;
+use braid_core::transport::{
+    PeerDesc, PendingRecv, PendingSend, RecvChannel, SendChannel, SlotBuf, Transport,
+};
+use braid_core::types::MemKind;
 
 /// Makes a fresh transport instance (one per simulated rank).
 pub type Factory = dyn Fn() -> Box<dyn Transport>;
@@ -54,12 +59,6 @@ pub trait IntoTransport {
 impl<T: Transport + 'static> IntoTransport for T {
     fn into_transport(self) -> Box<dyn Transport> {
         Box::new(self)
-    }
-}
-
-impl IntoTransport for Box<dyn Transport> {
-    fn into_transport(self) -> Box<dyn Transport> {
-        self
     }
 }
 
@@ -707,7 +706,10 @@ pub fn concurrent_stress(factory: &Factory) {
     }
 }
 
-fn wait_peer_error(what: &str, mut check: impl FnMut() -> crate::error::Result<()>) -> CoreError {
+fn wait_peer_error(
+    what: &str,
+    mut check: impl FnMut() -> braid_core::error::Result<()>,
+) -> CoreError {
     let e = wait_for(what, WAIT, || check().err());
     assert!(
         matches!(e, CoreError::PeerAborted { .. } | CoreError::Peer { .. }),
@@ -1053,7 +1055,7 @@ pub fn oversized_commit_rejected(factory: &Factory) {
 /// only after the receiver released it. A transport without them must
 /// refuse `commit_direct` with an error (and keep working).
 pub fn direct_transfers_when_offered(factory: &Factory) {
-    use crate::transport::Incoming;
+    use braid_core::transport::Incoming;
     let (mut tx, mut rx) = fresh_pair(factory);
     let len = tx.slot_bytes() * 3 + 7;
     let data: Vec<u8> = (0..len).map(|i| (i * 7 + 3) as u8).collect();
@@ -1102,7 +1104,7 @@ pub fn direct_transfers_when_offered(factory: &Factory) {
     let slot = wait_for("a free slot", Duration::from_secs(10), || {
         tx.poll_acquire().unwrap()
     });
-    if crate::types::MemKind::Host == tx.mem_kind() {
+    if braid_core::types::MemKind::Host == tx.mem_kind() {
         // SAFETY: host slot of at least one byte.
         unsafe { slot.ptr.write(42) };
     }
@@ -1246,13 +1248,13 @@ macro_rules! transport_conformance_tests {
         $(
             #[test]
             fn $test() {
-                $crate::transport::conformance::$case(&__braid_conformance_factory)
+                $crate::$case(&__braid_conformance_factory)
             }
         )*
     };
     ($factory:expr) => {
-        fn __braid_conformance_factory() -> ::std::boxed::Box<dyn $crate::transport::Transport> {
-            $crate::transport::conformance::IntoTransport::into_transport(($factory)())
+        fn __braid_conformance_factory() -> ::std::boxed::Box<dyn ::braid_core::transport::Transport> {
+            $crate::IntoTransport::into_transport(($factory)())
         }
         $crate::transport_conformance_tests!(@cases
             conformance_ordered_delivery => ordered_delivery,
