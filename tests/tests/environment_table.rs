@@ -24,14 +24,11 @@ const TABLE: &str = "docs/environment.md";
 /// Names built at run time: the template as written in source (braces
 /// emptied) and the names it stands for.
 fn templates() -> Vec<(&'static str, Vec<String>)> {
-    use braid_core::topo::plan::Transport;
+    use braid_core::transport::TransportKind;
     vec![(
-        // crates/core/src/topo/plan.rs: one per transport in the table.
+        // crates/core/src/transport/kind.rs: one per transport.
         "BRAID_{}_DISABLE",
-        Transport::ALL
-            .iter()
-            .map(|t| format!("BRAID_{}_DISABLE", t.name().to_ascii_uppercase()))
-            .collect(),
+        TransportKind::ALL.iter().map(|t| t.disable_var()).collect(),
     )]
 }
 

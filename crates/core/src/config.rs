@@ -236,7 +236,7 @@ mod tests {
             ("off", false),
             ("NO", false),
         ] {
-            assert_eq!(parse_bool("BRAID_X", v), Ok(want), "{v}");
+            assert_eq!(parse_bool("SOME_FLAG", v), Ok(want), "{v}");
         }
         for bad in ["2", "disable", "y", "-1"] {
             let e = parse_bool("BRAID_SHM_DISABLE", bad).unwrap_err();
