@@ -16,7 +16,8 @@ use tracing::{debug, info, info_span};
 use crate::bootstrap::{
     create_unique_id, create_unique_id_with_timeout, Bootstrap, RootServer, UniqueId,
 };
-use crate::engine::{self, Channels, Exec, RawBuf, WaitPolicy};
+use crate::engine::host::{self, Exec};
+use crate::engine::{Channels, RawBuf, WaitPolicy};
 use crate::env::{timeout_from_env, LaunchInfo};
 use crate::error::{Error, Result};
 use crate::fingerprint::Headers;
@@ -883,7 +884,7 @@ impl Communicator {
         // SAFETY: the typed entry points built `bufs` from live slices of the
         // right lengths (checked), borrowed for this whole call, aligned for
         // `dt`, aliasing only as the in-place plans allow.
-        let res = unsafe { engine::execute(prog, &mut st.chans, &ex, &mut st.header_flags) };
+        let res = unsafe { host::execute(prog, &mut st.chans, &ex, &mut st.header_flags) };
         if !matches!(coll, Collective::Group(_)) {
             // Put the plan back where the next identical call finds it
             // (moved, not cloned: an Arc's count is two atomic operations).

@@ -17,7 +17,6 @@
 pub mod bootstrap;
 pub mod comm;
 pub mod cuda;
-mod cuda_stream;
 pub mod engine;
 pub mod env;
 pub mod error;

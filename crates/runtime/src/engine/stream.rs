@@ -45,7 +45,7 @@ use braid_core::CoreError;
 use braid_cuda::schedule::{release_values, Cmd, Cursor, Links, Loc};
 use braid_cuda::{Device, DeviceBuffer, HostFlag, Kernels, Stream};
 
-use crate::engine::{Channels, WaitPolicy};
+use super::{Channels, WaitPolicy};
 
 /// How long a dead or closed peer may stand in the way of pending work
 /// before the communicator fails (a peer that finished and exited normally

@@ -1,0 +1,951 @@
+//! The host engine: runs a [`Program`] on host memory over connected
+//! transport channels, on the caller's thread. Slots must be host memory
+//! ([`MemKind::Device`] slots are the device engines'). Large programs go
+//! through the stage runner ([`run_stages`]) op by op, with single-copy
+//! transfers and operation headers; small ones (every piece at most
+//! [`SMALL_PIECE_BYTES`], one op per stage: the latency-bound collectives)
+//! through a lean executor with the same semantics.
+
+use std::ops::ControlFlow;
+use std::sync::atomic::AtomicBool;
+use std::time::Instant;
+
+use braid_core::plan::{Op, Program, Region};
+use braid_core::reduce;
+use braid_core::transport::{Incoming, SlotBuf};
+use braid_core::types::MemKind;
+use braid_core::{CoreError, DataType, RedOp};
+
+use super::{
+    run_stages, Blocked, Channels, OpRunner, RawBuf, WaitPolicy, Waiter, WAIT_DATA, WAIT_DRAIN,
+    WAIT_SLOT,
+};
+use crate::fingerprint::{self, Headers, HEADER_BYTES};
+use crate::progress::Progress;
+use crate::slot_stores::SlotStores;
+
+/// Everything `execute` needs besides the program.
+#[derive(Debug)]
+pub struct Exec<'a> {
+    /// The operation's buffers, by buffer index.
+    pub bufs: &'a [RawBuf],
+    /// Waiting policy.
+    pub policy: &'a WaitPolicy,
+    /// Set from any thread to make waits fail promptly.
+    pub abort: &'a AtomicBool,
+    /// Pieces of at least this many bytes of pure data movement go by
+    /// reference where the link allows it (single copy); `usize::MAX` never.
+    pub direct_min: usize,
+    /// Copies between the caller's buffers use streaming stores (the
+    /// operation's buffers exceed the cache; `braid_core::copy`).
+    pub stream_copies: bool,
+    /// Per link, whether pieces go into slots with ordinary or streaming
+    /// stores when `stream_copies` does not decide (`None`: ordinary).
+    pub slot_stores: Option<&'a SlotStores>,
+    /// This rank (for messages).
+    pub rank: u32,
+    /// Operation headers to send and to check (mismatch detection); `None`
+    /// turns the check off.
+    pub headers: Option<&'a Headers>,
+    /// Where blocked waits are published (hang localisation).
+    pub progress: Option<&'a Progress>,
+}
+
+/// Operation headers in flight: which peers' headers were checked and sent
+/// so far in this operation. A header travels in front of the first piece to
+/// a peer when both fit one slot, else as a message of its own.
+struct HeaderCheck<'a> {
+    headers: Option<&'a Headers>,
+    /// Per peer: [`GOT`], [`SENT`], [`PREFIX`] bits (reused memory).
+    flags: &'a mut Vec<u8>,
+}
+
+/// The peer's header was checked.
+const GOT: u8 = 1;
+/// Our header to the peer was sent.
+const SENT: u8 = 2;
+/// The slot peeked from this peer starts with its (checked) header.
+const PREFIX: u8 = 4;
+
+impl HeaderCheck<'_> {
+    fn flag(&self, peer: u32, bit: u8) -> bool {
+        self.flags.get(peer as usize).is_some_and(|f| f & bit != 0)
+    }
+
+    fn set(&mut self, peer: u32, bit: u8, on: bool) {
+        if let Some(f) = self.flags.get_mut(peer as usize) {
+            if on {
+                *f |= bit;
+            } else {
+                *f &= !bit;
+            }
+        }
+    }
+
+    /// Our header for `to`, if it still has to be sent.
+    fn unsent(&self, to: u32) -> Option<[u8; HEADER_BYTES]> {
+        let h = self.headers?;
+        if self.flag(to, SENT) || to as usize >= self.flags.len() {
+            return None;
+        }
+        h.to_peer(to)
+    }
+
+    /// Whether a header from `from` must still be read before its data.
+    fn pending(&self, from: u32) -> bool {
+        (from as usize) < self.flags.len()
+            && !self.flag(from, GOT)
+            && self.headers.is_some_and(|h| h.from_peer(from).is_some())
+    }
+}
+
+/// Run `prog` to completion.
+///
+/// # Safety
+///
+/// Every buffer of `ex.bufs` must be valid for reads and writes of `len` bytes
+/// for the whole call, aligned for the program's datatype, and not accessed
+/// by anything else meanwhile (buffers may alias each other as the plans
+/// allow). The regions of `prog` must lie inside those buffers (the runtime
+/// checks this when it builds the buffers from the caller's slices).
+pub unsafe fn execute(
+    prog: &Program,
+    chans: &mut Channels,
+    ex: &Exec<'_>,
+    flags: &mut Vec<u8>,
+) -> Result<(), CoreError> {
+    if small_program(prog, ex.direct_min) {
+        // SAFETY: forwarded from this function's contract.
+        return unsafe { execute_small(prog, chans, ex, flags) };
+    }
+    let mut waiter = Waiter::new(ex.policy, ex.abort, ex.progress);
+    let n = ex.headers.map(|h| h.nranks()).unwrap_or(0);
+    flags.clear();
+    flags.resize(n, 0);
+    let mut run = HostRun {
+        prog,
+        ex,
+        direct: Vec::new(),
+        scratch_owner: None,
+        hdr: HeaderCheck {
+            headers: ex.headers,
+            flags,
+        },
+    };
+    run_stages(prog, chans, &mut waiter, &mut run)?;
+    // Peers sent references into the caller's buffers must finish reading
+    // them before the caller gets its buffers back.
+    for &peer in &run.direct {
+        while !chans.sender(peer)?.poll_drained()? {
+            waiter.idle(chans, (peer, WAIT_DRAIN), &run.direct)?;
+        }
+        waiter.progressed();
+    }
+    Ok(())
+}
+
+/// Largest piece (and local copy) of a program that [`execute_small`] runs.
+const SMALL_PIECE_BYTES: usize = 1024;
+
+/// Writes one piece of `len` bytes into `to`'s slot with `write(stream)`.
+/// Operations larger than the cache (`ex.stream_copies`) take `big` and are
+/// not timed; the others take what the link's [`SlotStores`] chooses, and
+/// pieces it times are timed here.
+fn slot_write(ex: &Exec, to: u32, len: usize, big: bool, write: impl FnOnce(bool)) {
+    match ex.slot_stores {
+        Some(s) if !ex.stream_copies && len >= crate::slot_stores::TIMED_MIN_BYTES => {
+            let stream = s.choose(to, len);
+            let t0 = Instant::now();
+            write(stream);
+            s.record(to, stream, len, t0.elapsed().as_nanos() as u64);
+        }
+        _ => write(ex.stream_copies && big),
+    }
+}
+
+/// Whether [`execute_small`] can run `prog`: one op per stage, every piece
+/// and copy at most [`SMALL_PIECE_BYTES`] and below the single-copy
+/// threshold. O(1) for large programs (their first op is large).
+fn small_program(prog: &Program, direct_min: usize) -> bool {
+    prog.stage_ends.len() == prog.ops.len()
+        && prog.ops.iter().all(|op| {
+            let len = match *op {
+                Op::Copy { src, .. } => src.len,
+                _ => op.wire_len(),
+            };
+            len <= SMALL_PIECE_BYTES && len < direct_min
+        })
+}
+
+/// The executor of small programs (small AllReduce, Broadcast, Reduce: the
+/// latency-bound ones): the semantics of [`execute`] for programs of one op
+/// per stage whose pieces travel in slots, without the generic path's
+/// single-copy reads, retries of whole ops and stage bookkeeping. Each op
+/// waits for its input, then for its output slot (holding the input, as
+/// the generic path does), then runs.
+///
+/// # Safety
+///
+/// As for [`execute`].
+unsafe fn execute_small(
+    prog: &Program,
+    chans: &mut Channels,
+    ex: &Exec<'_>,
+    flags: &mut Vec<u8>,
+) -> Result<(), CoreError> {
+    let mut waiter = Waiter::new(ex.policy, ex.abort, ex.progress);
+    let n = ex.headers.map(|h| h.nranks()).unwrap_or(0);
+    flags.clear();
+    flags.resize(n, 0);
+    let mut hdr = HeaderCheck {
+        headers: ex.headers,
+        flags,
+    };
+    for (si, op) in prog.ops.iter().enumerate() {
+        waiter.stage = si;
+        if let &Op::Copy { src, dst, finalize } = op {
+            let (s, d) = (region_ptr(ex, src)?, region_ptr(ex, dst)?);
+            // SAFETY: both regions lie in the caller's buffers (checked);
+            // `copy` allows the in-place overlap plans may produce.
+            unsafe { std::ptr::copy(s, d, src.len) };
+            if finalize {
+                // SAFETY: `d` holds `src.len` bytes of the datatype.
+                unsafe { finalize_region(prog, d, src.len)? };
+            }
+            continue;
+        }
+        let len = op.wire_len();
+        let input = match op.recv_peer() {
+            Some(from) => Some(small_input(chans, ex, &mut hdr, &mut waiter, from, len)?),
+            None => None,
+        };
+        let output = match op.send_peer() {
+            Some(to) => Some(small_output(chans, &mut hdr, &mut waiter, to, len)?),
+            None => None,
+        };
+        let i = || input.ok_or_else(|| CoreError::InvalidArgument("op without input".into()));
+        let o = || output.ok_or_else(|| CoreError::InvalidArgument("op without output".into()));
+        // SAFETY: region pointers lie in the caller's buffers (checked) and
+        // hold `len` bytes; the input (a peeked slot or `remote`) and the
+        // output slot hold at least `len` bytes and overlap neither.
+        unsafe {
+            match op {
+                Op::Copy { .. } => {}
+                &Op::Send { src, .. } => {
+                    std::ptr::copy_nonoverlapping(region_ptr(ex, src)?, o()?.1, len)
+                }
+                &Op::Recv { dst, .. } => {
+                    std::ptr::copy_nonoverlapping(i()?, region_ptr(ex, dst)?, len)
+                }
+                &Op::RecvCopySend { dst, .. } => {
+                    let d = region_ptr(ex, dst)?;
+                    std::ptr::copy_nonoverlapping(i()?, d, len);
+                    std::ptr::copy_nonoverlapping(d, o()?.1, len);
+                }
+                &Op::RecvReduceSend { src, .. } => {
+                    let (dt, rop) = dtype_op(prog)?;
+                    reduce::reduce_raw(
+                        o()?.1,
+                        i()?,
+                        region_ptr(ex, src)?,
+                        len / dt.size(),
+                        dt,
+                        rop,
+                    );
+                }
+                &Op::RecvReduceCopy {
+                    src, dst, finalize, ..
+                }
+                | &Op::RecvReduceCopySend {
+                    src, dst, finalize, ..
+                } => {
+                    let (dt, rop) = dtype_op(prog)?;
+                    let d = region_ptr(ex, dst)?;
+                    reduce::reduce_raw(d, i()?, region_ptr(ex, src)?, len / dt.size(), dt, rop);
+                    if finalize {
+                        finalize_region(prog, d, len)?;
+                    }
+                    if output.is_some() {
+                        std::ptr::copy_nonoverlapping(d, o()?.1, len);
+                    }
+                }
+            }
+        }
+        if let Some(from) = op.recv_peer() {
+            chans.receiver(from)?.release()?;
+            hdr.set(from, PREFIX, false);
+        }
+        if let Some((to, _, extra)) = output {
+            chans.sender(to)?.commit(len + extra)?;
+            if extra > 0 {
+                hdr.set(to, SENT, true);
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Wait for the small piece of `len` bytes from `from` (checking the
+/// operation header in front of it first); where it can be read until the
+/// channel's `release`.
+fn small_input(
+    chans: &mut Channels,
+    ex: &Exec<'_>,
+    hdr: &mut HeaderCheck<'_>,
+    waiter: &mut Waiter<'_>,
+    from: u32,
+    len: usize,
+) -> Result<*const u8, CoreError> {
+    loop {
+        let pending = hdr.pending(from);
+        let ch = chans.receiver(from)?;
+        if let Some(inc) = ch.poll_peek_any()? {
+            let kind = ch.mem_kind();
+            host_slot(kind, from)?;
+            // The header in front of the first piece: checked on the same
+            // peek; a header that came alone frees its slot and we look for
+            // the piece.
+            let prefixed = if pending {
+                if !accept_header(ex, hdr, from, inc, kind)? {
+                    chans.receiver(from)?.release()?;
+                    continue;
+                }
+                true
+            } else {
+                hdr.flag(from, PREFIX)
+            };
+            let (p, got) = match inc {
+                Incoming::Inline(slot, l) if prefixed => {
+                    // SAFETY: the slot held a header and more.
+                    (
+                        unsafe { slot.ptr.add(HEADER_BYTES) } as *const u8,
+                        l - HEADER_BYTES,
+                    )
+                }
+                Incoming::Inline(slot, l) => (slot.ptr as *const u8, l),
+                Incoming::Remote(l) => {
+                    // Our plan moves this piece through a slot; a peer
+                    // whose plan sends it by reference runs another
+                    // configuration (the one the plans must share).
+                    return Err(CoreError::Protocol {
+                        peer: from,
+                        detail: format!(
+                            "rank {from} sent a piece of {l} bytes by reference where a small piece in a slot was expected: set BRAID_SINGLE_COPY_MIN_BYTES alike on every rank"
+                        ),
+                    });
+                }
+            };
+            if got != len {
+                return Err(wrong_piece(from, got, len));
+            }
+            waiter.progressed();
+            return Ok(p);
+        }
+        waiter.idle(chans, (from, WAIT_DATA), &[])?;
+    }
+}
+
+/// Wait for a slot to `to`; returns where the piece goes and how many bytes
+/// of operation header lie in front of it.
+fn small_output(
+    chans: &mut Channels,
+    hdr: &mut HeaderCheck<'_>,
+    waiter: &mut Waiter<'_>,
+    to: u32,
+    len: usize,
+) -> Result<(u32, *mut u8, usize), CoreError> {
+    loop {
+        // The operation header goes in front of the piece if not sent yet.
+        let header = hdr.unsent(to);
+        let need = len + header.map_or(0, |_| HEADER_BYTES);
+        let ch = chans.sender(to)?;
+        if let Some(slot) = ch.poll_acquire_small(need)? {
+            host_slot(ch.mem_kind(), to)?;
+            if slot.cap < need {
+                return Err(CoreError::InvalidArgument(format!(
+                    "piece of {len} bytes does not fit the {}-byte slots of the link to rank {to}",
+                    slot.cap
+                )));
+            }
+            let extra = need - len;
+            if let Some(hb) = header {
+                // SAFETY: the slot holds `need` = len + HEADER_BYTES bytes.
+                unsafe { std::ptr::copy_nonoverlapping(hb.as_ptr(), slot.ptr, HEADER_BYTES) };
+            }
+            waiter.progressed();
+            // SAFETY: cap ≥ extra + len.
+            return Ok((to, unsafe { slot.ptr.add(extra) }, extra));
+        }
+        waiter.idle(chans, (to, WAIT_SLOT), &[])?;
+    }
+}
+
+/// The error for a piece of the wrong length.
+fn wrong_piece(from: u32, got: usize, len: usize) -> CoreError {
+    CoreError::Protocol {
+        peer: from,
+        detail: format!(
+            "rank {from} sent a piece of {got} bytes where {len} were expected: the ranks called different operations, counts or datatypes"
+        ),
+    }
+}
+
+fn region_ptr(ex: &Exec<'_>, r: Region) -> Result<*mut u8, CoreError> {
+    let b = ex
+        .bufs
+        .get(r.buf as usize)
+        .ok_or_else(|| CoreError::InvalidArgument(format!("program names buffer {}", r.buf)))?;
+    match r.offset.checked_add(r.len) {
+        Some(end) if end <= b.len => {
+            // SAFETY: offset + len lies within the buffer (checked above).
+            Ok(unsafe { b.ptr.add(r.offset) })
+        }
+        _ => Err(CoreError::InvalidArgument(format!(
+            "region {}+{} outside buffer {} of {} bytes",
+            r.offset, r.len, r.buf, b.len
+        ))),
+    }
+}
+
+fn host_slot(kind: MemKind, peer: u32) -> Result<(), CoreError> {
+    match kind {
+        MemKind::Host => Ok(()),
+        MemKind::Device(d) => Err(CoreError::InvalidArgument(format!(
+            "the link with rank {peer} keeps its slots on GPU {d}; the host engine cannot run it"
+        ))),
+    }
+}
+
+fn dtype_op(prog: &Program) -> Result<(DataType, RedOp), CoreError> {
+    match (prog.dtype, prog.red_op) {
+        (Some(d), Some(o)) => Ok((d, o)),
+        _ => Err(CoreError::InvalidArgument(
+            "a reducing op in a program without datatype and operator".into(),
+        )),
+    }
+}
+
+/// One operation on the host engine, driven op by op by [`run_stages`].
+/// Only [`execute`] makes one, so its contract covers every buffer and
+/// region the program names.
+struct HostRun<'a> {
+    prog: &'a Program,
+    ex: &'a Exec<'a>,
+    /// Peers that were sent a direct (single-copy) reference: the operation
+    /// waits for them to finish reading before it returns.
+    direct: Vec<u32>,
+    /// The peer whose direct input is being read into the scratch buffer (a
+    /// read may take several calls).
+    scratch_owner: Option<u32>,
+    hdr: HeaderCheck<'a>,
+}
+
+impl OpRunner for HostRun<'_> {
+    fn try_op(&mut self, op: &Op, chans: &mut Channels) -> Result<Option<Blocked>, CoreError> {
+        // SAFETY: a HostRun is made only by `execute`, whose contract
+        // covers every buffer and region of the program.
+        unsafe { self.run_op(op, chans) }
+    }
+
+    fn helping(&self) -> &[u32] {
+        &self.direct
+    }
+}
+
+/// Where an op's output goes: a slot to fill (after `extra` bytes of
+/// operation header), or a direct reference to the caller's memory.
+#[derive(Clone, Copy)]
+enum Output {
+    Slot(SlotBuf),
+    Direct,
+}
+
+/// Go on with the value, or return the op as blocked.
+macro_rules! ready {
+    ($e:expr) => {
+        match $e {
+            ControlFlow::Continue(v) => v,
+            ControlFlow::Break(b) => return Ok(Some(b)),
+        }
+    };
+}
+
+impl HostRun<'_> {
+    /// Try to run one op: take its input, take its output, read a direct
+    /// input, then move the data and publish. An op that has to wait does
+    /// so before it changes anything visible: its input stays unreleased
+    /// and its output slot uncommitted (a direct input read into its
+    /// destination is read again into the same place), so the retry starts
+    /// over.
+    ///
+    /// # Safety
+    ///
+    /// As for [`execute`].
+    unsafe fn run_op(
+        &mut self,
+        op: &Op,
+        chans: &mut Channels,
+    ) -> Result<Option<Blocked>, CoreError> {
+        let len = op.wire_len();
+        let input = match op.recv_peer() {
+            Some(from) => Some((from, ready!(self.take_input(chans, from, len)?))),
+            None => None,
+        };
+        let (output, extra) = match op.send_peer() {
+            Some(to) => {
+                let (out, extra) = ready!(self.take_output(chans, op, to, len)?);
+                (Some((to, out)), extra)
+            }
+            None => (None, 0),
+        };
+        let remote_at = match input {
+            Some((from, Incoming::Remote(_))) => {
+                // SAFETY: forwarded from this function's contract.
+                let read = unsafe { self.read_direct(chans, op, from, len)? };
+                Some(ready!(read))
+            }
+            _ => None,
+        };
+        let io = OpIo {
+            len,
+            input: input.map(|(_, inc)| inc),
+            remote_at,
+            output,
+            extra,
+        };
+        // SAFETY: forwarded from this function's contract.
+        unsafe { self.perform(op, chans, &io)? };
+        if let Some((from, _)) = input {
+            chans.receiver(from)?.release()?;
+            self.hdr.set(from, PREFIX, false);
+            if self.scratch_owner == Some(from) {
+                self.scratch_owner = None;
+            }
+        }
+        if let Some((to, _)) = output {
+            if extra > 0 {
+                self.hdr.set(to, SENT, true);
+            }
+        }
+        Ok(None)
+    }
+
+    /// The incoming piece of `len` bytes from `from` (its operation header
+    /// checked first and skipped where it precedes the piece).
+    fn take_input(
+        &mut self,
+        chans: &mut Channels,
+        from: u32,
+        len: usize,
+    ) -> Result<ControlFlow<Blocked, Incoming>, CoreError> {
+        if self.hdr.pending(from) && !check_header(chans, self.ex, &mut self.hdr, from)? {
+            return Ok(ControlFlow::Break((from, WAIT_DATA)));
+        }
+        let prefixed = self.hdr.flag(from, PREFIX);
+        let ch = chans.receiver(from)?;
+        let Some(inc) = ch.poll_peek_any()? else {
+            return Ok(ControlFlow::Break((from, WAIT_DATA)));
+        };
+        // Skip the header in front of the first piece.
+        let inc = match inc {
+            Incoming::Inline(slot, l) if prefixed => Incoming::Inline(
+                SlotBuf {
+                    // SAFETY: the slot held a header and more.
+                    ptr: unsafe { slot.ptr.add(HEADER_BYTES) },
+                    cap: slot.cap - HEADER_BYTES,
+                },
+                l - HEADER_BYTES,
+            ),
+            other => other,
+        };
+        let got = match inc {
+            Incoming::Inline(_, l) | Incoming::Remote(l) => l,
+        };
+        if got != len {
+            return Err(wrong_piece(from, got, len));
+        }
+        host_slot(ch.mem_kind(), from)?;
+        Ok(ControlFlow::Continue(inc))
+    }
+
+    /// A slot to `to` for the op's `len` bytes, or the decision to send them
+    /// by reference; our operation header goes in front of the data when it
+    /// has not been sent yet and fits (the second value: its bytes), else in
+    /// a message of its own.
+    fn take_output(
+        &mut self,
+        chans: &mut Channels,
+        op: &Op,
+        to: u32,
+        len: usize,
+    ) -> Result<ControlFlow<Blocked, (Output, usize)>, CoreError> {
+        let ex = self.ex;
+        let ch = chans.sender(to)?;
+        let Some(mut slot) = ch.poll_acquire()? else {
+            return Ok(ControlFlow::Break((to, WAIT_SLOT)));
+        };
+        host_slot(ch.mem_kind(), to)?;
+        // Not for RecvReduceSend: its output exists only in the slot it
+        // reduces into. Not for data a receiver reduces (Send in a reducing
+        // collective) where the receiver pays for the reference (it would
+        // only move the copy from us to it). Nor for data this op has just
+        // written (a relay, a reduced piece) where the link streams into
+        // slots and the piece fits one (single-copy plans may cut larger
+        // ones): the receiver's read would fetch every line from our cache
+        // across dies (2 ranks, 1 MiB AllReduce across dies: 68-130 µs
+        // through slots against 330-400 µs by reference).
+        let fresh = len <= slot.cap
+            && matches!(op, Op::RecvCopySend { .. } | Op::RecvReduceCopySend { .. });
+        let direct_ok = len >= ex.direct_min
+            && !matches!(op, Op::RecvReduceSend { .. })
+            && ch.can_send_direct()
+            && (self.prog.red_op.is_none()
+                || !matches!(op, Op::Send { .. })
+                || !ch.direct_costs_receiver())
+            && !(fresh && ex.slot_stores.is_some_and(|s| s.streaming(to)));
+        let mut extra = 0;
+        if let Some(hb) = self.hdr.unsent(to) {
+            // SAFETY: a host slot holds at least 4096 bytes.
+            unsafe { std::ptr::copy_nonoverlapping(hb.as_ptr(), slot.ptr, HEADER_BYTES) };
+            if !direct_ok && slot.cap >= len + HEADER_BYTES {
+                // In front of the data, in the same slot (marked sent once
+                // the slot is committed: a retry writes it again).
+                extra = HEADER_BYTES;
+                slot = SlotBuf {
+                    // SAFETY: cap ≥ len + HEADER_BYTES.
+                    ptr: unsafe { slot.ptr.add(HEADER_BYTES) },
+                    cap: slot.cap - HEADER_BYTES,
+                };
+            } else {
+                // A message of its own; the data needs the next slot.
+                ch.commit(HEADER_BYTES)?;
+                self.hdr.set(to, SENT, true);
+                match ch.poll_acquire()? {
+                    None => return Ok(ControlFlow::Break((to, WAIT_SLOT))),
+                    Some(next) => slot = next,
+                }
+            }
+        }
+        // Single copy: the transport takes the bytes straight from our
+        // buffer.
+        if direct_ok && extra == 0 {
+            Ok(ControlFlow::Continue((Output::Direct, 0)))
+        } else if slot.cap < len {
+            Err(CoreError::InvalidArgument(format!(
+                "piece of {len} bytes does not fit the {}-byte slots of the link to rank {to}",
+                slot.cap
+            )))
+        } else {
+            Ok(ControlFlow::Continue((Output::Slot(slot), extra)))
+        }
+    }
+
+    /// Read a direct input of `len` bytes from `from` (without blocking; it
+    /// may take several tries) into where the op wants it: the destination
+    /// region of a plain receive, else the scratch buffer (which one peer's
+    /// read holds at a time). Only then does the op run, so a wait leaves
+    /// nothing half done.
+    ///
+    /// # Safety
+    ///
+    /// As for [`execute`].
+    unsafe fn read_direct(
+        &mut self,
+        chans: &mut Channels,
+        op: &Op,
+        from: u32,
+        len: usize,
+    ) -> Result<ControlFlow<Blocked, *mut u8>, CoreError> {
+        let dest = match *op {
+            Op::Recv { dst, .. } | Op::RecvCopySend { dst, .. } => region_ptr(self.ex, dst)?,
+            _ => {
+                if self.scratch_owner.is_some_and(|o| o != from) {
+                    return Ok(ControlFlow::Break((from, WAIT_DATA)));
+                }
+                let words = len.div_ceil(8);
+                if chans.scratch.len() < words {
+                    chans.scratch.resize(words, 0);
+                }
+                self.scratch_owner = Some(from);
+                chans.scratch.as_mut_ptr() as *mut u8
+            }
+        };
+        let rx = chans.receiver(from)?;
+        rx.stream_hint(self.ex.stream_copies);
+        // SAFETY: `dest` is a region pointer valid for `len` bytes (caller's
+        // contract) or the scratch buffer of at least `len` bytes, which
+        // nothing else touches until this read completes (`scratch_owner`).
+        if !unsafe { rx.poll_read_remote(dest, len)? } {
+            return Ok(ControlFlow::Break((from, WAIT_DATA)));
+        }
+        Ok(ControlFlow::Continue(dest))
+    }
+
+    /// Move and reduce the op's data between its input, the caller's
+    /// buffers and its output, and publish the output.
+    ///
+    /// # Safety
+    ///
+    /// As for [`execute`].
+    unsafe fn perform(
+        &mut self,
+        op: &Op,
+        chans: &mut Channels,
+        io: &OpIo,
+    ) -> Result<(), CoreError> {
+        let (prog, ex, len) = (self.prog, self.ex, io.len);
+        // SAFETY: region pointers are inside the caller's buffers (region_ptr
+        // checks) and valid by this function's contract; slot and scratch
+        // pointers hold `len` bytes; slots never overlap user buffers.
+        unsafe {
+            match *op {
+                Op::Copy { src, dst, finalize } => {
+                    let (s, d) = (region_ptr(ex, src)?, region_ptr(ex, dst)?);
+                    let n = src.len;
+                    if s != d {
+                        let apart = s as usize + n <= d as usize || d as usize + n <= s as usize;
+                        if ex.stream_copies && apart {
+                            braid_core::copy::copy_streaming(d, s, n);
+                        } else {
+                            std::ptr::copy(s, d, n);
+                        }
+                    }
+                    if finalize {
+                        finalize_region(prog, d, src.len)?;
+                    }
+                }
+                Op::Send { src, .. } => self.emit(chans, io, region_ptr(ex, src)?)?,
+                Op::Recv { dst, .. } => io.fetch_into(region_ptr(ex, dst)?)?,
+                Op::RecvReduceSend { src, .. } => {
+                    let (dt, rop) = dtype_op(prog)?;
+                    let i = io.fetch_ptr()?;
+                    let Some((to, Output::Slot(slot))) = io.output else {
+                        return Err(CoreError::InvalidArgument(
+                            "reduce-send without a slot".into(),
+                        ));
+                    };
+                    let a = region_ptr(ex, src)?;
+                    let n = len / dt.size();
+                    // Streaming means reducing into a scratch buffer (in our
+                    // cache) and streaming that into the slot; operations
+                    // larger than the cache reduce straight into the slot
+                    // (through scratch measured no faster there).
+                    slot_write(ex, to, len, false, |stream| match ex.slot_stores {
+                        Some(s) if stream => {
+                            let tmp = s.scratch(len);
+                            reduce::reduce_raw(tmp, i, a, n, dt, rop);
+                            braid_core::copy::copy_streaming(slot.ptr, tmp, len);
+                        }
+                        _ => reduce::reduce_raw(slot.ptr, i, a, n, dt, rop),
+                    });
+                    chans.sender(to)?.commit(len + io.extra)?;
+                }
+                Op::RecvReduceCopy {
+                    src, dst, finalize, ..
+                } => {
+                    let (dt, rop) = dtype_op(prog)?;
+                    let i = io.fetch_ptr()?;
+                    let d = region_ptr(ex, dst)?;
+                    reduce::reduce_raw(d, i, region_ptr(ex, src)?, len / dt.size(), dt, rop);
+                    if finalize {
+                        finalize_region(prog, d, len)?;
+                    }
+                }
+                Op::RecvCopySend { dst, .. } => {
+                    let d = region_ptr(ex, dst)?;
+                    io.fetch_into(d)?;
+                    self.emit(chans, io, d)?;
+                }
+                Op::RecvReduceCopySend {
+                    src, dst, finalize, ..
+                } => {
+                    let (dt, rop) = dtype_op(prog)?;
+                    let i = io.fetch_ptr()?;
+                    let d = region_ptr(ex, dst)?;
+                    reduce::reduce_raw(d, i, region_ptr(ex, src)?, len / dt.size(), dt, rop);
+                    if finalize {
+                        finalize_region(prog, d, len)?;
+                    }
+                    self.emit(chans, io, d)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Send the `len` bytes at `p` (user memory that stays unchanged until
+    /// the operation ends) to the op's output.
+    ///
+    /// # Safety
+    ///
+    /// `p` is valid for reads of `io.len` bytes until the operation ends.
+    unsafe fn emit(
+        &mut self,
+        chans: &mut Channels,
+        io: &OpIo,
+        p: *const u8,
+    ) -> Result<(), CoreError> {
+        let (ex, len) = (self.ex, io.len);
+        match io.output {
+            Some((to, Output::Direct)) => {
+                // SAFETY: `p` points into the caller's buffers, which stay
+                // valid and unmodified (plans never rewrite a region they
+                // sent) until `execute` has waited for the peer to drain.
+                unsafe { chans.sender(to)?.commit_direct(p, len)? };
+                if !self.direct.contains(&to) {
+                    self.direct.push(to);
+                }
+                Ok(())
+            }
+            Some((to, Output::Slot(slot))) => {
+                // An operation larger than the cache streams into the slots:
+                // the receiver reads them from memory either way, and
+                // ordinary stores would first fetch every line back from the
+                // receiver's cache, where its last read left it. Side by
+                // side, 2 ranks, 64 MiB: AllReduce 13.6-16.1 ms against
+                // 13.8-26.3, Reduce 9.5-11.0 against 8.4-29.5. Smaller
+                // operations stream where ordinary stores have been much
+                // slower on this link (`slot_stores`: the receiver's cache
+                // is on another die).
+                slot_write(ex, to, len, ex.stream_copies, |stream| {
+                    if stream {
+                        // SAFETY: the slot holds at least `len` bytes
+                        // (checked) and never overlaps user memory; the copy
+                        // ends with a store fence, so the commit's Release
+                        // store follows the streaming stores.
+                        unsafe { braid_core::copy::copy_streaming(slot.ptr, p, len) };
+                    } else {
+                        // SAFETY: the slot holds at least `len` bytes
+                        // (checked).
+                        unsafe { std::ptr::copy_nonoverlapping(p, slot.ptr, len) };
+                    }
+                });
+                chans.sender(to)?.commit(len + io.extra)
+            }
+            None => Err(CoreError::InvalidArgument("op without output".into())),
+        }
+    }
+}
+
+/// An op's input and output once both are in hand.
+struct OpIo {
+    len: usize,
+    /// The incoming piece, if the op receives.
+    input: Option<Incoming>,
+    /// Where a direct input was read to.
+    remote_at: Option<*mut u8>,
+    /// The peer sent to and where the bytes go.
+    output: Option<(u32, Output)>,
+    /// Header bytes in front of the data in the output slot.
+    extra: usize,
+}
+
+impl OpIo {
+    /// Where the incoming bytes are readable: the slot itself, or where the
+    /// direct read put them.
+    fn fetch_ptr(&self) -> Result<*const u8, CoreError> {
+        match (self.input, self.remote_at) {
+            (Some(Incoming::Inline(slot, _)), _) => Ok(slot.ptr as *const u8),
+            (Some(Incoming::Remote(_)), Some(p)) => Ok(p as *const u8),
+            _ => Err(CoreError::InvalidArgument("op without input".into())),
+        }
+    }
+
+    /// Copy the incoming bytes to `d`.
+    ///
+    /// # Safety
+    ///
+    /// `d` is valid for writes of `self.len` bytes and overlaps no slot.
+    unsafe fn fetch_into(&self, d: *mut u8) -> Result<(), CoreError> {
+        match (self.input, self.remote_at) {
+            // SAFETY: the slot holds `len` bytes; `d` is valid for `len`
+            // bytes (this function's contract); they never overlap.
+            (Some(Incoming::Inline(slot, _)), _) => unsafe {
+                std::ptr::copy_nonoverlapping(slot.ptr as *const u8, d, self.len);
+                Ok(())
+            },
+            // Already read into `d`.
+            (Some(Incoming::Remote(_)), Some(p)) if p == d => Ok(()),
+            _ => Err(CoreError::InvalidArgument(
+                "direct input read to the wrong place".into(),
+            )),
+        }
+    }
+}
+
+/// Read and check the operation header from `from`: `Ok(false)` while it has
+/// not arrived, an error naming both sides' operations when it differs.
+fn check_header(
+    chans: &mut Channels,
+    ex: &Exec<'_>,
+    hdr: &mut HeaderCheck<'_>,
+    from: u32,
+) -> Result<bool, CoreError> {
+    let ch = chans.receiver(from)?;
+    let Some(inc) = ch.poll_peek_any()? else {
+        return Ok(false);
+    };
+    if !accept_header(ex, hdr, from, inc, ch.mem_kind())? {
+        ch.release()?;
+    }
+    Ok(true)
+}
+
+/// Check the message `inc` from `from`, which must start with its operation
+/// header (pending in `hdr`); whether data follows the header in the same
+/// slot (else the caller releases the header's slot).
+fn accept_header(
+    ex: &Exec<'_>,
+    hdr: &mut HeaderCheck<'_>,
+    from: u32,
+    inc: Incoming,
+    kind: MemKind,
+) -> Result<bool, CoreError> {
+    let Some((want, want_bytes)) = hdr.headers.and_then(|h| h.from_peer(from)) else {
+        return Ok(true);
+    };
+    let mut b = [0u8; HEADER_BYTES];
+    let with_data = match inc {
+        Incoming::Inline(slot, len) if len >= HEADER_BYTES && kind == MemKind::Host => {
+            // SAFETY: the host slot holds at least HEADER_BYTES bytes (copied
+            // out: the peer's memory is not ours to reference).
+            unsafe {
+                std::ptr::copy_nonoverlapping(slot.ptr as *const u8, b.as_mut_ptr(), HEADER_BYTES)
+            };
+            len > HEADER_BYTES
+        }
+        Incoming::Inline(_, len) | Incoming::Remote(len) => {
+            return Err(CoreError::Protocol {
+                peer: from,
+                detail: fingerprint::not_a_header(from, len),
+            });
+        }
+    };
+    // The common case, a match, by comparing bytes; decoding (for the error
+    // message) only when they differ.
+    if b != *want_bytes {
+        fingerprint::check(from, ex.rank, &b, want)
+            .map_err(|detail| CoreError::Protocol { peer: from, detail })?;
+    }
+    hdr.set(from, GOT, true);
+    if with_data {
+        // The first piece follows the header in this slot.
+        hdr.set(from, PREFIX, true);
+    }
+    Ok(with_data)
+}
+
+/// Apply the Avg division to `len` bytes at `d`.
+///
+/// # Safety
+///
+/// `d` valid for reads and writes of `len` bytes, aligned for the datatype.
+unsafe fn finalize_region(prog: &Program, d: *mut u8, len: usize) -> Result<(), CoreError> {
+    if prog.divisor > 1 {
+        if let Some(dt) = prog.dtype {
+            // SAFETY: forwarded from this function's contract.
+            unsafe { reduce::divide_raw(d, len / dt.size(), dt, prog.divisor) };
+        }
+    }
+    Ok(())
+}
