@@ -383,3 +383,223 @@ fn claims_overlap(claimed: &[(Option<u32>, Option<u32>)], op: &Op) -> bool {
         .iter()
         .any(|&(cr, cs)| (r.is_some() && r == cr) || (s.is_some() && s == cs))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use braid_core::plan::Region;
+    use braid_core::transport::SlotBuf;
+    use braid_core::types::MemKind;
+    use std::sync::Arc;
+
+    /// A link end that is always alive and never moves anything itself.
+    struct Idle(u32);
+
+    impl SendChannel for Idle {
+        fn peer(&self) -> u32 {
+            self.0
+        }
+        fn transport(&self) -> &'static str {
+            "fake"
+        }
+        fn mem_kind(&self) -> MemKind {
+            MemKind::Host
+        }
+        fn slot_bytes(&self) -> usize {
+            4096
+        }
+        fn slots(&self) -> usize {
+            1
+        }
+        fn poll_acquire(&mut self) -> braid_core::error::Result<Option<SlotBuf>> {
+            Ok(None)
+        }
+        fn commit(&mut self, _: usize) -> braid_core::error::Result<()> {
+            Ok(())
+        }
+        fn poll_drained(&mut self) -> braid_core::error::Result<bool> {
+            Ok(true)
+        }
+        fn check_peer(&mut self) -> braid_core::error::Result<()> {
+            Ok(())
+        }
+        fn abort(&mut self, _: &str) {}
+    }
+
+    impl RecvChannel for Idle {
+        fn peer(&self) -> u32 {
+            self.0
+        }
+        fn transport(&self) -> &'static str {
+            "fake"
+        }
+        fn mem_kind(&self) -> MemKind {
+            MemKind::Host
+        }
+        fn slot_bytes(&self) -> usize {
+            4096
+        }
+        fn poll_peek(&mut self) -> braid_core::error::Result<Option<(SlotBuf, usize)>> {
+            Ok(None)
+        }
+        fn release(&mut self) -> braid_core::error::Result<()> {
+            Ok(())
+        }
+        fn check_peer(&mut self) -> braid_core::error::Result<()> {
+            Ok(())
+        }
+        fn abort(&mut self, _: &str) {}
+    }
+
+    fn chans(p: u32) -> Channels {
+        Channels {
+            send: (0..p)
+                .map(|q| Some(Box::new(Idle(q)) as Box<dyn SendChannel>))
+                .collect(),
+            recv: (0..p)
+                .map(|q| Some(Box::new(Idle(q)) as Box<dyn RecvChannel>))
+                .collect(),
+            scratch: Vec::new(),
+        }
+    }
+
+    fn region() -> Region {
+        Region {
+            buf: 0,
+            offset: 0,
+            len: 8,
+        }
+    }
+
+    fn recv(from: u32) -> Op {
+        Op::Recv {
+            from,
+            dst: region(),
+        }
+    }
+
+    fn program(stages: Vec<Vec<Op>>) -> Program {
+        let mut ops = Vec::new();
+        let mut stage_ends = Vec::new();
+        for s in stages {
+            ops.extend(s);
+            stage_ends.push(ops.len() as u32);
+        }
+        Program {
+            ops,
+            stage_ends,
+            dtype: None,
+            red_op: None,
+            divisor: 1,
+        }
+    }
+
+    /// Ops from a peer run only once that peer has "sent" (`ready[peer]`
+    /// tries have passed); records the order ops ran in.
+    struct Script {
+        tries: Vec<u32>,
+        ready: Vec<u32>,
+        ran: Vec<u32>,
+    }
+
+    impl OpRunner for Script {
+        fn try_op(&mut self, op: &Op, _: &mut Channels) -> Result<Option<Blocked>, CoreError> {
+            let from = op.recv_peer().expect("recv");
+            let t = &mut self.tries[from as usize];
+            *t += 1;
+            if *t <= self.ready[from as usize] {
+                return Ok(Some((from, WAIT_DATA)));
+            }
+            self.ran.push(from);
+            Ok(None)
+        }
+    }
+
+    /// Every op runs once; within a stage, a blocked op does not hold up
+    /// ops of other peers, but later ops of the same peer keep their order.
+    #[test]
+    fn stages_run_every_op_and_keep_each_peers_order() {
+        let prog = program(vec![vec![recv(1), recv(2), recv(1)], vec![recv(2)]]);
+        let policy = WaitPolicy::default();
+        let abort = AtomicBool::new(false);
+        let mut waiter = Waiter::new(&policy, &abort, None);
+        let mut s = Script {
+            tries: vec![0; 3],
+            ready: vec![0, 3, 0],
+            ran: Vec::new(),
+        };
+        run_stages(&prog, &mut chans(3), &mut waiter, &mut s).unwrap();
+        assert_eq!(s.ran, [2, 1, 1, 2], "peer 2 ran while peer 1 was blocked");
+    }
+
+    /// A wait that never ends is published (peer, what, transport) for the
+    /// hang dump while it lasts, and times out naming the peer.
+    #[test]
+    fn a_blocked_wait_is_published_then_times_out_naming_the_peer() {
+        let prog = program(vec![vec![recv(2)]]);
+        let progress = Progress::register(0, 3, "test".into());
+        let p2 = progress.clone();
+        let seen = Arc::new(std::sync::Mutex::new(None));
+        let seen2 = seen.clone();
+        let watcher = std::thread::spawn(move || {
+            let t0 = Instant::now();
+            while t0.elapsed() < Duration::from_secs(5) {
+                if let Some(w) = p2.snapshot().running.and_then(|r| r.waiting) {
+                    *seen2.lock().unwrap() = Some((w.peer, w.what, w.transport));
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(2));
+            }
+        });
+        let policy = WaitPolicy {
+            timeout: Duration::from_millis(300),
+            spin: 10,
+            stall_warn: Duration::from_millis(100),
+        };
+        let abort = AtomicBool::new(false);
+        progress.start("AllReduce", 7, 1, true);
+        let mut waiter = Waiter::new(&policy, &abort, Some(&progress));
+        let mut s = Script {
+            tries: vec![0; 3],
+            ready: vec![0, 0, u32::MAX],
+            ran: Vec::new(),
+        };
+        let t0 = Instant::now();
+        let e = run_stages(&prog, &mut chans(3), &mut waiter, &mut s).unwrap_err();
+        let took = t0.elapsed();
+        watcher.join().unwrap();
+        match e {
+            CoreError::Timeout {
+                peer, waiting_for, ..
+            } => {
+                assert_eq!(peer, 2);
+                assert_eq!(waiting_for, WAIT_DATA);
+            }
+            other => panic!("expected a timeout, got {other}"),
+        }
+        assert!(took >= policy.timeout, "{took:?}");
+        assert!(took < Duration::from_secs(5), "{took:?}");
+        assert_eq!(*seen.lock().unwrap(), Some((2, WAIT_DATA, "fake")));
+    }
+
+    /// An abort makes a waiting stage runner fail promptly.
+    #[test]
+    fn an_abort_ends_the_wait() {
+        let prog = program(vec![vec![recv(1)]]);
+        let policy = WaitPolicy {
+            spin: 10,
+            ..WaitPolicy::default()
+        };
+        let abort = AtomicBool::new(true);
+        let mut waiter = Waiter::new(&policy, &abort, None);
+        let mut s = Script {
+            tries: vec![0; 2],
+            ready: vec![0, u32::MAX],
+            ran: Vec::new(),
+        };
+        let t0 = Instant::now();
+        let e = run_stages(&prog, &mut chans(2), &mut waiter, &mut s).unwrap_err();
+        assert!(matches!(e, CoreError::Aborted(_)), "{e}");
+        assert!(t0.elapsed() < Duration::from_secs(5));
+    }
+}
