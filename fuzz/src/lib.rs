@@ -15,7 +15,7 @@ use std::net::SocketAddr;
 
 use braid::bootstrap::fuzzing as bs;
 use braid::bootstrap::UniqueId;
-use braid::fingerprint::{self, OpHeader};
+use braid::internals::fingerprint::{self, OpHeader};
 use braid_core::topo::{json, xml, System, Topology};
 use braid_transport_shm::fuzzing as shm;
 use braid_transport_socket::fuzzing as sock;
@@ -254,17 +254,17 @@ pub fn rendezvous_payloads(data: &[u8]) {
         return;
     };
     let from = u32::from(*a);
-    if let Ok((rank, pid, host, fabrics)) = braid::comm::fuzzing::decode_peer(rest, from) {
+    if let Ok((rank, pid, host, fabrics)) = braid::internals::rendezvous::decode_peer(rest, from) {
         assert_eq!(rank, from);
         assert_eq!(
-            braid::comm::fuzzing::encode_peer(rank, pid, &host, &fabrics),
+            braid::internals::rendezvous::encode_peer(rank, pid, &host, &fabrics),
             rest
         );
     }
     let p = usize::from(*b % 9);
-    if let Ok(blobs) = braid::comm::fuzzing::decode_blobs(rest, p, from) {
+    if let Ok(blobs) = braid::internals::rendezvous::decode_blobs(rest, p, from) {
         assert_eq!(blobs.len(), p);
-        let enc = braid::comm::fuzzing::encode_blobs(&blobs);
+        let enc = braid::internals::rendezvous::encode_blobs(&blobs);
         assert_eq!(enc, rest[..enc.len()]);
     }
 }
@@ -573,8 +573,8 @@ pub fn slurm_hostlist(data: &[u8]) {
     let Ok(s) = std::str::from_utf8(data) else {
         return;
     };
-    let all = braid::env::parse_hostlist(s);
-    let first = braid::env::first_host(s);
+    let all = braid::internals::parse_hostlist(s);
+    let first = braid::internals::first_host(s);
     match &all {
         Ok(v) => {
             assert!(!v.is_empty() && v.len() <= 1 << 20);
@@ -633,8 +633,8 @@ pub fn seeds() -> Vec<(&'static str, Vec<Seed>)> {
     ]
     .concat();
 
-    let peer = braid::comm::fuzzing::encode_peer(2, 4242, "host-a", &[]);
-    let blobs = braid::comm::fuzzing::encode_blobs(&[
+    let peer = braid::internals::rendezvous::encode_peer(2, 4242, "host-a", &[]);
+    let blobs = braid::internals::rendezvous::encode_blobs(&[
         (b"recv".to_vec(), b"send".to_vec()),
         (Vec::new(), b"x".to_vec()),
     ]);

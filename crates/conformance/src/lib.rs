@@ -1051,7 +1051,7 @@ pub fn oversized_commit_rejected(factory: &Factory) {
 
 /// Case 11: direct (single-copy) transfers, where the transport offers them:
 /// a reference to a buffer larger than a slot arrives as
-/// [`Incoming::Remote`](super::Incoming::Remote), reads back exactly, and `poll_drained` turns true
+/// [`Incoming::Remote`](braid_core::transport::Incoming::Remote), reads back exactly, and `poll_drained` turns true
 /// only after the receiver released it. A transport without them must
 /// refuse `commit_direct` with an error (and keep working).
 pub fn direct_transfers_when_offered(factory: &Factory) {

@@ -420,7 +420,7 @@ pub type PairFilter = Box<dyn Fn(&PeerDesc, &PeerDesc) -> bool + Send + Sync>;
 
 /// A transport over device-slot links on one GPU: the common body of the
 /// nvlink and pcie (P2P) transports. `allowed(me, peer)` is the per-pair
-/// decision (from [`crate::select`]); `name` what the transport is called.
+/// decision (the topology planner's); `name` what the transport is called.
 pub struct IpcTransport {
     name: &'static str,
     dev: Option<Arc<Device>>,

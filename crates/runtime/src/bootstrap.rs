@@ -799,9 +799,9 @@ pub fn bind_listener(addr: SocketAddr) -> Result<TcpListener> {
 
 /// Binds `addr` (port 0 picks a free port), generates a secret and runs a
 /// root there, like `ncclGetUniqueId`. The timeout comes from
-/// [`crate::env::timeout_from_env`].
+/// `BRAID_TIMEOUT` (120 s by default).
 pub fn create_unique_id(addr: SocketAddr) -> Result<(UniqueId, RootServer)> {
-    create_unique_id_with_timeout(addr, crate::env::timeout_from_env()?)
+    create_unique_id_with_timeout(addr, crate::launch::timeout_from_env()?)
 }
 
 /// [`create_unique_id`] with an explicit timeout.

@@ -167,13 +167,15 @@ fn peers(prog: &Program, nranks: u32) -> (Vec<bool>, Vec<bool>) {
 
 impl Headers {
     /// Headers of collective `coll` number `seq` on `nranks` ranks.
+    #[cfg(test)]
     pub fn for_collective(coll: &Collective, dt: DataType, seq: u64, nranks: u32) -> Headers {
         let mut h = Headers::default();
         h.fill_collective(coll, dt, seq, nranks);
         h
     }
 
-    /// As [`Headers::for_collective`], reusing this value (this runs for
+    /// Make these the headers of collective `coll` number `seq` on `nranks`
+    /// ranks, reusing this value (this runs for
     /// every operation: one header to encode, nothing per peer).
     pub fn fill_collective(&mut self, coll: &Collective, dt: DataType, seq: u64, nranks: u32) {
         let h = OpHeader::collective(coll, dt, seq);
@@ -199,7 +201,7 @@ impl Headers {
     }
 
     /// The header `from` must send, decoded and encoded.
-    pub fn from_peer(&self, from: u32) -> Option<(&OpHeader, &[u8; HEADER_BYTES])> {
+    pub fn expected_from(&self, from: u32) -> Option<(&OpHeader, &[u8; HEADER_BYTES])> {
         match &self.common {
             Some((h, b)) => Some((h, b)),
             None => {
@@ -343,7 +345,7 @@ mod tests {
         let want = OpHeader::collective(&ar, DataType::F32, 6);
         for p in 0..4 {
             assert_eq!(h.to_peer(p), Some(want.encode()));
-            assert_eq!(h.from_peer(p), Some((&want, &want.encode())));
+            assert_eq!(h.expected_from(p), Some((&want, &want.encode())));
         }
         assert_eq!(h.nranks(), 4);
         let g = Collective::Group(vec![
@@ -367,14 +369,17 @@ mod tests {
             Some((5, 10))
         );
         assert_eq!(h.to_peer(3), None);
-        assert_eq!(h.from_peer(3).map(|(x, _)| (x.count, x.seq)), Some((7, 20)));
-        assert_eq!(h.from_peer(2), None);
+        assert_eq!(
+            h.expected_from(3).map(|(x, _)| (x.count, x.seq)),
+            Some((7, 20))
+        );
+        assert_eq!(h.expected_from(2), None);
         assert_eq!((ss[2], rs[3], ss[3], rs[2]), (11, 21, 10, 20));
         // A collective after a group: the group's per-peer headers are gone.
         let mut h = h;
         h.fill_collective(&ar, DataType::F32, 7, 4);
         let want = OpHeader::collective(&ar, DataType::F32, 7);
         assert_eq!(h.to_peer(2), Some(want.encode()));
-        assert_eq!(h.from_peer(2), Some((&want, &want.encode())));
+        assert_eq!(h.expected_from(2), Some((&want, &want.encode())));
     }
 }

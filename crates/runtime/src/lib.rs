@@ -14,30 +14,47 @@
 //! this crate holds the bootstrap, transport selection, the host engine that
 //! runs plans, the communicator and streams.
 
+#[doc(hidden)] // private once the bootstrap split lands
 pub mod bootstrap;
-pub mod comm;
-pub mod cuda;
-pub mod engine;
-pub mod env;
-pub mod error;
-pub mod fingerprint;
+mod comm;
+mod cuda;
+mod engine;
+mod error;
+mod fingerprint;
+mod launch;
 mod oplock;
-pub mod progress;
-pub mod select;
-pub mod slot_stores;
-pub mod stream;
-pub mod topology;
+mod progress;
+mod select;
+mod slot_stores;
+mod stream;
+mod topology;
 
 pub use bootstrap::{RootServer, UniqueId};
 pub use braid_core::plan::Collective;
+pub use braid_core::topo::Plan as TopologyPlan;
 pub use braid_core::types::{bf16, f16, DataType, Element, RedOp};
 pub use braid_cuda;
 pub use braid_transport_shm::HostBuffer;
 pub use comm::{Communicator, Config, Group};
 pub use cuda::CudaComm;
 pub use error::{Error, Result};
-pub use progress::dump as dump_pending;
+pub use progress::{dump as dump_pending, Running, Snapshot, Waiting};
 pub use stream::{Handle, Stream};
+
+/// Unstable internals for braid's own tools, tests and fuzzers (the wire
+/// decoders, launch-environment parsing). Not part of the library's API:
+/// enabled by the `internals` feature, with no stability promise.
+#[cfg(feature = "internals")]
+#[doc(hidden)]
+pub mod internals {
+    pub use crate::comm::fuzzing as rendezvous;
+    pub use crate::launch::{first_host, parse_hostlist};
+
+    /// The operation headers that detect mismatched calls.
+    pub mod fingerprint {
+        pub use crate::fingerprint::{check, OpHeader, HEADER_BYTES};
+    }
+}
 
 /// Install a `tracing` subscriber filtered by `BRAID_DEBUG` (`WARN`, `INFO`,
 /// `DEBUG`, `TRACE`, or any `tracing` filter directive such as

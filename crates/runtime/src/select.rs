@@ -119,11 +119,6 @@ impl TransportTable {
         self.entries.len()
     }
 
-    /// Whether the table is empty.
-    pub fn is_empty(&self) -> bool {
-        self.entries.is_empty()
-    }
-
     /// Entry `i`.
     pub fn get(&self, i: usize) -> &dyn Transport {
         self.entries[i].as_ref()

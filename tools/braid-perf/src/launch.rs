@@ -120,7 +120,11 @@ pub fn launch(opts: &Opts) -> Result<i32, String> {
     let np = opts.np.unwrap_or(1);
     let timeout = match opts.timeout {
         Some(t) => Duration::from_secs_f64(t),
-        None => braid::env::timeout_from_env().map_err(|e| e.to_string())?,
+        None => {
+            braid::Config::from_env()
+                .map_err(|e| e.to_string())?
+                .timeout
+        }
     };
     let addr: SocketAddr = SocketAddr::from(([127, 0, 0, 1], 0));
     let (id, root) = braid::bootstrap::create_unique_id_with_timeout(addr, timeout)

@@ -95,7 +95,9 @@ impl HeaderCheck<'_> {
     fn pending(&self, from: u32) -> bool {
         (from as usize) < self.flags.len()
             && !self.flag(from, GOT)
-            && self.headers.is_some_and(|h| h.from_peer(from).is_some())
+            && self
+                .headers
+                .is_some_and(|h| h.expected_from(from).is_some())
     }
 }
 
@@ -901,7 +903,7 @@ fn accept_header(
     inc: Incoming,
     kind: MemKind,
 ) -> Result<bool, CoreError> {
-    let Some((want, want_bytes)) = hdr.headers.and_then(|h| h.from_peer(from)) else {
+    let Some((want, want_bytes)) = hdr.headers.and_then(|h| h.expected_from(from)) else {
         return Ok(true);
     };
     let mut b = [0u8; HEADER_BYTES];

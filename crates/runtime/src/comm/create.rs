@@ -1,0 +1,293 @@
+//! Creating a communicator: rendezvous, topology fusion, the transport
+//! choice per peer, link set-up, and the defaults that depend on them.
+
+use super::*;
+
+impl Communicator {
+    /// Join the communicator named by `id` as `rank` of `nranks`. Some process
+    /// must host the id's root ([`Communicator::unique_id`] does).
+    pub fn init(id: &UniqueId, rank: u32, nranks: u32, config: &Config) -> Result<Communicator> {
+        Self::init_inner(id, rank, nranks, config, None)
+    }
+
+    /// Create a unique id whose rendezvous root runs in this process, on
+    /// `addr` (port 0 picks a free port). Hand the id's text form to the other
+    /// ranks; keep the returned server alive until they have all joined, or
+    /// pass it to [`Communicator::init_hosting`].
+    pub fn unique_id(addr: SocketAddr) -> Result<(UniqueId, RootServer)> {
+        create_unique_id(addr)
+    }
+
+    /// Like [`Communicator::init`], and keep `root` alive as long as this
+    /// communicator.
+    pub fn init_hosting(
+        id: &UniqueId,
+        root: RootServer,
+        rank: u32,
+        nranks: u32,
+        config: &Config,
+    ) -> Result<Communicator> {
+        Self::init_inner(id, rank, nranks, config, Some(root))
+    }
+
+    /// Create the communicator from the launcher's environment: `braid-run`
+    /// (`BRAID_*`), torchrun, Slurm or Open MPI.
+    pub fn from_env() -> Result<Communicator> {
+        crate::init_logging();
+        let info = LaunchInfo::from_env()?;
+        let config = Config::from_env()?;
+        let root = info.host_root_server(config.timeout)?;
+        info!(
+            rank = info.rank,
+            nranks = info.nranks,
+            launcher = info.source,
+            "braid: joining communicator"
+        );
+        Self::init_inner(&info.id, info.rank, info.nranks, &config, root)
+    }
+
+    /// Create all `nranks` ranks as threads of this process (tests, and
+    /// programs that drive several devices from one process).
+    pub fn init_threads(nranks: u32, config: &Config) -> Result<Vec<Communicator>> {
+        if nranks == 0 {
+            return Err(Error::InvalidArgument("nranks must be at least 1".into()));
+        }
+        let (id, root) = create_unique_id(SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 0))?;
+        let root = Arc::new(Mutex::new(Some(root)));
+        let handles: Vec<_> = (0..nranks)
+            .map(|r| {
+                let (id, config, root) = (id, config.clone(), root.clone());
+                std::thread::Builder::new()
+                    .name(format!("braid-init-{r}"))
+                    .spawn(move || {
+                        let root = if r == 0 {
+                            root.lock().ok().and_then(|mut g| g.take())
+                        } else {
+                            None
+                        };
+                        Self::init_inner(&id, r, nranks, &config, root)
+                    })
+            })
+            .collect();
+        let mut out = Vec::new();
+        let mut first_err = None;
+        for h in handles {
+            match h {
+                Ok(h) => match h.join() {
+                    Ok(Ok(c)) => out.push(c),
+                    Ok(Err(e)) => first_err = first_err.or(Some(e)),
+                    Err(_) => {
+                        first_err =
+                            first_err.or(Some(Error::Unusable("an init thread panicked".into())))
+                    }
+                },
+                Err(e) => {
+                    first_err = first_err.or(Some(Error::BootstrapIo {
+                        what: "spawning an init thread".into(),
+                        source: e,
+                    }))
+                }
+            }
+        }
+        match first_err {
+            Some(e) => Err(e),
+            None => Ok(out),
+        }
+    }
+
+    pub(super) fn init_inner(
+        id: &UniqueId,
+        rank: u32,
+        nranks: u32,
+        config: &Config,
+        root: Option<RootServer>,
+    ) -> Result<Communicator> {
+        crate::init_logging();
+        progress::install_dump_signal().map_err(Error::Env)?;
+        if nranks == 0 || rank >= nranks {
+            return Err(Error::InvalidArgument(format!(
+                "rank {rank} out of range for {nranks} ranks: ranks are 0..nranks-1"
+            )));
+        }
+        let timeout = config.timeout;
+        // The table first: network transports probe their fabric, which
+        // every rank needs to know about the others.
+        let policy = TransportPolicy::from_env(&braid_core::config::process_env)?;
+        let table = TransportTable::from_env(id.addr, &policy)?;
+        let me = PeerDesc {
+            rank,
+            host_id: select::host_id(),
+            pid: std::process::id(),
+            fabrics: table.fabrics(),
+        };
+        let abort = config
+            .abort
+            .clone()
+            .unwrap_or_else(|| Arc::new(AtomicBool::new(false)));
+        let (boot, infos) = Bootstrap::connect_abortable(
+            id,
+            rank,
+            nranks,
+            &encode_peer(&me),
+            timeout,
+            Some(abort.clone()),
+        )?;
+        let peers: Vec<PeerDesc> = infos
+            .iter()
+            .enumerate()
+            .map(|(r, b)| decode_peer(b, r as u32))
+            .collect::<Result<_>>()?;
+
+        // The CPUs this rank may run on: its NUMA node in the topology round,
+        // the oversubscription test after link set-up.
+        let allowed = braid_core::topo::bind::allowed_cpus();
+        let placement = topology::place(&boot, &me, &peers, &table, &policy, allowed.as_ref())?;
+        let (choice, ring, topo_plan) = (placement.choice, placement.ring, placement.plan);
+        let topo_cluster = placement.cluster;
+
+        // Phase 1: allocate both ends of every link, collect connect-info.
+        let p = nranks as usize;
+        let mut links = LinkSetup::new(rank, p);
+        for q in 0..p {
+            if let Some(t) = choice[q] {
+                links.add(q, table.get(t), &me, &peers[q])?;
+            }
+        }
+        let mut chans = links.connect(|b| boot.allgather(b), timeout)?;
+        boot.barrier()?;
+        // After the barrier every receiver has run its single-copy probe.
+        // Plans must cut pieces the same way on every rank, so agree on the
+        // smallest slot of any link anywhere, and on whether every link
+        // passes references (then pieces of pure data movement can be much
+        // larger than a slot: fewer system calls; pieces below `direct_min`
+        // still fit a slot).
+        let direct_min = env_bytes("BRAID_DIRECT_MIN_BYTES", 64 * 1024)?;
+        let slot_mode = slot_stores::Mode::parse(std::env::var(slot_stores::ENV).ok().as_deref())
+            .map_err(Error::Env)?;
+        let local_piece = chans.min_slot_bytes().unwrap_or(usize::MAX) as u64;
+        let local_direct = chans.send.iter_mut().flatten().all(|c| c.can_send_direct());
+        // With them, the CPUs this rank may run on (a hex mask; empty when
+        // unknown), for the oversubscription test.
+        let mut mine = local_piece.to_le_bytes().to_vec();
+        mine.push(local_direct as u8);
+        mine.extend(
+            allowed
+                .as_ref()
+                .map(|s| s.to_mask())
+                .unwrap_or_default()
+                .bytes(),
+        );
+        let all = boot.allgather(&mine)?;
+        let mut piece = u64::MAX;
+        let mut all_direct = true;
+        let mut local_cpus: Vec<Option<CpuSet>> = Vec::new();
+        let mut me_local = 0;
+        for (r, b) in all.iter().enumerate() {
+            let (Some(p), Some(&d), Some(mask)) = (b.get(0..8), b.get(8), b.get(9..)) else {
+                return Err(Error::Bootstrap(format!(
+                    "rank {r} sent a malformed link summary"
+                )));
+            };
+            let mut a = [0u8; 8];
+            a.copy_from_slice(p);
+            piece = piece.min(u64::from_le_bytes(a));
+            all_direct &= d != 0;
+            if peers.get(r).is_some_and(|p| p.host_id == me.host_id) {
+                if r == rank as usize {
+                    me_local = local_cpus.len();
+                }
+                local_cpus.push(std::str::from_utf8(mask).ok().and_then(CpuSet::from_mask));
+            }
+        }
+        let oversub = oversubscribed(me_local, &local_cpus, online_cpus());
+        info!(
+            rank,
+            local_ranks = local_cpus.len(),
+            oversubscribed = oversub,
+            "braid: waits {}",
+            if oversub {
+                "yield at once (ranks here share CPUs)"
+            } else {
+                "spin before yielding"
+            }
+        );
+        let piece = if piece == u64::MAX {
+            DEFAULT_PIECE
+        } else {
+            piece as usize
+        };
+        let move_piece = if all_direct && direct_min <= piece {
+            piece.max(env_bytes("BRAID_DIRECT_PIECE_BYTES", 2 << 20)?)
+        } else {
+            piece
+        };
+        let transports = choice
+            .iter()
+            .map(|c| c.map(|i| table.get(i).name()).unwrap_or("self"))
+            .collect();
+        info!(rank, nranks, piece, "braid: communicator ready");
+        Ok(Communicator {
+            shared: Arc::new(Shared {
+                rank,
+                nranks,
+                ring,
+                piece,
+                small_allreduce: small_allreduce_bytes()?,
+                // process_vm_readv runs at about half the speed of memcpy on
+                // the VMs measured (page pinning), but it replaces two copies
+                // and leaves the sender free: side by side it was faster for
+                // Broadcast, AllGather and AllToAll from 1 to 64 MiB.
+                direct_min,
+                // See `single_copy_default`.
+                single_copy_min: env_bytes(
+                    "BRAID_SINGLE_COPY_MIN_BYTES",
+                    single_copy_default(THP_ENABLED),
+                )?,
+                stream_min: env_bytes(
+                    "BRAID_STREAM_MIN_BYTES",
+                    stream_default(
+                        std::path::Path::new(CPU0_CACHES),
+                        peers.iter().filter(|p| p.host_id == me.host_id).count(),
+                    ),
+                )?,
+                move_piece,
+                direct_moves: all_direct
+                    && direct_min <= piece
+                    && std::env::var("BRAID_DIRECT_MOVES").map_or(true, |v| v.trim() != "0"),
+                oversubscribed: oversub,
+                // Mismatch detection (one 32-byte header per link per
+                // operation); BRAID_CHECK_MISMATCH=0 turns it off.
+                check_headers: std::env::var("BRAID_CHECK_MISMATCH")
+                    .map(|v| v.trim() != "0")
+                    .unwrap_or(true),
+                policy: WaitPolicy {
+                    timeout,
+                    spin: spin_budget(oversub),
+                    stall_warn: progress::stall_warn(timeout),
+                },
+                abort,
+                state: OpLock::new(State {
+                    chans,
+                    seq: 0,
+                    coll_seq: 0,
+                    p2p_send_seq: vec![0; p],
+                    p2p_recv_seq: vec![0; p],
+                    headers: Headers::default(),
+                    header_flags: Vec::new(),
+                    slot_stores: SlotStores::new(p, slot_mode),
+                    broken: None,
+                    cache: HashMap::new(),
+                    last: None,
+                }),
+                bootstrap: Mutex::new(boot),
+                transports,
+                topo_plan,
+                topo_cluster,
+                transport_policy: policy,
+                children: Mutex::new(Vec::new()),
+                progress: Progress::register(rank, nranks, format!("comm@{}", id.addr)),
+                _root: root,
+            }),
+        })
+    }
+}

@@ -1,0 +1,634 @@
+//! The communicator: what it holds and the path every operation takes.
+//!
+//! - [`config`]: the options of communicator creation.
+//! - [`create`]: creation (rendezvous, topology, transport choice, links).
+//! - [`tuning`]: defaults read from the host (`/sys`: CPU sharing, huge
+//!   pages, caches) and their `BRAID_*` overrides.
+//! - [`links`]: the peer descriptions and the two-phase link set-up shared
+//!   with the device communicator.
+//! - [`ops`]: the typed collective API and its argument checks.
+
+use std::collections::HashMap;
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use braid_core::plan::{self, Collective, P2p, P2pKind, PlanParams, Program};
+use braid_core::topo::{CpuSet, TransportPolicy};
+use braid_core::transport::{PeerDesc, PendingRecv, PendingSend};
+use braid_core::types::Element;
+use braid_core::{CoreError, DataType, RedOp};
+use tracing::{debug, info, info_span};
+
+use crate::bootstrap::{
+    create_unique_id, create_unique_id_with_timeout, Bootstrap, RootServer, UniqueId,
+};
+use crate::engine::host::{self, Exec};
+use crate::engine::{Channels, RawBuf, WaitPolicy};
+use crate::error::{Error, Result};
+use crate::fingerprint::Headers;
+use crate::launch::{timeout_from_env, LaunchInfo};
+use crate::oplock::{OpGuard, OpLock};
+use crate::progress::{self, Progress, Snapshot};
+use crate::select::{self, TransportTable};
+use crate::slot_stores::{self, SlotStores};
+use crate::topology;
+
+mod config;
+mod create;
+pub(crate) mod links;
+mod ops;
+mod tuning;
+
+pub use config::Config;
+pub(crate) use links::LinkSetup;
+use links::*;
+use ops::raw_bytes;
+pub use ops::Group;
+use tuning::*;
+
+/// A group of ranks that run collectives together. Cheap to clone: clones
+/// share the same connections, and operations issued through any clone are
+/// serialised in the order they take the communicator's lock.
+///
+/// Every rank must issue the same operations in the same order (as with NCCL
+/// and MPI); a mismatch is reported as an error when the ranks notice it.
+#[derive(Clone, Debug)]
+pub struct Communicator {
+    shared: Arc<Shared>,
+}
+
+#[derive(Debug)]
+struct Shared {
+    rank: u32,
+    nranks: u32,
+    ring: Vec<u32>,
+    piece: usize,
+    small_allreduce: usize,
+    move_piece: usize,
+    /// Every link passes references: single-copy AllGather and Broadcast
+    /// on more than two ranks read each block from its owner
+    /// ([`PlanParams::direct_moves`]). `BRAID_DIRECT_MOVES=0` keeps the ring.
+    direct_moves: bool,
+    /// Ranks on this host share CPUs ([`oversubscribed`]): waits yield.
+    oversubscribed: bool,
+    direct_min: usize,
+    /// Collectives whose largest buffer is smaller than this move their
+    /// data through the slots (two copies that stay in cache) instead of
+    /// single-copy.
+    single_copy_min: usize,
+    /// Collectives whose buffers (this rank's, all together) take at least
+    /// this many bytes copy with streaming stores (`braid_core::copy`).
+    stream_min: usize,
+    check_headers: bool,
+    policy: WaitPolicy,
+    abort: Arc<AtomicBool>,
+    state: OpLock<State>,
+    bootstrap: Mutex<Bootstrap>,
+    transports: Vec<&'static str>,
+    topo_plan: braid_core::topo::Plan,
+    /// The fused topology of every rank (without GPUs) and the transport
+    /// policy it was planned under, for device communicators.
+    topo_cluster: braid_core::topo::Cluster,
+    transport_policy: TransportPolicy,
+    progress: Arc<Progress>,
+    /// Communicators split from this one ([`Communicator::abort_with_splits`]).
+    children: Mutex<Vec<std::sync::Weak<Shared>>>,
+    _root: Option<RootServer>,
+}
+
+impl Shared {
+    fn abort(&self, why: &str) {
+        self.abort.store(true, Ordering::SeqCst);
+        if let Some(Ok(mut st)) = self.state.try_lock() {
+            st.broken.get_or_insert_with(|| why.into());
+            st.chans.abort_all(why);
+        }
+    }
+}
+
+#[derive(Debug)]
+struct State {
+    chans: Channels,
+    seq: u64,
+    /// Collectives issued so far (the header sequence number).
+    coll_seq: u64,
+    /// Point-to-point transfers to / from each peer so far.
+    p2p_send_seq: Vec<u64>,
+    p2p_recv_seq: Vec<u64>,
+    /// Reused per operation (no allocation on the hot path).
+    headers: Headers,
+    header_flags: Vec<u8>,
+    /// Per peer: ordinary or streaming stores into its slots.
+    slot_stores: SlotStores,
+    broken: Option<String>,
+    cache: HashMap<(Collective, DataType), Planned>,
+    /// The last collective run and its plan: a loop of the same call skips
+    /// hashing.
+    last: Option<(Collective, DataType, Planned)>,
+}
+
+/// A collective's plan and whether it moves data single-copy.
+#[derive(Clone, Debug)]
+struct Planned {
+    prog: Arc<Program>,
+    single_copy: bool,
+}
+
+impl Communicator {
+    /// This rank.
+    pub fn rank(&self) -> u32 {
+        self.shared.rank
+    }
+
+    /// Number of ranks.
+    pub fn nranks(&self) -> u32 {
+        self.shared.nranks
+    }
+
+    /// The ring order used by ring algorithms.
+    pub fn ring(&self) -> &[u32] {
+        &self.shared.ring
+    }
+
+    /// The transport used to reach each rank (`"self"` for this rank).
+    pub fn transports(&self) -> &[&'static str] {
+        &self.shared.transports
+    }
+
+    /// Whether this rank shares its CPUs with more ranks of this host than
+    /// those CPUs can run at once (decided at creation from every local
+    /// rank's CPU affinity). Then a waiting rank yields its CPU at once
+    /// instead of spinning first (`BRAID_SPIN` overrides either way).
+    pub fn oversubscribed(&self) -> bool {
+        self.shared.oversubscribed
+    }
+
+    /// What this communicator is doing now: the running operation and the
+    /// peer it waits for, if any (see [`crate::dump_pending`] for every
+    /// communicator of the process).
+    pub fn pending(&self) -> Snapshot {
+        self.shared.progress.snapshot()
+    }
+
+    /// The topology plan this communicator was built from: the transport of
+    /// every rank pair and the ring of every channel (the engine runs
+    /// channel 0's ring).
+    pub fn topology_plan(&self) -> &braid_core::topo::Plan {
+        &self.shared.topo_plan
+    }
+
+    /// The fused topology (ranks placed without GPUs) and the environment's
+    /// transport policy, for a device communicator to plan its GPU links.
+    pub(crate) fn topology_inputs(&self) -> (&braid_core::topo::Cluster, &TransportPolicy) {
+        (&self.shared.topo_cluster, &self.shared.transport_policy)
+    }
+
+    /// Make every pending and later operation fail promptly. Callable from any
+    /// thread; the peers see the abort as an error naming this rank.
+    /// Communicators split from this one are not affected (see
+    /// [`Communicator::abort_with_splits`]).
+    pub fn abort(&self) {
+        self.shared.abort("aborted by the caller");
+    }
+
+    /// [`Communicator::abort`] this communicator and every communicator split
+    /// from it (recursively), e.g. when a job tears down after a failure.
+    pub fn abort_with_splits(&self) {
+        let mut todo = vec![self.shared.clone()];
+        while let Some(sh) = todo.pop() {
+            sh.abort("aborted by the caller (with its splits)");
+            if let Ok(kids) = sh.children.lock() {
+                todo.extend(kids.iter().filter_map(std::sync::Weak::upgrade));
+            }
+        }
+    }
+
+    /// Split this communicator like `ncclCommSplit` / `MPI_Comm_split`: every
+    /// rank calls it (a collective over the parent's bootstrap); ranks with
+    /// the same `color` form a new communicator, ordered by `key` and then
+    /// by their rank here; `color: None` takes no part and gets `Ok(None)`.
+    ///
+    /// The new communicator has its own rendezvous (hosted by its new rank
+    /// 0), links, transports and ring, and lives independently of the parent
+    /// (dropping or aborting the parent leaves it usable, unless
+    /// [`Communicator::abort_with_splits`] is used).
+    ///
+    /// The rule after a failure: a communicator that was aborted or broken by
+    /// a failed operation cannot be split (an error, at once): its ranks may
+    /// be dead or stuck anywhere in an operation, so no collective over it can
+    /// be trusted. Survivors create a fresh communicator from a new unique
+    /// id instead.
+    pub fn split(&self, color: Option<u32>, key: u32) -> Result<Option<Communicator>> {
+        let sh = &*self.shared;
+        if sh.abort.load(Ordering::SeqCst) {
+            return Err(Error::Unusable(
+                "cannot split an aborted communicator; create a new one from a fresh unique id"
+                    .into(),
+            ));
+        }
+        if let Some(why) = self.lock()?.broken.clone() {
+            return Err(Error::Unusable(format!(
+                "cannot split a communicator broken by an earlier error ({why}); create a new one from a fresh unique id"
+            )));
+        }
+        let boot = sh
+            .bootstrap
+            .lock()
+            .map_err(|_| Error::Unusable("a thread panicked while holding the bootstrap".into()))?;
+        let mut mine = vec![color.is_some() as u8];
+        mine.extend_from_slice(&color.unwrap_or(0).to_le_bytes());
+        mine.extend_from_slice(&key.to_le_bytes());
+        let all = boot.allgather(&mine)?;
+        let mut wanted = Vec::with_capacity(all.len());
+        for (r, b) in all.iter().enumerate() {
+            let (Some(&has), Some(c), Some(k)) = (b.first(), b.get(1..5), b.get(5..9)) else {
+                return Err(Error::Bootstrap(format!(
+                    "rank {r} sent a malformed split request"
+                )));
+            };
+            let c = u32::from_le_bytes(c.try_into().unwrap_or_default());
+            let k = u32::from_le_bytes(k.try_into().unwrap_or_default());
+            wanted.push(((has != 0).then_some(c), k, r as u32));
+        }
+        let Some(color) = color else {
+            boot.allgather(&[])?;
+            return Ok(None);
+        };
+        let mut members: Vec<(u32, u32)> = wanted
+            .iter()
+            .filter(|w| w.0 == Some(color))
+            .map(|w| (w.1, w.2))
+            .collect();
+        members.sort_unstable();
+        let new_rank = members
+            .iter()
+            .position(|m| m.1 == sh.rank)
+            .ok_or_else(|| Error::Unusable("this rank is missing from its own split".into()))?
+            as u32;
+        let leader = members[0].1;
+        let timeout = sh.policy.timeout;
+        // The new rank 0 hosts the rendezvous on the address it reaches the
+        // parent's root from; it always answers the second round, so a
+        // failure to listen reaches the others as an error, not a timeout.
+        let (text, root, failure) = if new_rank == 0 {
+            let ip = boot.local_ip().unwrap_or(IpAddr::V4(Ipv4Addr::LOCALHOST));
+            match create_unique_id_with_timeout(SocketAddr::new(ip, 0), timeout) {
+                Ok((id, root)) => (id.to_string(), Some(root), None),
+                Err(e) => (String::new(), None, Some(e)),
+            }
+        } else {
+            (String::new(), None, None)
+        };
+        let ids = boot.allgather(text.as_bytes())?;
+        drop(boot);
+        if let Some(e) = failure {
+            return Err(e);
+        }
+        let id: UniqueId = std::str::from_utf8(&ids[leader as usize])
+            .ok()
+            .filter(|t| !t.is_empty())
+            .ok_or_else(|| {
+                Error::Bootstrap(format!(
+                    "rank {leader}, new rank 0 of split color {color}, could not host the new rendezvous (its log says why)"
+                ))
+            })?
+            .parse()?;
+        info!(
+            rank = sh.rank,
+            color,
+            key,
+            new_rank,
+            size = members.len(),
+            "braid: split"
+        );
+        let config = Config {
+            timeout,
+            abort: None,
+        };
+        let child = Self::init_inner(&id, new_rank, members.len() as u32, &config, root)?;
+        if let Ok(mut kids) = sh.children.lock() {
+            kids.retain(|w| w.strong_count() > 0);
+            kids.push(Arc::downgrade(&child.shared));
+        }
+        Ok(Some(child))
+    }
+
+    /// The error that broke this communicator, if any (like
+    /// `ncclCommGetAsyncError`).
+    pub fn async_error(&self) -> Option<String> {
+        if self.shared.abort.load(Ordering::SeqCst) {
+            return Some("aborted by the caller".into());
+        }
+        self.lock().ok().and_then(|st| st.broken.clone())
+    }
+
+    /// Every rank contributes `data` through the bootstrap; all get all
+    /// contributions in rank order (set-up of device communicators).
+    pub(crate) fn allgather_bytes(&self, data: &[u8]) -> Result<Vec<Vec<u8>>> {
+        self.shared
+            .bootstrap
+            .lock()
+            .map_err(|_| Error::Unusable("a thread panicked while holding the bootstrap".into()))?
+            .allgather(data)
+    }
+
+    /// Plan parameters other than the piece size: (waiting policy, AllReduce
+    /// recursive-doubling threshold).
+    pub(crate) fn plan_knobs(&self) -> (WaitPolicy, usize) {
+        (self.shared.policy, self.shared.small_allreduce)
+    }
+
+    /// Returns once every rank of the communicator called `barrier`, like
+    /// `MPI_Barrier`: a collective over the data links (the small AllReduce
+    /// of a one-byte token, [`Collective::Barrier`]), so it costs about what
+    /// a one-element AllReduce costs, it has the collectives' deadline (a
+    /// rank that never arrives is an error naming it) and, like any
+    /// collective, every rank must call it in the same order relative to
+    /// the others.
+    pub fn barrier(&self) -> Result<()> {
+        let (send, mut recv) = ([0u8], [0u8]);
+        self.run_bytes(&Collective::Barrier, DataType::U8, &send, &mut recv)
+    }
+
+    fn lock(&self) -> Result<OpGuard<'_, State>> {
+        self.shared
+            .state
+            .lock()
+            .map_err(|_| Error::Unusable("a thread panicked inside an operation".into()))
+    }
+
+    /// Plan and run one operation over raw buffers (validated by the caller).
+    fn run(&self, coll: Collective, dt: DataType, bufs: &[RawBuf]) -> Result<()> {
+        let sh = &*self.shared;
+        let mut st = self.lock()?;
+        if let Some(why) = &st.broken {
+            return Err(Error::Unusable(why.clone()));
+        }
+        if sh.abort.load(Ordering::SeqCst) {
+            return Err(Error::Unusable("aborted by the caller".into()));
+        }
+        let seq = st.seq;
+        st.seq += 1;
+        let name = coll.name();
+        let _span = info_span!("op", op = name, seq, rank = sh.rank).entered();
+        let planned = self.program(&mut st, &coll, dt)?;
+        let (prog, single_copy) = (&*planned.prog, planned.single_copy);
+        debug!(ops = prog.ops.len(), "start");
+        let st = &mut *st;
+        let use_headers = if !sh.check_headers {
+            false
+        } else if let Collective::Group(_) = coll {
+            st.headers = Headers::for_group(
+                &coll,
+                dt,
+                sh.rank,
+                prog,
+                &mut st.p2p_send_seq,
+                &mut st.p2p_recv_seq,
+            );
+            true
+        } else {
+            st.headers
+                .fill_collective(&coll, dt, st.coll_seq, sh.nranks);
+            st.coll_seq += 1;
+            true
+        };
+        let buf_bytes = bufs.iter().map(|b| b.len).sum::<usize>();
+        let ex = Exec {
+            bufs,
+            policy: &sh.policy,
+            abort: &sh.abort,
+            direct_min: if single_copy {
+                sh.direct_min
+            } else {
+                usize::MAX
+            },
+            stream_copies: buf_bytes >= sh.stream_min,
+            slot_stores: Some(&st.slot_stores),
+            rank: sh.rank,
+            headers: use_headers.then_some(&st.headers),
+            progress: Some(&sh.progress),
+        };
+        // Operations that may run a while without waiting (long copies and
+        // reductions) take their start time now; small ones once they wait.
+        sh.progress
+            .start(name, seq, prog.stage_ends.len(), buf_bytes >= 64 * 1024);
+        // SAFETY: the typed entry points built `bufs` from live slices of the
+        // right lengths (checked), borrowed for this whole call, aligned for
+        // `dt`, aliasing only as the in-place plans allow.
+        let res = unsafe { host::execute(prog, &mut st.chans, &ex, &mut st.header_flags) };
+        if !matches!(coll, Collective::Group(_)) {
+            // Put the plan back where the next identical call finds it
+            // (moved, not cloned: an Arc's count is two atomic operations).
+            st.last = Some((coll, dt, planned));
+        }
+        sh.progress
+            .finish(res.as_ref().err().map(|e| e.to_string()).as_deref());
+        match res {
+            Ok(()) => Ok(()),
+            Err(source) => {
+                let msg = format!("{name} #{seq} failed: {source}");
+                tracing::error!(rank = sh.rank, "{msg}");
+                // Tell the peers the original cause, not a chain of relays:
+                // a rank that failed because a peer aborted passes that
+                // peer's reason on unchanged.
+                let origin = match &source {
+                    CoreError::PeerAborted { reason, .. } => reason.clone(),
+                    other => format!("rank {}: {other}", sh.rank),
+                };
+                st.chans.abort_all(&origin);
+                st.broken = Some(msg);
+                Err(Error::Operation {
+                    rank: sh.rank,
+                    op: name.to_string(),
+                    seq,
+                    source,
+                })
+            }
+        }
+    }
+
+    /// Whether this collective may move its data single-copy: groups
+    /// always (their pieces are cut per message), collectives when their
+    /// largest buffer reaches `single_copy_min`. The same answer on every
+    /// rank, since the plans must cut pieces alike.
+    fn single_copy(&self, coll: &Collective, dt: DataType) -> bool {
+        if matches!(coll, Collective::Group(_)) {
+            return true;
+        }
+        let largest = coll
+            .collective_counts(self.shared.nranks)
+            .map(|[s, r]| s.max(r))
+            .unwrap_or(0);
+        largest.saturating_mul(dt.size()) >= self.shared.single_copy_min
+    }
+
+    fn program(&self, st: &mut State, coll: &Collective, dt: DataType) -> Result<Planned> {
+        let sh = &*self.shared;
+        let cacheable = !matches!(coll, Collective::Group(_));
+        if cacheable {
+            // The previous call's plan (moved out; `run` puts it back).
+            if let Some((c, d, _)) = &st.last {
+                if *d == dt && c == coll {
+                    if let Some((_, _, p)) = st.last.take() {
+                        return Ok(p);
+                    }
+                }
+            }
+            if let Some(p) = st.cache.get(&(coll.clone(), dt)) {
+                return Ok(p.clone());
+            }
+        }
+        let single_copy = self.single_copy(coll, dt);
+        let params = PlanParams {
+            rank: sh.rank,
+            ring: sh.ring.clone(),
+            piece_bytes: sh.piece,
+            move_piece_bytes: if single_copy { sh.move_piece } else { sh.piece },
+            small_allreduce_bytes: sh.small_allreduce,
+            direct_moves: sh.direct_moves
+                && (single_copy
+                    || matches!(*coll, Collective::AllGather { send_count }
+                        if send_count
+                            .saturating_mul(sh.nranks as usize)
+                            .saturating_mul(dt.size())
+                            <= FLAT_ALLGATHER_MAX_BYTES)),
+        };
+        let planned = Planned {
+            prog: Arc::new(plan::plan(coll, dt, &params)?),
+            single_copy,
+        };
+        if cacheable {
+            if st.cache.len() >= 256 {
+                st.cache.clear();
+            }
+            st.cache.insert((coll.clone(), dt), planned.clone());
+        }
+        Ok(planned)
+    }
+
+    /// Run a collective described by `coll` on byte buffers holding elements
+    /// of `dt` (the untyped API, like NCCL's `void*` + datatype). Buffer sizes
+    /// follow [`Collective::buffer_counts`]; on non-root ranks a Broadcast's
+    /// `send` and a Reduce's `recv` are not used and may be empty.
+    pub fn run_bytes(
+        &self,
+        coll: &Collective,
+        dt: DataType,
+        send: &[u8],
+        recv: &mut [u8],
+    ) -> Result<()> {
+        let rank = self.shared.rank;
+        let counts = self.check_coll(coll, dt)?;
+        let non_root = coll.root().is_some_and(|r| r != rank);
+        let send_used = !(non_root && matches!(coll, Collective::Broadcast { .. }));
+        let recv_used = !(non_root && matches!(coll, Collective::Reduce { .. }));
+        let r = raw_bytes(recv);
+        let s = if send_used { raw_bytes(send) } else { r };
+        if send_used {
+            self.check_buf(coll, "send", s, counts[0], dt)?;
+        }
+        if recv_used {
+            self.check_buf(coll, "recv", r, counts[1], dt)?;
+        } else {
+            self.check_align(coll, "recv", r, dt)?;
+        }
+        self.run(coll.clone(), dt, &[s, r])
+    }
+
+    /// Run a collective in place on `buf` (see [`Communicator::run_bytes`]):
+    /// AllReduce, Broadcast and Reduce use `buf` as both buffers; AllGather
+    /// takes this rank's contribution from block `rank` of `buf`;
+    /// ReduceScatter leaves this rank's result in block `rank` of `buf`.
+    /// AllToAll has no in-place form.
+    pub fn run_bytes_in_place(
+        &self,
+        coll: &Collective,
+        dt: DataType,
+        buf: &mut [u8],
+    ) -> Result<()> {
+        let counts = self.check_coll(coll, dt)?;
+        let b = raw_bytes(buf);
+        let es = dt.size();
+        let block = |n: usize| RawBuf {
+            // SAFETY: the caller checked that `buf` holds nranks · n
+            // elements, so block `rank` lies inside it.
+            ptr: unsafe { b.ptr.add(self.shared.rank as usize * n * es) },
+            len: n * es,
+        };
+        let bufs = match *coll {
+            Collective::AllReduce { .. }
+            | Collective::Broadcast { .. }
+            | Collective::Reduce { .. }
+            | Collective::Barrier => {
+                self.check_buf(coll, "buffer", b, counts[0], dt)?;
+                [b, b]
+            }
+            Collective::AllGather { send_count } => {
+                self.check_buf(coll, "buffer", b, counts[1], dt)?;
+                [block(send_count), b]
+            }
+            Collective::ReduceScatter { recv_count, .. } => {
+                self.check_buf(coll, "buffer", b, counts[0], dt)?;
+                [b, block(recv_count)]
+            }
+            Collective::AllToAll { .. } | Collective::Group(_) => {
+                return Err(Error::InvalidArgument(format!(
+                    "{} has no in-place form: pass separate send and receive buffers",
+                    coll.name()
+                )))
+            }
+        };
+        self.run(coll.clone(), dt, &bufs)
+    }
+}
+
+/// The rendezvous payloads' decoders over plain bytes, for the fuzz targets
+/// in `fuzz/`. Not part of the API.
+#[cfg(feature = "internals")]
+pub mod fuzzing {
+    use super::*;
+
+    /// A rank's description as the rendezvous carries it: rank, pid, host
+    /// id and the (transport, fabric) pairs.
+    pub type Peer = (u32, u32, String, Vec<(String, String)>);
+
+    /// Decodes slot `from` of the rendezvous.
+    pub fn decode_peer(b: &[u8], from: u32) -> std::result::Result<Peer, String> {
+        super::decode_peer(b, from)
+            .map(|p| (p.rank, p.pid, p.host_id, p.fabrics))
+            .map_err(|e| e.to_string())
+    }
+
+    /// Encodes a rank's description as it joins.
+    pub fn encode_peer(
+        rank: u32,
+        pid: u32,
+        host_id: &str,
+        fabrics: &[(String, String)],
+    ) -> Vec<u8> {
+        super::encode_peer(&PeerDesc {
+            rank,
+            host_id: host_id.to_string(),
+            pid,
+            fabrics: fabrics.to_vec(),
+        })
+    }
+
+    /// Decodes rank `from`'s connect-info for `p` ranks.
+    #[allow(clippy::type_complexity)]
+    pub fn decode_blobs(
+        b: &[u8],
+        p: usize,
+        from: u32,
+    ) -> std::result::Result<Vec<(Vec<u8>, Vec<u8>)>, String> {
+        super::decode_blobs(b, p, from).map_err(|e| e.to_string())
+    }
+
+    /// Encodes a rank's connect-info blobs.
+    pub fn encode_blobs(blobs: &[(Vec<u8>, Vec<u8>)]) -> Vec<u8> {
+        super::encode_blobs(blobs)
+    }
+}

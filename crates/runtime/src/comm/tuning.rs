@@ -1,0 +1,287 @@
+//! Defaults read from the host (`/sys`): how long to spin, whether ranks
+//! share CPUs, when to copy single-copy and with streaming stores; each
+//! with its `BRAID_*` override.
+
+use super::*;
+
+/// AllGathers over slots of at most this many bytes (the whole result) read
+/// every block from its owner instead of relaying it along the ring (see
+/// `PlanParams::direct_moves`): 4 ranks on the 2-core VM, side by side,
+/// 64 bytes 2.4-2.5 against 3.1-5.0 µs, 4 KiB 2.6-4.8 against 3.6-7.5 µs;
+/// at 256 KiB no difference beyond the noise.
+pub(super) const FLAT_ALLGATHER_MAX_BYTES: usize = 64 * 1024;
+
+/// How long a waiting rank spins before it yields the CPU. Spinning is what
+/// makes small operations fast (a flag in shared memory is seen in ~0.1 µs,
+/// a woken thread in 25–30 µs), but when ranks on this host share CPUs (more
+/// ranks than cores, see [`oversubscribed`]) a spinning rank steals the core
+/// from the rank it waits for, so it yields at once. `BRAID_SPIN` overrides
+/// (iterations).
+pub(super) fn spin_budget(oversubscribed: bool) -> u32 {
+    if let Some(v) = std::env::var("BRAID_SPIN")
+        .ok()
+        .and_then(|v| v.trim().parse().ok())
+    {
+        return v;
+    }
+    if oversubscribed {
+        0
+    } else {
+        WaitPolicy::default().spin
+    }
+}
+
+/// Whether this rank shares CPUs with more ranks than those CPUs can run at
+/// once. `sets` holds the CPUs each rank on this host may run on (`None`:
+/// unknown, taken as all `online` CPUs); `me` indexes ours. The ranks whose
+/// sets overlap ours, directly or through other such ranks, are counted
+/// against the CPUs of their sets together: four unbound ranks on two cores
+/// are oversubscribed, two ranks bound one per core (mpirun's default for
+/// two ranks, `srun --cpu-bind=cores`, `taskset`) are not, though each sees
+/// a single CPU. (Counting the CPUs a rank sees took bound ranks for
+/// oversubscribed and made them yield at every wait: an 8-byte AllReduce on
+/// 2 ranks bound to one core each took 0.42-0.58 µs instead of 0.17-0.27.)
+pub(super) fn oversubscribed(me: usize, sets: &[Option<CpuSet>], online: u32) -> bool {
+    let all: Vec<u32> = (0..online.max(1)).collect();
+    let cpus = |i: usize| -> &[u32] {
+        match &sets[i] {
+            Some(s) if !s.0.is_empty() => &s.0,
+            _ => &all,
+        }
+    };
+    let mut member = vec![false; sets.len()];
+    let Some(m) = member.get_mut(me) else {
+        return false;
+    };
+    *m = true;
+    let mut union: std::collections::BTreeSet<u32> = cpus(me).iter().copied().collect();
+    let mut grew = true;
+    while grew {
+        grew = false;
+        for (j, m) in member.iter_mut().enumerate() {
+            if !*m && cpus(j).iter().any(|c| union.contains(c)) {
+                *m = true;
+                union.extend(cpus(j).iter().copied());
+                grew = true;
+            }
+        }
+    }
+    member.iter().filter(|&&m| m).count() > union.len()
+}
+
+/// CPUs online on this host (`/sys/devices/system/cpu/online`), whatever
+/// this process may run on.
+pub(super) fn online_cpus() -> u32 {
+    std::fs::read_to_string("/sys/devices/system/cpu/online")
+        .ok()
+        .and_then(|l| CpuSet::from_list(&l))
+        .map(|s| s.0.len() as u32)
+        .filter(|&n| n > 0)
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get() as u32))
+}
+
+/// Where the kernel says whether anonymous memory gets transparent huge
+/// pages (`always`, `madvise` or `never`, the chosen one in brackets).
+pub(super) const THP_ENABLED: &str = "/sys/kernel/mm/transparent_hugepage/enabled";
+
+/// The smallest largest-buffer size at which collectives read peers'
+/// buffers with `process_vm_readv` instead of passing data through slots.
+///
+/// What decides it is the page size of the callers' buffers, which braid
+/// cannot see: `process_vm_readv` pins every page it reads, which on 4 KiB
+/// pages ran at 14 GB/s on these VMs against memcpy's 52 GB/s, but at
+/// 39-48 GB/s on 2 MiB pages (`scripts/cma-pages.c`, 1 MiB reads).
+/// Side by side on 2 ranks (Broadcast, AllGather, AllToAll): on 4 KiB-page
+/// buffers the slot path was about 2x faster up to 4 MiB and single-copy
+/// won from 16 MiB; on 2 MiB-aligned huge-page buffers single-copy was
+/// faster from 512 KiB (1.3-2x at 1-4 MiB) and even at 128-256 KiB. So:
+/// 512 KiB where every anonymous mapping gets huge pages (THP `always`),
+/// else 8 MiB. Callers whose buffers are on huge pages under THP `madvise`
+/// (e.g. glibc's `hugetlb` tunable, or `madvise(MADV_HUGEPAGE)`) should set
+/// `BRAID_SINGLE_COPY_MIN_BYTES=524288`.
+pub(super) fn single_copy_default(thp_file: &str) -> usize {
+    let always = std::fs::read_to_string(thp_file)
+        .map(|s| s.contains("[always]"))
+        .unwrap_or(false);
+    if always {
+        512 << 10
+    } else {
+        8 << 20
+    }
+}
+
+/// Where Linux describes CPU 0's caches (`index*/level`, `index*/size`).
+pub(super) const CPU0_CACHES: &str = "/sys/devices/system/cpu/cpu0/cache";
+
+/// The size of the largest cache CPU 0 has (its last level), from `dir`
+/// laid out as [`CPU0_CACHES`]; `None` if it says nothing usable.
+pub(super) fn last_level_cache(dir: &std::path::Path) -> Option<usize> {
+    let mut best: Option<(u32, usize)> = None;
+    for e in std::fs::read_dir(dir).ok()?.flatten() {
+        let read = |f: &str| std::fs::read_to_string(e.path().join(f)).ok();
+        let (Some(level), Some(size)) = (read("level"), read("size")) else {
+            continue;
+        };
+        let Ok(level) = level.trim().parse::<u32>() else {
+            continue;
+        };
+        let size = size.trim();
+        let (digits, unit) = match size.strip_suffix('K') {
+            Some(d) => (d, 1 << 10),
+            None => match size.strip_suffix('M') {
+                Some(d) => (d, 1 << 20),
+                None => (size, 1),
+            },
+        };
+        let Ok(n) = digits.parse::<usize>() else {
+            continue;
+        };
+        if best.is_none_or(|(l, _)| level > l) {
+            best = Some((level, n.saturating_mul(unit)));
+        }
+    }
+    best.map(|(_, b)| b)
+}
+
+/// The default of `BRAID_STREAM_MIN_BYTES` for `local` ranks on this host:
+/// collectives whose buffers, times the ranks sharing the last-level cache,
+/// exceed that cache copy with streaming stores (their destinations would
+/// not stay cached anyway; `braid_core::copy`). 32 MiB when sysfs says
+/// nothing.
+pub(super) fn stream_default(caches: &std::path::Path, local: usize) -> usize {
+    last_level_cache(caches).unwrap_or(32 << 20) / local.max(1)
+}
+
+/// A byte count from the environment, or `default` when unset.
+pub(super) fn env_bytes(name: &str, default: usize) -> Result<usize> {
+    match std::env::var(name) {
+        Ok(v) if !v.trim().is_empty() => v.trim().parse().map_err(|_| {
+            Error::Env(format!(
+                "{name}={v} is not a byte count; use a plain number such as 65536"
+            ))
+        }),
+        _ => Ok(default),
+    }
+}
+
+/// AllReduce up to this size uses recursive doubling (latency-bound sizes);
+/// `BRAID_ALLREDUCE_RD_BYTES` overrides, 0 forces the ring.
+pub(super) fn small_allreduce_bytes() -> Result<usize> {
+    env_bytes("BRAID_ALLREDUCE_RD_BYTES", 16 * 1024)
+}
+
+/// Default slot size when a communicator has no links (one rank).
+pub(super) const DEFAULT_PIECE: usize = 512 * 1024;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cpus(list: &str) -> Option<CpuSet> {
+        Some(CpuSet::from_list(list).unwrap())
+    }
+
+    #[test]
+    fn ranks_bound_one_per_core_are_not_oversubscribed() {
+        // mpirun's default for two ranks: one core each.
+        let bound = [cpus("0"), cpus("1")];
+        assert!(!oversubscribed(0, &bound, 2));
+        assert!(!oversubscribed(1, &bound, 2));
+        // Unbound: each may run anywhere, two ranks for two CPUs.
+        let free = [cpus("0-1"), cpus("0-1")];
+        assert!(!oversubscribed(0, &free, 2));
+        // Eight ranks bound to eight distinct CPUs of a 64-CPU host.
+        let spread: Vec<_> = (0..8).map(|c| cpus(&(c * 8).to_string())).collect();
+        assert!((0..8).all(|r| !oversubscribed(r, &spread, 64)));
+    }
+
+    #[test]
+    fn ranks_sharing_cpus_are_oversubscribed() {
+        // Four unbound ranks on two CPUs.
+        let four = vec![cpus("0-1"); 4];
+        assert!((0..4).all(|r| oversubscribed(r, &four, 2)));
+        // Four ranks bound round-robin to two cores: two per core.
+        let rr = [cpus("0"), cpus("1"), cpus("0"), cpus("1")];
+        assert!((0..4).all(|r| oversubscribed(r, &rr, 2)));
+        // Two ranks bound to the same core, a third alone on another.
+        let same = [cpus("3"), cpus("3"), cpus("5")];
+        assert!(oversubscribed(0, &same, 8));
+        assert!(oversubscribed(1, &same, 8));
+        assert!(!oversubscribed(2, &same, 8));
+        // Sharing through a third rank: B on CPU 0 and C on CPU 1 do not
+        // overlap, but A may run on both, so three ranks share two CPUs.
+        let chain = [cpus("0-1"), cpus("0"), cpus("1")];
+        assert!((0..3).all(|r| oversubscribed(r, &chain, 4)));
+    }
+
+    #[test]
+    fn unknown_cpu_sets_count_as_every_online_cpu() {
+        let unknown = [None, None, None];
+        assert!(oversubscribed(0, &unknown, 2));
+        assert!(!oversubscribed(0, &unknown, 4));
+        // One rank bound, the other unknown (may run anywhere): 2 ranks, 2 CPUs.
+        assert!(!oversubscribed(0, &[cpus("1"), None], 2));
+        // An empty set is as good as unknown.
+        assert!(!oversubscribed(
+            0,
+            &[Some(CpuSet(Vec::new())), cpus("0")],
+            2
+        ));
+        // A rank alone never is.
+        assert!(!oversubscribed(0, &[None], 1));
+    }
+
+    #[test]
+    fn single_copy_threshold_follows_the_thp_mode() {
+        let dir = std::env::temp_dir().join(format!("braid-thp-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let f = dir.join("enabled");
+        let at = |text: &str| {
+            std::fs::write(&f, text).unwrap();
+            single_copy_default(f.to_str().unwrap())
+        };
+        assert_eq!(at("[always] madvise never\n"), 512 << 10);
+        assert_eq!(at("always [madvise] never\n"), 8 << 20);
+        assert_eq!(at("always madvise [never]\n"), 8 << 20);
+        std::fs::remove_dir_all(&dir).unwrap();
+        assert_eq!(single_copy_default("/nonexistent/braid/thp"), 8 << 20);
+    }
+
+    /// The streaming threshold is the largest (last-level) cache of a
+    /// recorded sysfs tree, shared by the local ranks; unreadable or
+    /// malformed entries are skipped.
+    #[test]
+    fn streaming_threshold_is_the_last_level_cache_per_local_rank() {
+        let dir = std::env::temp_dir().join(format!("braid-caches-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        // This VM's CPU 0: L1d, L1i, L2 and L3 (listed out of order).
+        for (idx, level, size) in [
+            ("index3", "3", "32768K\n"),
+            ("index0", "1", "48K\n"),
+            ("index1", "1", "32K\n"),
+            ("index2", "2", "1024K\n"),
+            ("index9", "4", "lots\n"),
+        ] {
+            let d = dir.join(idx);
+            std::fs::create_dir_all(&d).unwrap();
+            std::fs::write(d.join("level"), level).unwrap();
+            std::fs::write(d.join("size"), size).unwrap();
+        }
+        std::fs::create_dir_all(dir.join("index7")).unwrap(); // no files
+        assert_eq!(last_level_cache(&dir), Some(32 << 20));
+        assert_eq!(stream_default(&dir, 1), 32 << 20);
+        assert_eq!(stream_default(&dir, 2), 16 << 20);
+        assert_eq!(stream_default(&dir, 0), 32 << 20);
+        std::fs::write(dir.join("index3/size"), "2M").unwrap();
+        assert_eq!(last_level_cache(&dir), Some(2 << 20));
+        std::fs::remove_dir_all(&dir).unwrap();
+        assert_eq!(
+            last_level_cache(std::path::Path::new("/nonexistent/braid")),
+            None
+        );
+        assert_eq!(
+            stream_default(std::path::Path::new("/nonexistent/braid"), 4),
+            8 << 20
+        );
+    }
+}
