@@ -76,11 +76,14 @@ ptxas_version=$("$ptxas" --version | grep -o 'release [0-9.]*' || true)
 echo "   ptxas: $ptxas ($ptxas_version); NVRTC: $(ls "$nvrtc_lib" | grep '^libnvrtc\.so' | tr '\n' ' ')"
 
 mkdir -p "$out"
-# The test profile, as the test step's `cargo test` builds braid-cuda and
-# its dependencies with it: after that step only the example is left to build.
+# Built as `cargo test --workspace` (the test step) builds: the test profile,
+# and features resolved for the whole workspace with dev-dependencies (which
+# `--workspace` with an example selected does), so that after that step
+# only the example itself is left to build.
 echo "== building crates/cuda/examples/kernel-check.rs"
-cargo build -q --profile test -p braid-cuda --example kernel-check
+cargo build -q --profile test --workspace --example kernel-check
+target_dir=$(cargo metadata -q --format-version 1 --no-deps |
+    "$venv/bin/python" -c 'import json, sys; print(json.load(sys.stdin)["target_directory"])')
 echo "== compiling with NVRTC, assembling with ptxas"
 LD_LIBRARY_PATH="$nvrtc_lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
-    cargo run -q --profile test -p braid-cuda --example kernel-check -- \
-    --ptxas "$ptxas" --out "$out" "$@"
+    "$target_dir/debug/examples/kernel-check" --ptxas "$ptxas" --out "$out" "$@"

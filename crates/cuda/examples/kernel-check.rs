@@ -288,7 +288,10 @@ fn main() -> ExitCode {
         args.out.display(),
     );
     if failed > 0 {
-        eprintln!("FAIL: {failed} kernel compilations failed (see above)");
+        eprintln!(
+            "FAIL: {failed} of {} kernel x arch checks failed (see above)",
+            rows.len()
+        );
         ExitCode::FAILURE
     } else {
         ExitCode::SUCCESS
