@@ -816,6 +816,62 @@ impl Drop for Event {
     }
 }
 
+/// Compile braid's reduction kernels ([`kernels::source`]) with NVRTC to
+/// PTX for the virtual architecture `arch` (`compute_80`): the device-free
+/// half of [`Kernels`]' compile, which loads the result for its device's
+/// `compute_XY`; `examples/kernel-check.rs` assembles it with ptxas. Needs
+/// NVRTC only (no driver, no GPU). Returns the PTX text (no trailing NUL)
+/// and NVRTC's log (its warnings; empty when it had nothing to say).
+pub fn compile_ptx(arch: &str) -> Result<(String, String)> {
+    // SAFETY: is_culib_present only tries to open the library by its
+    // candidate names; it calls no NVRTC function (cudarc panics on a
+    // missing library, so this comes first).
+    if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+        return Err(CudaError::Unavailable(
+            "NVRTC (libnvrtc.so.12 or libnvrtc.so) is not installed or not on the library path; braid compiles its reduction kernels with it"
+                .into(),
+        ));
+    }
+    let src = CString::new(kernels::source())
+        .map_err(|_| CudaError::InvalidArgument("kernel source holds a NUL".into()))?;
+    let nvrtc_err = |what: String, log: String| CudaError::Nvrtc {
+        arch: arch.to_string(),
+        what,
+        log,
+    };
+    // NVRTC's strings, up to their NUL.
+    let until_nul = |v: &[std::ffi::c_char]| -> Vec<u8> {
+        v.iter()
+            .take_while(|&&c| c != 0)
+            .map(|&c| c as u8)
+            .collect()
+    };
+    let prog = rtc::create_program(&src, Some(c"braid_kernels.cu"))
+        .map_err(|e| nvrtc_err(format!("nvrtcCreateProgram: {e:?}"), String::new()))?;
+    let opts = [format!("--gpu-architecture={arch}")];
+    // SAFETY: `prog` was just created and is destroyed below, once.
+    let compiled = unsafe { rtc::compile_program(prog, &opts) };
+    // SAFETY: as above.
+    let log = unsafe { rtc::get_program_log(prog) }
+        .map(|v| String::from_utf8_lossy(&until_nul(&v)).trim().to_string())
+        .unwrap_or_default();
+    let ptx = match compiled {
+        // SAFETY: as above.
+        Ok(()) => unsafe { rtc::get_ptx(prog) },
+        Err(e) => {
+            // SAFETY: as above.
+            let _ = unsafe { rtc::destroy_program(prog) };
+            return Err(nvrtc_err(format!("nvrtcCompileProgram: {e:?}"), log));
+        }
+    };
+    // SAFETY: `prog` is destroyed once.
+    let _ = unsafe { rtc::destroy_program(prog) };
+    let ptx = ptx.map_err(|e| nvrtc_err(format!("nvrtcGetPTX: {e:?}"), log.clone()))?;
+    let ptx = String::from_utf8(until_nul(&ptx))
+        .map_err(|_| nvrtc_err("nvrtcGetPTX: the PTX is not UTF-8".into(), log.clone()))?;
+    Ok((ptx, log))
+}
+
 /// The reduction kernels, compiled by NVRTC for one device.
 #[derive(Debug)]
 pub struct Kernels {
@@ -851,46 +907,12 @@ impl Kernels {
         dev.bind()?;
         let (major, minor) = dev.cc;
         let arch = format!("compute_{major}{minor}");
-        let src = CString::new(kernels::source())
-            .map_err(|_| CudaError::InvalidArgument("kernel source holds a NUL".into()))?;
-        let nvrtc_err = |what: String, log: String| CudaError::Nvrtc {
-            arch: arch.clone(),
-            what,
-            log,
-        };
-        let prog = rtc::create_program(&src, Some(c"braid_kernels.cu"))
-            .map_err(|e| nvrtc_err(format!("nvrtcCreateProgram: {e:?}"), String::new()))?;
-        let opts = [format!("--gpu-architecture={arch}")];
-        // SAFETY: `prog` was just created and is destroyed below.
-        let compiled = unsafe { rtc::compile_program(prog, &opts) };
-        // SAFETY: as above.
-        let log = unsafe { rtc::get_program_log(prog) }
-            .map(|v| {
-                let b: Vec<u8> = v
-                    .iter()
-                    .take_while(|&&c| c != 0)
-                    .map(|&c| c as u8)
-                    .collect();
-                String::from_utf8_lossy(&b).into_owned()
-            })
-            .unwrap_or_default();
-        let ptx = match compiled {
-            Ok(()) => {
-                // SAFETY: as above.
-                unsafe { rtc::get_ptx(prog) }
-            }
-            Err(e) => {
-                // SAFETY: as above.
-                let _ = unsafe { rtc::destroy_program(prog) };
-                return Err(nvrtc_err(format!("nvrtcCompileProgram: {e:?}"), log));
-            }
-        };
-        // SAFETY: `prog` is destroyed once.
-        let _ = unsafe { rtc::destroy_program(prog) };
-        let mut ptx = ptx.map_err(|e| nvrtc_err(format!("nvrtcGetPTX: {e:?}"), log.clone()))?;
-        if ptx.last() != Some(&0) {
-            ptx.push(0);
+        let (ptx, log) = compile_ptx(&arch)?;
+        if !log.is_empty() {
+            tracing::debug!(arch, log, "braid: NVRTC warnings");
         }
+        let mut ptx = ptx.into_bytes();
+        ptx.push(0);
         // SAFETY: `ptx` is NUL-terminated PTX text; the context is current.
         let module = unsafe { cu::module::load_data(ptx.as_ptr() as *const c_void) }
             .map_err(|e| driver_err("cuModuleLoadData", e))?;
@@ -1107,6 +1129,21 @@ mod tests {
                 assert!(info.devices > 0);
                 let d = Device::open(0).expect("device 0");
                 assert!(!d.bus_id().is_empty());
+            }
+        }
+    }
+
+    /// Without NVRTC the device-free compile says so; with it, it compiles
+    /// every kernel (scripts/cuda-kernels.sh also assembles them).
+    #[test]
+    fn compile_ptx_without_nvrtc_is_an_error_with_it_compiles() {
+        match compile_ptx("compute_80") {
+            Err(CudaError::Unavailable(s)) => assert!(s.contains("NVRTC"), "{s}"),
+            Err(e) => panic!("{e}"),
+            Ok((ptx, _log)) => {
+                for name in kernels::all_names() {
+                    assert!(ptx.contains(&format!(".entry {name}(")), "{name}");
+                }
             }
         }
     }
