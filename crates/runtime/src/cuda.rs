@@ -73,6 +73,7 @@ use crate::engine::proxy::{Job, Proxy};
 use crate::engine::stream::{self as cuda_stream, DevBuf, Rings, Shared, Watchdog};
 use crate::error::{Error, Result};
 use crate::progress::Progress;
+use crate::transports::TransportTable;
 
 /// A communicator's device side. Cheap to clone.
 #[derive(Clone, Debug)]
@@ -233,7 +234,7 @@ impl CudaComm {
     pub fn new(comm: &Communicator) -> Result<CudaComm> {
         let rank = comm.rank();
         let nranks = comm.nranks();
-        let host = crate::select::host_id();
+        let host = crate::topology::host_id();
         // Round 1: who has CUDA, and the host of each rank (local ranks).
         let probe = braid_cuda::probe();
         let why = match &probe {
@@ -290,8 +291,11 @@ impl CudaComm {
             }
         }
         let geo = geometry_from_env()?;
-        let nvlink = NvlinkTransport::new(Some(dev.clone()), geo, links.clone());
-        let pcie = PcieTransport::new(Some(dev.clone()), geo, links.clone())?;
+        let table = TransportTable::device(
+            NvlinkTransport::new(Some(dev.clone()), geo, links.clone()),
+            PcieTransport::new(Some(dev.clone()), geo, links.clone())?,
+            policy,
+        )?;
         let me = PeerDesc {
             rank,
             host_id: host.clone(),
@@ -312,10 +316,13 @@ impl CudaComm {
                 continue;
             }
             let peer = peer_desc(q);
-            let t: &dyn Transport = match links[q] {
-                GpuLink::Nvlink => &nvlink,
-                GpuLink::PcieP2p | GpuLink::PcieStaged => &pcie,
-            };
+            let kind = links[q].transport();
+            let t = table.get(kind).ok_or_else(|| {
+                Error::Env(format!(
+                    "{kind} is {}",
+                    table.why_off(kind).unwrap_or_default()
+                ))
+            })?;
             if !t.can_connect(&me, &peer) {
                 return Err(Error::Core(CoreError::Unavailable {
                     transport: t.name(),

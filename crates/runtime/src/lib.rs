@@ -24,10 +24,10 @@ mod fingerprint;
 mod launch;
 mod oplock;
 mod progress;
-mod select;
 mod slot_stores;
 mod stream;
 mod topology;
+mod transports;
 
 pub use bootstrap::{RootServer, UniqueId};
 pub use braid_core::plan::Collective;

@@ -29,13 +29,14 @@ use tracing::{info, warn};
 
 use crate::bootstrap::Bootstrap;
 use crate::error::{Error, Result};
-use crate::select::TransportTable;
+use crate::transports::TransportTable;
+use braid_core::transport::Transport;
 
 /// What the planner decided for this rank.
 #[derive(Debug)]
 pub struct Placement {
-    /// Per peer: index into the transport table (`None` for this rank).
-    pub choice: Vec<Option<usize>>,
+    /// Per peer: the transport chosen (`None` for this rank).
+    pub choice: Vec<Option<TransportKind>>,
     /// The ring order (channel 0).
     pub ring: Vec<u32>,
     /// The whole plan, for inspection.
@@ -246,10 +247,7 @@ pub fn place(
     let leaders = host_leaders(peers);
     let (sys, source) = local_system()?;
     let mine = Contribution {
-        transports: table
-            .names()
-            .filter_map(|n| n.parse::<TransportKind>().ok())
-            .collect(),
+        transports: table.ready().map(|(k, _)| k).collect(),
         numa: numa_of(&sys, allowed).unwrap_or(-1),
         xml: leaders.contains(&rank).then(|| xml::to_xml(&sys)),
     };
@@ -276,28 +274,33 @@ pub fn place(
             choice.push(None);
             continue;
         };
-        let i = table.index_of(t.name()).ok_or_else(|| {
-            Error::Env(format!(
-                "the planner chose {t} between ranks {rank} and {q} but this rank's table lacks it"
-            ))
-        })?;
-        let mut i = i;
-        if !table.get(i).can_connect(me, &peers[q]) && policy_forced.is_none() {
+        if table.get(*t).is_none() {
+            return Err(Error::Env(format!(
+                "the planner chose {t} between ranks {rank} and {q} but this rank's {t} is {}",
+                table.why_off(*t).unwrap_or_default()
+            )));
+        }
+        let mut t = *t;
+        let connects =
+            |k: TransportKind| table.get(k).is_some_and(|x| x.can_connect(me, &peers[q]));
+        if !connects(t) && policy_forced.is_none() {
             // A network transport whose ends are on different fabrics (IB
             // subnets, IB vs RoCE): the next one in the table that connects
             // them. Every rank sees the same fabrics, so both ends agree.
-            if let Some(j) = (i + 1..table.len()).find(|&j| table.get(j).can_connect(me, &peers[q]))
+            if let Some(next) = TransportKind::ALL
+                .into_iter()
+                .filter(|&k| k > t)
+                .find(|&k| connects(k))
             {
                 info!(
                     rank,
                     peer = q,
-                    "braid: {t} cannot connect ranks {rank} and {q} (different fabrics); using {}",
-                    table.get(j).name()
+                    "braid: {t} cannot connect ranks {rank} and {q} (different fabrics); using {next}"
                 );
-                i = j;
+                t = next;
             }
         }
-        if !table.get(i).can_connect(me, &peers[q]) {
+        if !connects(t) {
             return Err(Error::Env(format!(
                 "the planner chose {t} between ranks {rank} (host {}) and {q} (host {}), but {t} cannot connect them",
                 me.host_id, peers[q].host_id
@@ -309,7 +312,7 @@ pub fn place(
             transport = t.name(),
             "braid: transport selected (topology plan)"
         );
-        choice.push(Some(i));
+        choice.push(Some(t));
     }
     let ring: Vec<u32> = plan
         .rings
@@ -336,6 +339,32 @@ pub fn place(
         plan,
         cluster,
     })
+}
+
+/// Identity of the memory domain this process runs in: ranks with the same
+/// value can share memory. `BRAID_HOST_ID` overrides; otherwise the host name,
+/// the device and inode of the `/dev/shm` mount and the pid namespace, so that
+/// containers or network namespaces on one kernel that do not share
+/// `/dev/shm` (or process ids) count as different hosts, and ones that do
+/// count as one.
+pub(crate) fn host_id() -> String {
+    if let Ok(v) = std::env::var("BRAID_HOST_ID") {
+        if !v.trim().is_empty() {
+            return v.trim().to_string();
+        }
+    }
+    let hostname = std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|s| s.trim().to_string())
+        .unwrap_or_else(|_| "unknown-host".into());
+    let shm = nix::sys::stat::stat("/dev/shm")
+        .map(|st| format!("{:x}:{:x}", st.st_dev, st.st_ino))
+        .unwrap_or_else(|_| "no-shm".into());
+    // Liveness checks use process ids: ranks in different pid namespaces
+    // must not count as one host even if they share /dev/shm.
+    let pidns = std::fs::read_link("/proc/self/ns/pid")
+        .map(|p| p.to_string_lossy().into_owned())
+        .unwrap_or_else(|_| "no-pidns".into());
+    format!("{hostname}/{shm}/{pidns}")
 }
 
 #[cfg(test)]

@@ -113,10 +113,10 @@ impl Communicator {
         // The table first: network transports probe their fabric, which
         // every rank needs to know about the others.
         let policy = TransportPolicy::from_env(&braid_core::config::process_env)?;
-        let table = TransportTable::from_env(id.addr, &policy)?;
+        let table = TransportTable::host(id.addr, &policy)?;
         let me = PeerDesc {
             rank,
-            host_id: select::host_id(),
+            host_id: topology::host_id(),
             pid: std::process::id(),
             fabrics: table.fabrics(),
         };
@@ -141,7 +141,14 @@ impl Communicator {
         // The CPUs this rank may run on: its NUMA node in the topology round,
         // the oversubscription test after link set-up.
         let allowed = braid_core::topo::bind::allowed_cpus();
-        let placement = topology::place(&boot, &me, &peers, &table, &policy, allowed.as_ref())?;
+        // A forced device transport (nvlink, pcie) is for device
+        // communicators: host links are planned as usual.
+        let mut host_policy = policy.clone();
+        if host_policy.forced.is_some_and(|f| f.is_device()) {
+            host_policy.forced = None;
+        }
+        let placement =
+            topology::place(&boot, &me, &peers, &table, &host_policy, allowed.as_ref())?;
         let (choice, ring, topo_plan) = (placement.choice, placement.ring, placement.plan);
         let topo_cluster = placement.cluster;
 
@@ -149,8 +156,8 @@ impl Communicator {
         let p = nranks as usize;
         let mut links = LinkSetup::new(rank, p);
         for q in 0..p {
-            if let Some(t) = choice[q] {
-                links.add(q, table.get(t), &me, &peers[q])?;
+            if let Some(t) = choice[q].and_then(|k| table.get(k)) {
+                links.add(q, t, &me, &peers[q])?;
             }
         }
         let mut chans = links.connect(|b| boot.allgather(b), timeout)?;
@@ -223,7 +230,7 @@ impl Communicator {
         };
         let transports = choice
             .iter()
-            .map(|c| c.map(|i| table.get(i).name()).unwrap_or("self"))
+            .map(|c| c.map_or("self", |k| k.name()))
             .collect();
         info!(rank, nranks, piece, "braid: communicator ready");
         Ok(Communicator {

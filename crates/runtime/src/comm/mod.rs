@@ -31,9 +31,9 @@ use crate::fingerprint::Headers;
 use crate::launch::{timeout_from_env, LaunchInfo};
 use crate::oplock::{OpGuard, OpLock};
 use crate::progress::{self, Progress, Snapshot};
-use crate::select::{self, TransportTable};
 use crate::slot_stores::{self, SlotStores};
 use crate::topology;
+use crate::transports::TransportTable;
 
 mod config;
 mod create;
