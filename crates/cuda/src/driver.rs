@@ -1,9 +1,20 @@
 //! Every call into the CUDA driver and NVRTC, and every `unsafe` block of
-//! braid-cuda: the probe, devices and their primary contexts, device and
-//! pinned host memory, streams, events, copies, stream memory operations,
-//! the NVRTC-compiled kernels and the CUDA IPC calls.
+//! braid-cuda (the crate denies `unsafe_code` everywhere else). Three
+//! layers, bottom up:
 //!
-//! The libraries are loaded at run time by cudarc (`dynamic-loading`):
+//! 1. **Raw FFI**: cudarc's `sys` bindings (CUDA 12.4 API), loaded at run
+//!    time (`dynamic-loading`).
+//! 2. **`Result` wrappers**: cudarc's `result` functions and `check` /
+//!    `driver_err` here turn a `CUresult` into [`CudaError::Driver`]
+//!    naming the call.
+//! 3. **Safe types**: the probe, [`Device`] (primary context),
+//!    [`DeviceBuffer`], [`HostFlag`] (pinned, device-mapped word),
+//!    [`Stream`] (copies, fills, stream memory operations), [`Event`],
+//!    CUDA IPC ([`DeviceBuffer::ipc_handle`], [`IpcMapping`]) and the
+//!    NVRTC-compiled [`Kernels`]. What cannot be made safe (device
+//!    addresses whose validity the driver cannot check) is an `unsafe fn`
+//!    with a `# Safety` section.
+//!
 //! cudarc panics if a library is missing when its first function is called,
 //! so [`probe`] checks `is_culib_present` for the driver and NVRTC before
 //! anything else, and every constructor here calls [`probe`] first. Absence
@@ -22,11 +33,8 @@ use cudarc::driver::sys;
 use cudarc::nvrtc::result as rtc;
 
 use crate::error::{CudaError, Result};
-use crate::ipc::{IpcEventHandle, IpcMemHandle, HANDLE_BYTES};
+use crate::ipc::{IpcMemHandle, HANDLE_BYTES};
 use crate::kernels;
-
-#[path = "link.rs"]
-pub mod link;
 
 /// Turn a driver status into our error, naming the call.
 fn check(call: &'static str, r: std::result::Result<(), cu::DriverError>) -> Result<()> {
@@ -224,24 +232,6 @@ impl Device {
     /// Marketing name.
     pub fn name(&self) -> &str {
         &self.name
-    }
-
-    /// Compute capability.
-    pub fn compute_capability(&self) -> (i32, i32) {
-        self.cc
-    }
-
-    /// Whether this device can map memory of device `peer` of this process.
-    pub fn can_access_peer(&self, peer: &Device) -> Result<bool> {
-        if peer.dev == self.dev {
-            return Ok(true);
-        }
-        let mut v = 0i32;
-        // SAFETY: both devices came from cuDeviceGet; `v` is an out-parameter.
-        check("cuDeviceCanAccessPeer", unsafe {
-            sys::cuDeviceCanAccessPeer(&mut v, self.dev, peer.dev).result()
-        })?;
-        Ok(v != 0)
     }
 }
 
@@ -738,55 +728,6 @@ impl Event {
         })
     }
 
-    /// An event another process can wait on (`CU_EVENT_INTERPROCESS |
-    /// CU_EVENT_DISABLE_TIMING`), with its IPC handle.
-    pub fn interprocess(dev: &Arc<Device>) -> Result<(Event, IpcEventHandle)> {
-        dev.bind()?;
-        let mut raw: sys::CUevent = std::ptr::null_mut();
-        let flags = sys::CUevent_flags::CU_EVENT_INTERPROCESS as u32
-            | sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32;
-        // SAFETY: `raw` is an out-parameter; the context is current.
-        check("cuEventCreate", unsafe {
-            sys::cuEventCreate(&mut raw, flags).result()
-        })?;
-        let ev = Event {
-            dev: dev.clone(),
-            raw,
-        };
-        let mut h = std::mem::MaybeUninit::<sys::CUipcEventHandle>::zeroed();
-        // SAFETY: the event was created with CU_EVENT_INTERPROCESS.
-        check("cuIpcGetEventHandle", unsafe {
-            sys::cuIpcGetEventHandle(h.as_mut_ptr(), ev.raw).result()
-        })?;
-        // SAFETY: the driver filled the handle.
-        let h = unsafe { h.assume_init() };
-        let mut out = [0u8; HANDLE_BYTES];
-        for (o, c) in out.iter_mut().zip(h.reserved.iter()) {
-            *o = *c as u8;
-        }
-        Ok((ev, IpcEventHandle(out)))
-    }
-
-    /// Open another process's interprocess event.
-    pub fn open_ipc(dev: &Arc<Device>, h: &IpcEventHandle) -> Result<Event> {
-        dev.bind()?;
-        let mut raw_h = sys::CUipcEventHandle {
-            reserved: [0; HANDLE_BYTES],
-        };
-        for (r, b) in raw_h.reserved.iter_mut().zip(h.0.iter()) {
-            *r = *b as std::ffi::c_char;
-        }
-        let mut raw: sys::CUevent = std::ptr::null_mut();
-        // SAFETY: `raw` is an out-parameter; a bad handle is an error code.
-        check("cuIpcOpenEventHandle", unsafe {
-            sys::cuIpcOpenEventHandle(&mut raw, raw_h).result()
-        })?;
-        Ok(Event {
-            dev: dev.clone(),
-            raw,
-        })
-    }
-
     /// Block until the event's recorded work is done.
     pub fn synchronize(&self) -> Result<()> {
         self.dev.bind()?;
@@ -1064,50 +1005,6 @@ pub fn d2d_copy_bandwidth(dev: &Arc<Device>, bytes: usize, iters: u32) -> Result
         ));
     }
     Ok(bytes as f64 * f64::from(iters) / (ms * 1e-3) / 1e9)
-}
-
-/// Register `len` bytes of host memory at `ptr` as pinned (page-locked,
-/// usable by every context) so that copies to and from it run at full
-/// speed. Returns a guard that unregisters on drop.
-///
-/// # Safety
-///
-/// `ptr..ptr+len` must be mapped host memory that stays mapped until the
-/// guard is dropped.
-pub unsafe fn register_host(
-    dev: &Arc<Device>,
-    ptr: *mut u8,
-    len: usize,
-) -> Result<HostRegistration> {
-    dev.bind()?;
-    // SAFETY: forwarded from this function's contract.
-    check("cuMemHostRegister", unsafe {
-        sys::cuMemHostRegister_v2(ptr as *mut c_void, len, sys::CU_MEMHOSTREGISTER_PORTABLE)
-            .result()
-    })?;
-    Ok(HostRegistration {
-        dev: dev.clone(),
-        ptr,
-    })
-}
-
-/// Pinned registration of host memory; unregistered on drop.
-#[derive(Debug)]
-pub struct HostRegistration {
-    dev: Arc<Device>,
-    ptr: *mut u8,
-}
-
-// SAFETY: the guard only holds the address to unregister it.
-unsafe impl Send for HostRegistration {}
-
-impl Drop for HostRegistration {
-    fn drop(&mut self) {
-        if self.dev.bind().is_ok() {
-            // SAFETY: `ptr` was registered by `register_host`.
-            let _ = unsafe { sys::cuMemHostUnregister(self.ptr as *mut c_void) };
-        }
-    }
 }
 
 #[cfg(test)]

@@ -31,10 +31,6 @@ pub enum CudaError {
     /// The caller passed something invalid.
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
-
-    /// A serialised handle or connect-info blob is malformed.
-    #[error("malformed {what}: {detail}")]
-    Malformed { what: &'static str, detail: String },
 }
 
 /// Result alias for braid-cuda.

@@ -1,12 +1,16 @@
-//! braid-cuda: braid's CUDA layer.
+//! braid-cuda: braid's CUDA driver layer. It knows devices, memory, streams
+//! and kernels, and nothing about transports: the GPU links live in
+//! `braid-transport-nvlink` (the CUDA IPC device-slot ring) and
+//! `braid-transport-pcie` (that ring, or rings staged through shared host
+//! memory), which build on the safe types here.
 //!
-//! - [`driver`]: the only module with `unsafe` code: the probe, devices,
-//!   device buffers, pinned flags, streams, events, copies, stream memory
-//!   operations, the NVRTC-compiled reduction kernels and the CUDA IPC calls.
+//! - [`driver`]: the only module with `unsafe` code (the crate denies it
+//!   elsewhere): raw FFI (cudarc, loaded at run time) → `Result` wrappers
+//!   → safe types: the probe, [`Device`], [`DeviceBuffer`], [`HostFlag`],
+//!   [`Stream`], [`Event`], CUDA IPC ([`DeviceBuffer::ipc_handle`],
+//!   [`IpcMapping`]) and the NVRTC-compiled [`Kernels`].
 //! - [`kernels`]: the kernels' CUDA C source, generated from a table (pure).
-//! - [`ipc`]: CUDA IPC handles and link connect-info as bytes (pure).
-//! - [`link`] (inside [`driver`], as it touches slot memory): the device-slot FIFO over CUDA IPC that both GPU transports
-//!   use (`braid-transport-nvlink`, `braid-transport-pcie`).
+//! - [`ipc`]: CUDA IPC memory handles as bytes (pure).
 //! - [`schedule`]: a collective as one in-order list of stream commands
 //!   with GPU-side synchronisation (stream memory operations on counters
 //!   next to each slot ring), and an in-memory simulator for it (pure).
@@ -17,13 +21,15 @@
 //! [`CudaError::Unavailable`] ("CUDA unavailable: ...") instead of panicking.
 //! `BRAID_CUDA_DISABLE=1` makes a machine with CUDA behave the same way.
 
+#![deny(unsafe_code)]
+
+#[allow(unsafe_code)]
 pub mod driver;
 pub mod error;
 pub mod ipc;
 pub mod kernels;
 pub mod schedule;
 
-pub use driver::link;
 pub use driver::{
     d2d_copy_bandwidth, probe, Device, DeviceBuffer, Event, HostFlag, IpcMapping, Kernels,
     ProbeInfo, Stream,

@@ -61,10 +61,9 @@ use braid_core::plan::{self, Collective, PlanParams, Program};
 use braid_core::topo::{Cluster, GpuLink, TransportPolicy};
 use braid_core::transport::{PeerDesc, Transport};
 use braid_core::{CoreError, DataType, RedOp};
-use braid_cuda::link::Geometry;
 use braid_cuda::schedule::Cursor;
 use braid_cuda::{Device, DeviceBuffer, Event, HostFlag, Kernels, Stream};
-use braid_transport_nvlink::NvlinkTransport;
+use braid_transport_nvlink::{Geometry, NvlinkTransport};
 use braid_transport_pcie::PcieTransport;
 use tracing::info;
 
@@ -173,24 +172,6 @@ fn decode_gpu(b: &[u8], from: u32) -> Result<(bool, String, String, String)> {
     Ok((ok, host, bus, why))
 }
 
-/// Geometry of device links from `BRAID_CUDA_SLOT_BYTES` / `BRAID_CUDA_SLOTS`.
-fn geometry_from_env() -> Result<Geometry> {
-    let var = |k: &str, d: usize| -> Result<usize> {
-        match std::env::var(k) {
-            Ok(v) if !v.trim().is_empty() => v
-                .trim()
-                .parse()
-                .map_err(|_| Error::Env(format!("{k}={v} is not a number"))),
-            _ => Ok(d),
-        }
-    };
-    let g = Geometry {
-        slot_bytes: var("BRAID_CUDA_SLOT_BYTES", Geometry::DEFAULT.slot_bytes)?,
-        slots: var("BRAID_CUDA_SLOTS", Geometry::DEFAULT.slots)?,
-    };
-    Ok(g.validate()?)
-}
-
 /// The device link from `rank` to every rank (its own entry is unused):
 /// the planner's transports for the fused topology with every rank placed
 /// on its GPU (`busids`), under the environment's policy. A GPU missing from
@@ -290,7 +271,7 @@ impl CudaComm {
                 );
             }
         }
-        let geo = geometry_from_env()?;
+        let geo = Geometry::from_env()?;
         let table = TransportTable::device(
             NvlinkTransport::new(Some(dev.clone()), geo, links.clone()),
             PcieTransport::new(Some(dev.clone()), geo, links.clone())?,
@@ -794,15 +775,5 @@ mod tests {
             e.contains("BRAID_CUDA_ENGINE=gpu") && e.contains("stream, proxy"),
             "{e}"
         );
-    }
-
-    #[test]
-    fn geometry_env_defaults() {
-        // Only reads the variables; the test environment does not set them.
-        if std::env::var("BRAID_CUDA_SLOT_BYTES").is_err()
-            && std::env::var("BRAID_CUDA_SLOTS").is_err()
-        {
-            assert_eq!(geometry_from_env().unwrap(), Geometry::DEFAULT);
-        }
     }
 }

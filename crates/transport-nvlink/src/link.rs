@@ -1,8 +1,9 @@
-//! The device-slot FIFO over CUDA IPC, shared by `braid-transport-nvlink`
-//! and `braid-transport-pcie` (P2P mode).
+//! The device-slot ring over CUDA IPC, with its credit counters: the link
+//! of `braid-transport-nvlink`, and of `braid-transport-pcie` in P2P mode.
 //!
-//! The receiving end allocates a ring of `slots` device slots on its GPU and
-//! exports it with `cuIpcGetMemHandle`; the sending end maps it with
+//! The receiving end allocates a ring of `slots` device slots on its GPU
+//! (plus [`COUNTER_BYTES`] for the two stream-engine counters after them)
+//! and exports it with `cuIpcGetMemHandle`; the sending end maps it with
 //! `cuIpcOpenMemHandle` and its engine copies (or reduces) straight into the
 //! receiver's slots, over NVLink, PCIe, or inside one GPU. Credits travel in
 //! a shared-memory FIFO (`braid-transport-shm`) of the same number of small
@@ -12,11 +13,19 @@
 //! clean-up along. The connect-info is a [`LinkInfo`] (receiver) and a
 //! [`SenderInfo`] (sender), both carrying the control link's own blob.
 //!
+//! A sender in the receiver's own process (the conformance suite runs both
+//! ranks in one process) on the same GPU uses the ring's address directly:
+//! CUDA IPC cannot open a handle in the process that exported it. Ranks in
+//! different processes always map the handle.
+//!
 //! Slot pointers ([`SlotBuf::ptr`]) of these channels are device addresses
 //! (a `CUdeviceptr` cast to a pointer), declared as [`MemKind::Device`]: only
 //! the device engine may use them.
+//!
+//! The only `unsafe` of this crate is here: the 8-byte control message
+//! written into and read from the control link's host slot.
 
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::Instant;
 
 use braid_core::transport::{
@@ -24,10 +33,11 @@ use braid_core::transport::{
 };
 use braid_core::types::MemKind;
 use braid_core::CoreError;
+use braid_cuda::{Device, DeviceBuffer, IpcMapping};
 use braid_transport_shm::ShmTransport;
 
-use super::{Device, DeviceBuffer, IpcMapping};
-use crate::ipc::{LinkInfo, SenderInfo};
+use crate::info::{LinkInfo, SenderInfo};
+use crate::Geometry;
 
 /// Bytes after the slots of a ring holding its two counters (`posted` at
 /// offset 0, `freed` at offset 128: separate cache lines), for the stream
@@ -40,38 +50,6 @@ const FREED_AT: u64 = 128;
 const CTRL_MSG: usize = 8;
 /// Control slots are the smallest the shared-memory transport allows.
 const CTRL_SLOT_BYTES: usize = 4096;
-
-/// Geometry of a device-slot link.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Geometry {
-    /// Bytes per device slot (a multiple of 4096).
-    pub slot_bytes: usize,
-    /// Slots per link (2 to 1024).
-    pub slots: usize,
-}
-
-impl Geometry {
-    /// NCCL's Simple protocol: 4 MiB per connection in 8 steps of 512 KiB.
-    pub const DEFAULT: Geometry = Geometry {
-        slot_bytes: 512 * 1024,
-        slots: 8,
-    };
-
-    /// Check the bounds.
-    pub fn validate(self) -> braid_core::error::Result<Geometry> {
-        if self.slot_bytes < 4096
-            || !self.slot_bytes.is_multiple_of(4096)
-            || self.slot_bytes > (1 << 30)
-            || !(2..=1024).contains(&self.slots)
-        {
-            return Err(CoreError::InvalidArgument(format!(
-                "device link geometry {} slots x {} bytes is invalid: slots 2..1024, slot bytes a multiple of 4096 up to 1 GiB",
-                self.slots, self.slot_bytes
-            )));
-        }
-        Ok(self)
-    }
-}
 
 fn control() -> braid_core::error::Result<ShmTransport> {
     ShmTransport::with_params(CTRL_SLOT_BYTES, 2)
@@ -86,8 +64,92 @@ fn peer_err(name: &'static str, peer: u32, what: String) -> CoreError {
     }
 }
 
-/// Phase 1 of the receiving end: allocate and export the ring.
-pub fn listen(
+fn malformed(peer: u32, e: String) -> CoreError {
+    CoreError::Protocol {
+        peer,
+        detail: format!("malformed CUDA IPC connect-info: {e}"),
+    }
+}
+
+/// A random number naming this process in [`LinkInfo::process`] (0 when
+/// the system has no randomness to give: then no sender takes a ring for
+/// its own).
+fn process_token() -> u64 {
+    static TOKEN: OnceLock<u64> = OnceLock::new();
+    *TOKEN.get_or_init(|| {
+        let mut b = [0u8; 8];
+        match getrandom::getrandom(&mut b) {
+            Ok(()) => u64::from_le_bytes(b).max(1),
+            Err(_) => 0,
+        }
+    })
+}
+
+/// The device-slot links of one transport on one GPU: what a transport's
+/// `listen` and `prepare_send` call for the pairs it serves. `name` is the
+/// transport the channels report (`nvlink`, `pcie`).
+pub struct IpcLinks {
+    name: &'static str,
+    dev: Option<Arc<Device>>,
+    geo: Geometry,
+}
+
+impl std::fmt::Debug for IpcLinks {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("IpcLinks")
+            .field("name", &self.name)
+            .field("device", &self.dev.as_ref().map(|d| d.ordinal()))
+            .field("geo", &self.geo)
+            .finish()
+    }
+}
+
+impl IpcLinks {
+    /// Links named `name` on `dev` (None: CUDA unavailable; they set up
+    /// nothing and say why) with rings of geometry `geo` (checked when a
+    /// ring is made).
+    pub fn new(name: &'static str, dev: Option<Arc<Device>>, geo: Geometry) -> IpcLinks {
+        IpcLinks { name, dev, geo }
+    }
+
+    /// Whether a device was given.
+    pub fn has_device(&self) -> bool {
+        self.dev.is_some()
+    }
+
+    /// The device, or [`CoreError::Unavailable`] naming the transport and
+    /// saying why there is none.
+    pub fn device(&self) -> braid_core::error::Result<&Arc<Device>> {
+        self.dev
+            .as_ref()
+            .ok_or_else(|| crate::probe::unavailable(self.name))
+    }
+
+    /// Where the slots live: the device (device 0 without one).
+    pub fn mem_kind(&self) -> MemKind {
+        MemKind::Device(self.dev.as_ref().map_or(0, |d| d.ordinal()))
+    }
+
+    /// Phase 1 of the receiving end: allocate and export the ring.
+    pub fn listen(
+        &self,
+        me: &PeerDesc,
+        peer: &PeerDesc,
+    ) -> braid_core::error::Result<(Box<dyn PendingRecv>, Vec<u8>)> {
+        listen(self.name, self.device()?, self.geo, me, peer)
+    }
+
+    /// Phase 1 of the sending end.
+    pub fn prepare_send(
+        &self,
+        me: &PeerDesc,
+        peer: &PeerDesc,
+    ) -> braid_core::error::Result<(Box<dyn PendingSend>, Vec<u8>)> {
+        prepare_send(self.name, self.device()?, me, peer)
+    }
+}
+
+fn listen(
     name: &'static str,
     dev: &Arc<Device>,
     geo: Geometry,
@@ -114,6 +176,8 @@ pub fn listen(
     let info = LinkInfo {
         bus_id: dev.bus_id().to_string(),
         device: dev.ordinal(),
+        process: process_token(),
+        ring: ring.ptr(),
         mem,
         offset: 0,
         slot_bytes: geo.slot_bytes as u64,
@@ -133,8 +197,7 @@ pub fn listen(
     ))
 }
 
-/// Phase 1 of the sending end.
-pub fn prepare_send(
+fn prepare_send(
     name: &'static str,
     dev: &Arc<Device>,
     me: &PeerDesc,
@@ -172,10 +235,7 @@ impl PendingRecv for PendingIpcRecv {
         sender_info: &[u8],
         deadline: Instant,
     ) -> braid_core::error::Result<Box<dyn RecvChannel>> {
-        let info = SenderInfo::decode(sender_info).map_err(|e| CoreError::Protocol {
-            peer: self.peer,
-            detail: e.to_string(),
-        })?;
+        let info = SenderInfo::decode(sender_info).map_err(|e| malformed(self.peer, e))?;
         let ctrl = self.ctrl.connect(&info.control, deadline)?;
         tracing::debug!(
             transport = self.name,
@@ -209,22 +269,27 @@ impl PendingSend for PendingIpcSend {
         receiver_info: &[u8],
         deadline: Instant,
     ) -> braid_core::error::Result<Box<dyn SendChannel>> {
-        let info = LinkInfo::decode(receiver_info).map_err(|e| CoreError::Protocol {
-            peer: self.peer,
-            detail: e.to_string(),
-        })?;
-        let map = IpcMapping::open(&self.dev, &info.mem).map_err(|e| {
-            peer_err(
-                self.name,
-                self.peer,
-                format!(
-                    "mapping the slots of GPU {} (rank {}) on GPU {}: {e}",
-                    info.bus_id,
+        let info = LinkInfo::decode(receiver_info).map_err(|e| malformed(self.peer, e))?;
+        let ring = if info.process != 0
+            && info.process == process_token()
+            && info.bus_id == self.dev.bus_id()
+        {
+            PeerRing::Local(info.ring + info.offset)
+        } else {
+            let map = IpcMapping::open(&self.dev, &info.mem).map_err(|e| {
+                peer_err(
+                    self.name,
                     self.peer,
-                    self.dev.bus_id()
-                ),
-            )
-        })?;
+                    format!(
+                        "mapping the slots of GPU {} (rank {}) on GPU {}: {e}",
+                        info.bus_id,
+                        self.peer,
+                        self.dev.bus_id()
+                    ),
+                )
+            })?;
+            PeerRing::Mapped(map, info.offset)
+        };
         let ctrl = self.ctrl.connect(&info.control, deadline)?;
         if ctrl.slots() != info.slots as usize {
             return Err(CoreError::Protocol {
@@ -239,8 +304,7 @@ impl PendingSend for PendingIpcSend {
         Ok(Box::new(IpcSend {
             name: self.name,
             device: self.dev.ordinal(),
-            base: map.ptr() + info.offset,
-            map,
+            ring,
             geo: Geometry {
                 slot_bytes: info.slot_bytes as usize,
                 slots: info.slots as usize,
@@ -264,14 +328,30 @@ fn ring_view(base: u64, geo: Geometry) -> DeviceRing {
     }
 }
 
-/// Sending end: the receiver's ring, mapped here.
+/// The receiver's ring as the sender reaches it.
+enum PeerRing {
+    /// Mapped into this process through CUDA IPC (unmapped on drop), the
+    /// ring at this offset in the mapping.
+    Mapped(IpcMapping, u64),
+    /// The receiver is this process, on the same GPU: the ring's address.
+    Local(u64),
+}
+
+impl PeerRing {
+    /// Device address of slot 0 in this process.
+    fn base(&self) -> u64 {
+        match self {
+            PeerRing::Mapped(map, offset) => map.ptr() + offset,
+            PeerRing::Local(base) => *base,
+        }
+    }
+}
+
+/// Sending end: the receiver's ring, reached from here.
 struct IpcSend {
     name: &'static str,
     device: u32,
-    base: u64,
-    /// Keeps the mapping alive.
-    #[allow(dead_code)]
-    map: IpcMapping,
+    ring: PeerRing,
     geo: Geometry,
     ctrl: Box<dyn SendChannel>,
     k: u64,
@@ -282,7 +362,7 @@ impl IpcSend {
     fn slot(&self) -> SlotBuf {
         let off = (self.k % self.geo.slots as u64) * self.geo.slot_bytes as u64;
         SlotBuf {
-            ptr: (self.base + off) as usize as *mut u8,
+            ptr: (self.ring.base() + off) as usize as *mut u8,
             cap: self.geo.slot_bytes,
         }
     }
@@ -305,7 +385,7 @@ impl SendChannel for IpcSend {
         self.geo.slots
     }
     fn device_ring(&self) -> Option<DeviceRing> {
-        Some(ring_view(self.base, self.geo))
+        Some(ring_view(self.ring.base(), self.geo))
     }
     fn poll_acquire(&mut self) -> braid_core::error::Result<Option<SlotBuf>> {
         // A control slot free means the receiver released the device slot
@@ -415,90 +495,6 @@ impl RecvChannel for IpcRecv {
     }
 }
 
-/// The per-pair decision of an [`IpcTransport`].
-pub type PairFilter = Box<dyn Fn(&PeerDesc, &PeerDesc) -> bool + Send + Sync>;
-
-/// A transport over device-slot links on one GPU: the common body of the
-/// nvlink and pcie (P2P) transports. `allowed(me, peer)` is the per-pair
-/// decision (the topology planner's); `name` what the transport is called.
-pub struct IpcTransport {
-    name: &'static str,
-    dev: Option<Arc<Device>>,
-    geo: Geometry,
-    allowed: PairFilter,
-}
-
-impl std::fmt::Debug for IpcTransport {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("IpcTransport")
-            .field("name", &self.name)
-            .field("device", &self.dev.as_ref().map(|d| d.ordinal()))
-            .field("geo", &self.geo)
-            .finish()
-    }
-}
-
-impl IpcTransport {
-    /// A transport named `name` on `dev` (None: CUDA unavailable, it
-    /// connects nothing and says so).
-    pub fn new(
-        name: &'static str,
-        dev: Option<Arc<Device>>,
-        geo: Geometry,
-        allowed: PairFilter,
-    ) -> IpcTransport {
-        IpcTransport {
-            name,
-            dev,
-            geo,
-            allowed,
-        }
-    }
-
-    fn device(&self) -> braid_core::error::Result<&Arc<Device>> {
-        self.dev.as_ref().ok_or_else(|| CoreError::Unavailable {
-            transport: self.name,
-            reason: match super::probe() {
-                Err(e) => e.to_string(),
-                Ok(_) => "no CUDA device was opened for this communicator".into(),
-            },
-        })
-    }
-}
-
-impl Transport for IpcTransport {
-    fn kind(&self) -> braid_core::transport::TransportKind {
-        if self.name == "pcie" {
-            braid_core::transport::TransportKind::Pcie
-        } else {
-            braid_core::transport::TransportKind::Nvlink
-        }
-    }
-    fn name(&self) -> &'static str {
-        self.name
-    }
-    fn mem_kind(&self) -> MemKind {
-        MemKind::Device(self.dev.as_ref().map_or(0, |d| d.ordinal()))
-    }
-    fn can_connect(&self, me: &PeerDesc, peer: &PeerDesc) -> bool {
-        self.dev.is_some() && me.host_id == peer.host_id && (self.allowed)(me, peer)
-    }
-    fn listen(
-        &self,
-        me: &PeerDesc,
-        peer: &PeerDesc,
-    ) -> braid_core::error::Result<(Box<dyn PendingRecv>, Vec<u8>)> {
-        listen(self.name, self.device()?, self.geo, me, peer)
-    }
-    fn prepare_send(
-        &self,
-        me: &PeerDesc,
-        peer: &PeerDesc,
-    ) -> braid_core::error::Result<(Box<dyn PendingSend>, Vec<u8>)> {
-        prepare_send(self.name, self.device()?, me, peer)
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -513,36 +509,35 @@ mod tests {
     }
 
     #[test]
-    fn geometry_bounds() {
-        assert!(Geometry::DEFAULT.validate().is_ok());
-        for bad in [
-            Geometry {
-                slot_bytes: 1000,
-                slots: 8,
-            },
-            Geometry {
-                slot_bytes: 4096,
-                slots: 1,
-            },
-            Geometry {
-                slot_bytes: 4096,
-                slots: 2000,
-            },
-        ] {
-            assert!(bad.validate().is_err(), "{bad:?}");
+    fn without_a_device_nothing_is_set_up_and_set_up_says_why() {
+        let l = IpcLinks::new("nvlink", None, Geometry::DEFAULT);
+        assert!(!l.has_device());
+        assert_eq!(l.mem_kind(), MemKind::Device(0));
+        let e = l.listen(&desc(0), &desc(1)).err().expect("no device");
+        let s = e.to_string();
+        assert!(s.contains("nvlink unavailable"), "{s}");
+        if braid_cuda::probe().is_err() {
+            assert!(s.contains("CUDA unavailable"), "{s}");
         }
+        assert!(l.prepare_send(&desc(0), &desc(1)).is_err());
     }
 
     #[test]
-    fn without_a_device_nothing_connects_and_set_up_says_why() {
-        let t = IpcTransport::new("nvlink", None, Geometry::DEFAULT, Box::new(|_, _| true));
-        assert!(!t.can_connect(&desc(0), &desc(1)));
-        let e = t.listen(&desc(0), &desc(1)).err().expect("no device");
-        let s = e.to_string();
-        assert!(s.contains("nvlink unavailable"), "{s}");
-        if crate::probe().is_err() {
-            assert!(s.contains("CUDA unavailable"), "{s}");
-        }
-        assert!(t.prepare_send(&desc(0), &desc(1)).is_err());
+    fn ring_view_puts_the_counters_after_the_slots_on_separate_lines() {
+        let g = Geometry {
+            slot_bytes: 8192,
+            slots: 4,
+        };
+        let r = ring_view(1 << 20, g);
+        assert_eq!(r.base, 1 << 20);
+        assert_eq!(r.posted, (1 << 20) + 4 * 8192);
+        assert_eq!(r.freed, r.posted + 128);
+        assert!(FREED_AT as usize + 4 <= COUNTER_BYTES);
+    }
+
+    #[test]
+    fn the_process_token_is_stable_and_rarely_zero() {
+        assert_eq!(process_token(), process_token());
+        assert_ne!(process_token(), 0, "getrandom failed here");
     }
 }
