@@ -9,7 +9,7 @@
 //!    naming the call.
 //! 3. **Safe types**: the probe, [`Device`] (primary context),
 //!    [`DeviceBuffer`], [`HostFlag`] (pinned, device-mapped word),
-//!    [`Stream`] (copies, fills, stream memory operations), [`Event`],
+//!    [`CudaStream`] (copies, fills, stream memory operations), [`Event`],
 //!    CUDA IPC ([`DeviceBuffer::ipc_handle`], [`IpcMapping`]) and the
 //!    NVRTC-compiled [`Kernels`]. What cannot be made safe (device
 //!    addresses whose validity the driver cannot check) is an `unsafe fn`
@@ -423,7 +423,7 @@ impl Drop for IpcMapping {
 
 /// A 32-bit word of pinned host memory that the GPU can read
 /// (`cuMemHostAlloc` with `DEVICEMAP`): the host writes it, a stream waits
-/// on it with [`Stream::wait_value_geq`].
+/// on it with [`CudaStream::wait_value_geq`].
 #[derive(Debug)]
 pub struct HostFlag {
     dev: Arc<Device>,
@@ -495,26 +495,26 @@ impl Drop for HostFlag {
 }
 
 /// A CUDA stream: created by braid (destroyed on drop) or borrowed from the
-/// caller ([`Stream::borrowed`]).
+/// caller ([`CudaStream::borrowed`]).
 #[derive(Debug)]
-pub struct Stream {
+pub struct CudaStream {
     dev: Arc<Device>,
     raw: sys::CUstream,
     owned: bool,
 }
 
 // SAFETY: CUstream handles may be used from any thread of the process.
-unsafe impl Send for Stream {}
+unsafe impl Send for CudaStream {}
 // SAFETY: the driver serialises calls on a stream internally.
-unsafe impl Sync for Stream {}
+unsafe impl Sync for CudaStream {}
 
-impl Stream {
+impl CudaStream {
     /// A new non-blocking stream on `dev`.
-    pub fn new(dev: &Arc<Device>) -> Result<Stream> {
+    pub fn new(dev: &Arc<Device>) -> Result<CudaStream> {
         dev.bind()?;
         let raw = cu::stream::create(cu::stream::StreamKind::NonBlocking)
             .map_err(|e| driver_err("cuStreamCreate", e))?;
-        Ok(Stream {
+        Ok(CudaStream {
             dev: dev.clone(),
             raw,
             owned: true,
@@ -528,8 +528,8 @@ impl Stream {
     ///
     /// `raw` must be a valid stream of `dev`'s primary context and outlive
     /// the returned value, which never destroys it.
-    pub unsafe fn borrowed(dev: &Arc<Device>, raw: *mut c_void) -> Stream {
-        Stream {
+    pub unsafe fn borrowed(dev: &Arc<Device>, raw: *mut c_void) -> CudaStream {
+        CudaStream {
             dev: dev.clone(),
             raw: raw as sys::CUstream,
             owned: false,
@@ -584,7 +584,7 @@ impl Stream {
 
     /// Make later work on this stream wait until the 32-bit word at device
     /// address `dptr` is at least `value` (wrap-around aware, as
-    /// [`Stream::wait_value_geq`]).
+    /// [`CudaStream::wait_value_geq`]).
     ///
     /// # Safety
     ///
@@ -611,7 +611,7 @@ impl Stream {
     ///
     /// # Safety
     ///
-    /// As for [`Stream::wait_value_geq_at`].
+    /// As for [`CudaStream::wait_value_geq_at`].
     pub unsafe fn write_value(&self, dptr: u64, value: u32) -> Result<()> {
         self.dev.bind()?;
         // SAFETY: forwarded from this function's contract.
@@ -663,7 +663,7 @@ impl Stream {
     ///
     /// # Safety
     ///
-    /// As for [`Stream::copy_htod`], the other way round.
+    /// As for [`CudaStream::copy_htod`], the other way round.
     pub unsafe fn copy_dtoh(&self, dst: *mut u8, src: u64, len: usize) -> Result<()> {
         if len == 0 {
             return Ok(());
@@ -690,7 +690,7 @@ impl Stream {
     }
 }
 
-impl Drop for Stream {
+impl Drop for CudaStream {
     fn drop(&mut self) {
         if self.owned && self.dev.bind().is_ok() {
             // SAFETY: an owned stream is destroyed once.
@@ -891,7 +891,7 @@ impl Kernels {
     #[allow(clippy::too_many_arguments)]
     pub unsafe fn reduce(
         &self,
-        stream: &Stream,
+        stream: &CudaStream,
         dt: DataType,
         op: RedOp,
         dst: u64,
@@ -933,7 +933,7 @@ impl Kernels {
     /// `d` valid for `n` elements of `dt` until the kernel has run.
     pub unsafe fn divide(
         &self,
-        stream: &Stream,
+        stream: &CudaStream,
         dt: DataType,
         d: u64,
         n: usize,
@@ -982,7 +982,7 @@ pub fn d2d_copy_bandwidth(dev: &Arc<Device>, bytes: usize, iters: u32) -> Result
     let iters = iters.max(1);
     let a = DeviceBuffer::alloc(dev, bytes)?;
     let b = DeviceBuffer::alloc(dev, bytes)?;
-    let s = Stream::new(dev)?;
+    let s = CudaStream::new(dev)?;
     let (e0, e1) = (Event::new(dev, true)?, Event::new(dev, true)?);
     // SAFETY: both buffers hold `bytes` bytes, live until the stream is
     // synchronised below, and do not overlap.

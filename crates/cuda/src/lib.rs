@@ -7,7 +7,7 @@
 //! - [`driver`]: the only module with `unsafe` code (the crate denies it
 //!   elsewhere): raw FFI (cudarc, loaded at run time) → `Result` wrappers
 //!   → safe types: the probe, [`Device`], [`DeviceBuffer`], [`HostFlag`],
-//!   [`Stream`], [`Event`], CUDA IPC ([`DeviceBuffer::ipc_handle`],
+//!   [`CudaStream`], [`Event`], CUDA IPC ([`DeviceBuffer::ipc_handle`],
 //!   [`IpcMapping`]) and the NVRTC-compiled [`Kernels`].
 //! - [`kernels`]: the kernels' CUDA C source, generated from a table (pure).
 //! - [`ipc`]: CUDA IPC memory handles as bytes (pure).
@@ -31,8 +31,8 @@ pub mod kernels;
 pub mod schedule;
 
 pub use driver::{
-    d2d_copy_bandwidth, probe, Device, DeviceBuffer, Event, HostFlag, IpcMapping, Kernels,
-    ProbeInfo, Stream,
+    d2d_copy_bandwidth, probe, CudaStream, Device, DeviceBuffer, Event, HostFlag, IpcMapping,
+    Kernels, ProbeInfo,
 };
 pub use error::{CudaError, Result};
 

@@ -17,7 +17,7 @@
 #[doc(hidden)] // private once the bootstrap split lands
 pub mod bootstrap;
 mod comm;
-mod cuda;
+mod device;
 mod engine;
 mod error;
 mod fingerprint;
@@ -36,7 +36,7 @@ pub use braid_core::types::{bf16, f16, DataType, Element, RedOp};
 pub use braid_cuda;
 pub use braid_transport_shm::HostBuffer;
 pub use comm::{Communicator, Config, Group};
-pub use cuda::CudaComm;
+pub use device::CudaComm;
 pub use error::{Error, Result};
 pub use progress::{dump as dump_pending, Running, Snapshot, Waiting};
 pub use stream::{Handle, Stream};

@@ -263,7 +263,7 @@ impl Buffers {
 /// copied back for the check.
 pub struct DevState {
     cc: CudaComm,
-    stream: braid_cuda::Stream,
+    stream: braid_cuda::CudaStream,
     send: Arc<braid_cuda::DeviceBuffer>,
     recv: Arc<braid_cuda::DeviceBuffer>,
     /// Device-to-device copy bandwidth measured at start-up, GB/s.
@@ -285,7 +285,7 @@ impl DevState {
         let cc = CudaComm::new(comm)?;
         let dev = cc.device().clone();
         let cuda = |e: braid_cuda::CudaError| BenchError::Braid(braid::Error::Cuda(e));
-        let stream = braid_cuda::Stream::new(&dev).map_err(cuda)?;
+        let stream = braid_cuda::CudaStream::new(&dev).map_err(cuda)?;
         let send = Arc::new(braid_cuda::DeviceBuffer::alloc(&dev, bytes).map_err(cuda)?);
         let recv = Arc::new(braid_cuda::DeviceBuffer::alloc(&dev, bytes).map_err(cuda)?);
         let copy_bytes = bytes.clamp(64 << 20, 256 << 20);

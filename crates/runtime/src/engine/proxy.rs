@@ -23,7 +23,7 @@ use braid_core::plan::{Op, Program, Region};
 use braid_core::transport::SlotBuf;
 use braid_core::types::MemKind;
 use braid_core::{CoreError, DataType, RedOp};
-use braid_cuda::{Device, DeviceBuffer, Event, HostFlag, Kernels, Stream};
+use braid_cuda::{CudaStream, Device, DeviceBuffer, Event, HostFlag, Kernels};
 
 use super::stream::DevBuf;
 use super::{run_stages, Blocked, Channels, OpRunner, WaitPolicy, Waiter, WAIT_DATA, WAIT_SLOT};
@@ -46,7 +46,7 @@ pub(crate) struct Proxy {
     pub(crate) rank: u32,
     pub(crate) dev: Arc<Device>,
     pub(crate) kernels: Arc<Kernels>,
-    pub(crate) stream: Stream,
+    pub(crate) stream: CudaStream,
     pub(crate) scratch_in: DeviceBuffer,
     pub(crate) scratch_out: DeviceBuffer,
     pub(crate) chans: Channels,
@@ -115,7 +115,7 @@ struct DevExec<'a> {
     prog: &'a Program,
     bufs: &'a [DevBuf; 2],
     kernels: &'a Kernels,
-    stream: &'a Stream,
+    stream: &'a CudaStream,
     scratch_in: u64,
     scratch_out: u64,
     scratch_len: usize,

@@ -43,7 +43,7 @@ use braid_core::plan::Program;
 use braid_core::transport::DeviceRing;
 use braid_core::CoreError;
 use braid_cuda::schedule::{release_values, Cmd, Cursor, Links, Loc};
-use braid_cuda::{Device, DeviceBuffer, HostFlag, Kernels, Stream};
+use braid_cuda::{CudaStream, Device, DeviceBuffer, HostFlag, Kernels};
 
 use super::{Channels, WaitPolicy};
 
@@ -141,7 +141,7 @@ impl Shared {
 }
 
 /// Read a ring counter through the side stream (`None` if that fails).
-fn read_counter(side: Option<&Stream>, addr: u64) -> Option<u32> {
+fn read_counter(side: Option<&CudaStream>, addr: u64) -> Option<u32> {
     let side = side?;
     let mut b = [0u8; 4];
     // SAFETY: `addr` is a counter word of a live ring; `b` holds 4 bytes and
@@ -190,7 +190,7 @@ pub(crate) fn issue(
     bufs: &[DevBuf],
     rings: &Rings,
     kernels: &Kernels,
-    stream: &Stream,
+    stream: &CudaStream,
 ) -> Result<(), CoreError> {
     let cuda = CoreError::from;
     let dt_op = || {
@@ -421,7 +421,7 @@ pub(crate) struct Watchdog {
 
 impl Watchdog {
     pub fn run(mut self) {
-        let rescue = match Stream::new(&self.dev) {
+        let rescue = match CudaStream::new(&self.dev) {
             Ok(s) => Some(s),
             Err(e) => {
                 self.fail(format!(
@@ -526,7 +526,7 @@ impl Watchdog {
 
     /// Write, on the side stream, every counter our stream waits on to the
     /// value that releases all queued waits.
-    fn rescue(&self, side: &Stream) {
+    fn rescue(&self, side: &CudaStream) {
         let release = match self.shared.release.lock() {
             Ok(r) => r.clone(),
             Err(_) => return,
@@ -546,7 +546,7 @@ impl Watchdog {
     /// Whether our queued work still waits for pieces from `peer`: its
     /// `posted` counter (in our memory) is behind what we queued. True when
     /// the counter cannot be read.
-    fn needs_data_from(&self, side: Option<&Stream>, peer: u32) -> bool {
+    fn needs_data_from(&self, side: Option<&CudaStream>, peer: u32) -> bool {
         let want = match self.shared.release.lock() {
             Ok(r) => r.get(peer as usize).map(|v| v.0),
             Err(_) => None,
@@ -560,7 +560,7 @@ impl Watchdog {
     /// Which peer a stalled stream waits for: the first whose `posted`
     /// counter (in this rank's memory) is behind what was queued, else the
     /// first whose `freed` counter is.
-    fn stalled_on(&self, side: Option<&Stream>, after: Duration) -> String {
+    fn stalled_on(&self, side: Option<&CudaStream>, after: Duration) -> String {
         let release = self
             .shared
             .release

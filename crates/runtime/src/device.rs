@@ -1,55 +1,38 @@
-//! Collectives on GPU buffers: the device communicator and its engine.
+//! Collectives on GPU buffers: the device communicator.
 //!
 //! [`CudaComm::new`] (collective over an existing [`Communicator`]) opens
 //! this rank's GPU (`BRAID_CUDA_DEVICE`, else the local rank modulo the
-//! devices), chooses a GPU link per peer (the topology planner, `braid_core::topo::plan`: NVLink /
-//! same GPU → `nvlink`, PCIe P2P → `pcie` over CUDA IPC, else `pcie` staged
-//! through shared host memory), connects those links through the bootstrap
-//! (the IPC handles travel in the connect-info), and starts a proxy thread.
-//! The host communicator and its links are untouched: host collectives keep
-//! running over shm/socket, device collectives over these links.
+//! devices), asks the topology planner for a link per peer (the host
+//! communicator's fused topology with every rank placed on its GPU: NVLink
+//! or the same GPU → `nvlink`, PCIe P2P → `pcie` over CUDA IPC, else `pcie`
+//! staged through shared host memory), takes those transports from its
+//! transport table, connects them through the bootstrap (the IPC handles
+//! travel in the connect-info), and starts its engine's thread. The host
+//! communicator and its links are untouched: host collectives keep running
+//! over shm/socket, device collectives over these links.
 //!
-//! # How a device collective runs
+//! Two engines (in `crate::engine`); every rank of a communicator uses the
+//! same one:
 //!
-//! Two engines; every rank of a communicator uses the same one.
-//!
-//! - **stream** (the default when every link is a device ring: NVLink,
-//!   PCIe P2P, or ranks sharing one GPU): the whole collective goes on the
-//!   caller's stream with GPU-side synchronisation between the ranks
+//! - **stream** (the default when every link is a device ring: NVLink, PCIe
+//!   P2P, or ranks sharing one GPU): the whole collective goes on the
+//!   caller's CUDA stream with GPU-side synchronisation between the ranks
 //!   (stream memory operations on counters beside each slot ring; see
-//!   `cuda_stream` and [`braid_cuda::schedule`]). No host thread per step;
-//!   a watchdog thread turns dead or stalled peers into errors and drains
-//!   the stream so it never hangs.
+//!   [`braid_cuda::schedule`]); a watchdog thread turns dead or stalled
+//!   peers into errors and drains the stream so it never hangs.
 //! - **proxy** (links staged through host memory, or
-//!   `BRAID_CUDA_ENGINE=proxy`), described below.
+//!   `BRAID_CUDA_ENGINE=proxy`): the caller's thread records an event on
+//!   its stream, hands the program to the proxy thread, and enqueues a wait
+//!   (`cuStreamWaitValue32`) for a completion word the proxy writes when the
+//!   program is done, so the collective is ordered with the caller's other
+//!   work and the caller's host thread never blocks. If an operation fails,
+//!   the stream is still released, the communicator is marked broken, the
+//!   peers are told, and every later call (and [`CudaComm::synchronize`])
+//!   returns the error.
 //!
 //! `BRAID_CUDA_ENGINE=stream|proxy` forces one (stream fails at set-up,
-//! naming the rank, where some link is not a device ring).
-//!
-//! ## The proxy engine
-//!
-//! The caller's thread only enqueues: it records an event on the caller's
-//! stream (the inputs are ready when the stream reaches it), hands the
-//! planned program to the proxy thread, and enqueues on the caller's stream
-//! a wait (`cuStreamWaitValue32`) for a completion word in pinned host
-//! memory to reach the operation's sequence number; then it returns. The
-//! collective is therefore ordered with the caller's other work on that
-//! stream, and the caller's host thread never blocks.
-//!
-//! The proxy thread makes its internal stream wait for the event, then runs
-//! the same pure program as the host engine, op by op: copies
-//! (`cuMemcpy*Async`, into IPC-mapped peer slots or out of its own) and the
-//! NVRTC reduction kernels on its internal stream, synchronising that stream
-//! before it publishes a slot to a peer or gives one back (credits travel in
-//! a shared-memory FIFO per link). So cross-process synchronisation blocks
-//! the proxy thread per step, not the caller's thread nor the GPU. When the
-//! program is done the proxy writes the sequence number into
-//! the completion word, which releases the caller's stream. If an operation
-//! fails, the proxy still releases the stream (so the GPU never hangs),
-//! marks the communicator broken, tells the peers, and every later call (and
-//! [`CudaComm::synchronize`]) returns the error.
-//!
-//! Mismatch detection headers are not sent on device links.
+//! naming the rank, where some link is not a device ring). Mismatch
+//! detection headers are not sent on device links.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
@@ -62,7 +45,7 @@ use braid_core::topo::{Cluster, GpuLink, TransportPolicy};
 use braid_core::transport::{PeerDesc, Transport};
 use braid_core::{CoreError, DataType, RedOp};
 use braid_cuda::schedule::Cursor;
-use braid_cuda::{Device, DeviceBuffer, Event, HostFlag, Kernels, Stream};
+use braid_cuda::{CudaStream, Device, DeviceBuffer, Event, HostFlag, Kernels};
 use braid_transport_nvlink::{Geometry, NvlinkTransport};
 use braid_transport_pcie::PcieTransport;
 use tracing::info;
@@ -377,7 +360,7 @@ impl CudaComm {
                 rank,
                 dev: dev.clone(),
                 kernels,
-                stream: Stream::new(&dev)?,
+                stream: CudaStream::new(&dev)?,
                 scratch_in: DeviceBuffer::alloc(&dev, piece)?,
                 scratch_out: DeviceBuffer::alloc(&dev, piece)?,
                 chans,
@@ -508,7 +491,7 @@ impl CudaComm {
         dt: DataType,
         send: &Arc<DeviceBuffer>,
         recv: &Arc<DeviceBuffer>,
-        stream: &Stream,
+        stream: &CudaStream,
     ) -> Result<()> {
         let counts = coll.buffer_counts(self.inner.nranks)?;
         coll.validate(dt, self.inner.rank, self.inner.nranks)?;
@@ -564,7 +547,7 @@ impl CudaComm {
         count: usize,
         dt: DataType,
         op: RedOp,
-        stream: &Stream,
+        stream: &CudaStream,
     ) -> Result<()> {
         self.run(&Collective::AllReduce { count, op }, dt, send, recv, stream)
     }
@@ -575,7 +558,7 @@ impl CudaComm {
         dt: DataType,
         bufs: [DevBuf; 2],
         keep: Vec<Arc<DeviceBuffer>>,
-        stream: &Stream,
+        stream: &CudaStream,
     ) -> Result<()> {
         if let Some(b) = self.async_error() {
             return Err(Error::Unusable(b));
@@ -624,7 +607,7 @@ impl CudaComm {
         prog: &Program,
         bufs: [DevBuf; 2],
         keep: Vec<Arc<DeviceBuffer>>,
-        stream: &Stream,
+        stream: &CudaStream,
     ) -> Result<()> {
         let mut guard = self.lock()?;
         let st = &mut *guard;
