@@ -74,11 +74,11 @@ pub fn probe() -> Result<ProbeInfo> {
 }
 
 fn probe_uncached() -> std::result::Result<ProbeInfo, String> {
-    if std::env::var("BRAID_CUDA_DISABLE")
-        .map(|v| !matches!(v.trim(), "" | "0"))
-        .unwrap_or(false)
-    {
-        return Err("disabled by BRAID_CUDA_DISABLE".into());
+    let config = braid_core::config::process_env;
+    match braid_core::config::flag(&config, "BRAID_CUDA_DISABLE", false) {
+        Ok(true) => return Err("disabled by BRAID_CUDA_DISABLE".into()),
+        Ok(false) => {}
+        Err(e) => return Err(e.to_string()),
     }
     // SAFETY: is_culib_present only tries to open the library by its
     // candidate names; it calls no CUDA function.

@@ -14,6 +14,11 @@ pub enum Error {
     #[error("launch environment: {0}")]
     Env(String),
 
+    /// A `BRAID_*` variable has a value braid cannot use (the message names
+    /// it and says what it should be).
+    #[error("configuration: {0}")]
+    Config(#[from] braid_core::config::ConfigError),
+
     /// Network I/O with the bootstrap root or another rank failed.
     #[error("bootstrap: {what}")]
     BootstrapIo {

@@ -301,14 +301,17 @@ pub fn dump() -> String {
 }
 
 /// How long a wait may last before it is logged at WARN.
-pub(crate) fn stall_warn(timeout: Duration) -> Duration {
+pub(crate) fn stall_warn(timeout: Duration) -> Result<Duration, braid_core::config::ConfigError> {
+    use braid_core::config;
     let default = Duration::from_secs(10).min(timeout / 2);
-    std::env::var("BRAID_STALL_WARN")
-        .ok()
-        .and_then(|v| v.trim().parse::<f64>().ok())
-        .filter(|s| s.is_finite() && *s > 0.0)
-        .map(Duration::from_secs_f64)
-        .unwrap_or(default)
+    let range = (
+        Duration::from_millis(1),
+        Duration::from_secs(365 * 24 * 3600),
+    );
+    Ok(
+        config::seconds(&config::process_env, "BRAID_STALL_WARN", range.0, range.1)?
+            .unwrap_or(default),
+    )
 }
 
 static DUMP_REQUESTED: AtomicBool = AtomicBool::new(false);
@@ -475,9 +478,12 @@ mod tests {
     #[test]
     fn stall_warning_defaults_to_half_a_short_timeout() {
         if std::env::var("BRAID_STALL_WARN").is_err() {
-            assert_eq!(stall_warn(Duration::from_secs(4)), Duration::from_secs(2));
             assert_eq!(
-                stall_warn(Duration::from_secs(120)),
+                stall_warn(Duration::from_secs(4)).unwrap(),
+                Duration::from_secs(2)
+            );
+            assert_eq!(
+                stall_warn(Duration::from_secs(120)).unwrap(),
                 Duration::from_secs(10)
             );
         }

@@ -71,12 +71,15 @@ impl Mode {
     /// The mode `BRAID_SLOT_STREAM` asks for (`None`: unset or empty).
     pub fn parse(v: Option<&str>) -> Result<Mode, String> {
         match v.map(str::trim) {
-            None | Some("") | Some("auto") => Ok(Mode::Auto),
-            Some("0") => Ok(Mode::Ordinary),
-            Some("1") => Ok(Mode::Streaming),
-            Some(other) => Err(format!(
-                "{ENV}={other}: expected auto, 0 (ordinary stores into slots) or 1 (streaming stores)"
-            )),
+            None | Some("") => Ok(Mode::Auto),
+            Some(a) if a.eq_ignore_ascii_case("auto") => Ok(Mode::Auto),
+            Some(b) => match braid_core::config::parse_bool(ENV, b) {
+                Ok(false) => Ok(Mode::Ordinary),
+                Ok(true) => Ok(Mode::Streaming),
+                Err(_) => Err(format!(
+                    "{ENV}={b}: expected auto, 0 (ordinary stores into slots) or 1 (streaming stores)"
+                )),
+            },
         }
     }
 }

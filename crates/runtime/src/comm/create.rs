@@ -2,6 +2,7 @@
 //! choice per peer, link set-up, and the defaults that depend on them.
 
 use super::*;
+use braid_core::config;
 
 impl Communicator {
     /// Join the communicator named by `id` as `rank` of `nranks`. Some process
@@ -260,17 +261,15 @@ impl Communicator {
                 move_piece,
                 direct_moves: all_direct
                     && direct_min <= piece
-                    && std::env::var("BRAID_DIRECT_MOVES").map_or(true, |v| v.trim() != "0"),
+                    && config::flag(&config::process_env, "BRAID_DIRECT_MOVES", true)?,
                 oversubscribed: oversub,
                 // Mismatch detection (one 32-byte header per link per
                 // operation); BRAID_CHECK_MISMATCH=0 turns it off.
-                check_headers: std::env::var("BRAID_CHECK_MISMATCH")
-                    .map(|v| v.trim() != "0")
-                    .unwrap_or(true),
+                check_headers: config::flag(&config::process_env, "BRAID_CHECK_MISMATCH", true)?,
                 policy: WaitPolicy {
                     timeout,
-                    spin: spin_budget(oversub),
-                    stall_warn: progress::stall_warn(timeout),
+                    spin: spin_budget(oversub)?,
+                    stall_warn: progress::stall_warn(timeout)?,
                 },
                 abort,
                 state: OpLock::new(State {

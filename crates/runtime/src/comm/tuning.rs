@@ -3,6 +3,7 @@
 //! with its `BRAID_*` override.
 
 use super::*;
+use braid_core::config;
 
 /// AllGathers over slots of at most this many bytes (the whole result) read
 /// every block from its owner instead of relaying it along the ring (see
@@ -17,18 +18,15 @@ pub(super) const FLAT_ALLGATHER_MAX_BYTES: usize = 64 * 1024;
 /// ranks than cores, see [`oversubscribed`]) a spinning rank steals the core
 /// from the rank it waits for, so it yields at once. `BRAID_SPIN` overrides
 /// (iterations).
-pub(super) fn spin_budget(oversubscribed: bool) -> u32 {
-    if let Some(v) = std::env::var("BRAID_SPIN")
-        .ok()
-        .and_then(|v| v.trim().parse().ok())
-    {
-        return v;
+pub(super) fn spin_budget(oversubscribed: bool) -> Result<u32> {
+    if let Some(v) = config::number(&config::process_env, "BRAID_SPIN")? {
+        return Ok(v);
     }
-    if oversubscribed {
+    Ok(if oversubscribed {
         0
     } else {
         WaitPolicy::default().spin
-    }
+    })
 }
 
 /// Whether this rank shares CPUs with more ranks than those CPUs can run at
@@ -154,14 +152,7 @@ pub(super) fn stream_default(caches: &std::path::Path, local: usize) -> usize {
 
 /// A byte count from the environment, or `default` when unset.
 pub(super) fn env_bytes(name: &str, default: usize) -> Result<usize> {
-    match std::env::var(name) {
-        Ok(v) if !v.trim().is_empty() => v.trim().parse().map_err(|_| {
-            Error::Env(format!(
-                "{name}={v} is not a byte count; use a plain number such as 65536"
-            ))
-        }),
-        _ => Ok(default),
-    }
+    Ok(config::number(&config::process_env, name)?.unwrap_or(default))
 }
 
 /// AllReduce up to this size uses recursive doubling (latency-bound sizes);
