@@ -272,9 +272,12 @@ mod tests {
         assert_eq!(Mode::parse(Some(" auto ")), Ok(Mode::Auto));
         assert_eq!(Mode::parse(Some("0")), Ok(Mode::Ordinary));
         assert_eq!(Mode::parse(Some("1")), Ok(Mode::Streaming));
-        let e = Mode::parse(Some("yes")).unwrap_err();
+        // Booleans read as everywhere else (core::config).
+        assert_eq!(Mode::parse(Some("yes")), Ok(Mode::Streaming));
+        assert_eq!(Mode::parse(Some("off")), Ok(Mode::Ordinary));
+        let e = Mode::parse(Some("maybe")).unwrap_err();
         assert!(
-            e.contains("BRAID_SLOT_STREAM=yes") && e.contains("expected auto"),
+            e.contains("BRAID_SLOT_STREAM=maybe") && e.contains("expected auto"),
             "{e}"
         );
     }
