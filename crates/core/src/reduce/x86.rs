@@ -1,5 +1,5 @@
-//! The x86-64 AVX2 kernels, chosen at run time where the CPU has them.
-//! AVX2 and F16C variants, chosen at run time.
+//! The x86-64 kernels with AVX2 and F16C, chosen at run time where the CPU
+//! has them.
 
 use std::arch::x86_64::{
     _mm256_cvtph_ps, _mm256_cvtps_ph, _mm256_loadu_ps, _mm256_storeu_ps, _mm_loadu_si128,
