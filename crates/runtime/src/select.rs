@@ -12,7 +12,7 @@ use std::net::SocketAddr;
 
 use braid_core::topo::TransportPolicy;
 use braid_core::transport::{Transport, TransportKind};
-use braid_transport_shm::ShmTransport;
+use braid_transport_shm::{ShmConfig, ShmTransport};
 use braid_transport_socket::{SocketConfig, SocketTransport};
 use tracing::{info, warn};
 
@@ -63,7 +63,9 @@ impl TransportTable {
         }
         let mut entries: Vec<Box<dyn Transport>> = Vec::new();
         if !off(TransportKind::Shm) {
-            entries.push(Box::new(ShmTransport::new()));
+            let cfg = ShmConfig::from_env(&braid_core::config::process_env)
+                .map_err(|e| Error::Env(format!("shared-memory transport: {e}")))?;
+            entries.push(Box::new(ShmTransport::new(cfg)?));
         }
         #[cfg(feature = "ib")]
         if !off(TransportKind::Ib) {
