@@ -86,7 +86,10 @@ impl TransportTable {
             }
         }
         if !off(TransportKind::Socket) {
-            match SocketConfig::from_env().and_then(|c| SocketTransport::new(c.with_root(root))) {
+            let cfg = SocketConfig::from_env(&braid_core::config::process_env).map_err(|e| {
+                braid_core::CoreError::InvalidArgument(format!("socket transport: {e}"))
+            });
+            match cfg.and_then(|c| SocketTransport::new(c.with_root(root))) {
                 Ok(t) => {
                     info!(
                         addr = %t.local_addr(),

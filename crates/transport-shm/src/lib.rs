@@ -132,7 +132,8 @@
 //! memory the engine lent them through the seam's `unsafe fn`s:
 //! `link/send.rs` (`commit_direct`, and `poll_help` writing from that
 //! memory into the receiver) and `link/recv.rs` (`read_remote` /
-//! `poll_read_remote` copying into the engine's destination).
+//! `poll_read_remote` copying into the engine's destination). `host.rs` has
+//! `unsafe` in its tests only.
 
 use braid_core::config::{self, ConfigError};
 
