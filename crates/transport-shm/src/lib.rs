@@ -136,6 +136,12 @@
 //! `unsafe` in its tests only.
 
 use braid_core::config::{self, ConfigError};
+// For the links in the docs above.
+#[cfg(doc)]
+use braid_core::{
+    error::CoreError,
+    transport::{SendChannel, Transport},
+};
 
 mod host;
 mod info;

@@ -159,6 +159,9 @@
 use std::net::{IpAddr, SocketAddr};
 
 use braid_core::config::{self, ConfigError, NameList};
+// For the links in the docs above.
+#[cfg(doc)]
+use braid_core::{error::CoreError, transport::Transport};
 
 mod info;
 mod link;
