@@ -25,7 +25,7 @@ use braid_core::transport::{PeerDesc, PendingRecv, PendingSend, Transport, Trans
 use braid_core::types::MemKind;
 use braid_transport_nvlink::NvlinkTransport;
 use braid_transport_pcie::PcieTransport;
-use braid_transport_shm::ShmTransport;
+use braid_transport_shm::{ShmConfig, ShmTransport};
 use braid_transport_socket::{SocketConfig, SocketTransport};
 use tracing::{info, warn};
 
@@ -143,16 +143,18 @@ impl TransportTable {
             (TransportKind::Nvlink, Err(Off::OtherKind(FOR_DEVICES))),
             (TransportKind::Pcie, Err(Off::OtherKind(FOR_DEVICES))),
         ];
+        let env = &braid_core::config::process_env;
         let shm = match off(TransportKind::Shm) {
             Some(o) => Err(o),
-            None => Ok(AnyTransport::Shm(ShmTransport::new())),
+            None => Ok(AnyTransport::Shm(ShmTransport::new(ShmConfig::from_env(
+                env,
+            )?)?)),
         };
         entries.push((TransportKind::Shm, shm));
         entries.push((TransportKind::Ib, Self::ib(off(TransportKind::Ib))));
         let socket = match off(TransportKind::Socket) {
             Some(o) => Err(o),
-            None => SocketConfig::from_env()
-                .and_then(|c| SocketTransport::new(c.with_root(root)))
+            None => SocketTransport::new(SocketConfig::from_env(env)?.with_root(root))
                 .map(|t| {
                     info!(
                         addr = %t.local_addr(),

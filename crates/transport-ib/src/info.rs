@@ -2,16 +2,23 @@
 //! bootstrap, and the 32-bit immediate that every RDMA WRITE WITH IMMEDIATE
 //! carries. Integers are little-endian; a blob has one exact length, so
 //! truncated, padded or foreign blobs are rejected, never half-parsed.
+//!
+//! Both blobs start with braid's connect-info header
+//! ([`braid_core::wire::Header`]: magic `BRIB`, version, role byte 1 for the
+//! receiver's blob, 2 for the sender's). Version 3 has the layout of
+//! version 2 (whose header was decoded here); the bump marks the change of
+//! decoder and its messages.
 
-use braid_core::wire::Reader;
+use braid_core::wire::{Header, Reader, ROLE_RECEIVER, ROLE_SENDER};
 
-/// `BRIB`: connect-info blobs.
-pub const BLOB_MAGIC: u32 = u32::from_le_bytes(*b"BRIB");
 /// Wire version; bump on any change of the formats in this module.
-pub const VERSION: u16 = 2;
-
-const ROLE_RECV: u8 = 1;
-const ROLE_SEND: u8 = 2;
+pub const VERSION: u16 = 3;
+/// The header of both connect-info blobs.
+pub const HEADER: Header = Header {
+    magic: *b"BRIB",
+    version: VERSION,
+    what: "IB",
+};
 
 /// Largest slot (a slot is written by at most one RDMA write per QP; 8 MiB
 /// is below every HCA's message size limit, Soft-RoCE's included).
@@ -100,9 +107,7 @@ pub fn check_geometry(slot_bytes: usize, slots: usize, qps: usize) -> Result<(),
 
 impl Endpoint {
     fn encode(&self, role: u8, v: &mut Vec<u8>) {
-        v.extend_from_slice(&BLOB_MAGIC.to_le_bytes());
-        v.extend_from_slice(&VERSION.to_le_bytes());
-        v.push(role);
+        HEADER.write(v, role);
         v.extend_from_slice(&self.from.to_le_bytes());
         v.extend_from_slice(&self.to.to_le_bytes());
         v.extend_from_slice(&self.addr.lid.to_le_bytes());
@@ -119,21 +124,7 @@ impl Endpoint {
     }
 
     fn decode(r: &mut Reader<'_>, role: u8) -> Result<Endpoint, ParseError> {
-        if r.u32()? != BLOB_MAGIC {
-            return Err("not a braid IB connect-info blob (bad magic)".into());
-        }
-        let v = r.u16()?;
-        if v != VERSION {
-            return Err(format!(
-                "connect-info version {v}, this build speaks {VERSION}: run the same braid build on every rank"
-            ));
-        }
-        let got = r.u8()?;
-        if got != role {
-            return Err(format!(
-                "connect-info of role {got}, expected {role} (blobs of the two ends swapped?)"
-            ));
-        }
+        HEADER.read(r, role)?;
         let from = r.u32()?;
         let to = r.u32()?;
         let lid = r.u16()?;
@@ -186,7 +177,7 @@ impl RecvInfo {
     /// Serialises.
     pub fn encode(&self) -> Vec<u8> {
         let mut v = Vec::with_capacity(96);
-        self.ep.encode(ROLE_RECV, &mut v);
+        self.ep.encode(ROLE_RECEIVER, &mut v);
         v.extend_from_slice(&self.fifo_addr.to_le_bytes());
         v.extend_from_slice(&self.fifo_rkey.to_le_bytes());
         v.extend_from_slice(&(self.slot_bytes as u32).to_le_bytes());
@@ -197,7 +188,7 @@ impl RecvInfo {
     /// Parses and validates.
     pub fn decode(b: &[u8]) -> Result<RecvInfo, ParseError> {
         let mut r = Reader::new(b);
-        let ep = Endpoint::decode(&mut r, ROLE_RECV)?;
+        let ep = Endpoint::decode(&mut r, ROLE_RECEIVER)?;
         let fifo_addr = r.u64()?;
         let fifo_rkey = r.u32()?;
         let slot_bytes = r.u32()? as usize;
@@ -218,14 +209,14 @@ impl SendInfo {
     /// Serialises.
     pub fn encode(&self) -> Vec<u8> {
         let mut v = Vec::with_capacity(80);
-        self.ep.encode(ROLE_SEND, &mut v);
+        self.ep.encode(ROLE_SENDER, &mut v);
         v
     }
 
     /// Parses and validates.
     pub fn decode(b: &[u8]) -> Result<SendInfo, ParseError> {
         let mut r = Reader::new(b);
-        let ep = Endpoint::decode(&mut r, ROLE_SEND)?;
+        let ep = Endpoint::decode(&mut r, ROLE_SENDER)?;
         r.end()?;
         Ok(SendInfo { ep })
     }
@@ -392,8 +383,20 @@ mod tests {
         let si = SendInfo { ep: ep(0, 1) };
         let sb = si.encode();
         assert_eq!(SendInfo::decode(&sb).unwrap(), si);
-        assert!(RecvInfo::decode(&sb).is_err());
-        assert!(SendInfo::decode(&b).is_err());
+        let e = RecvInfo::decode(&sb).unwrap_err();
+        assert!(e.contains("IB connect-info of role 2, expected 1"), "{e}");
+        let e = SendInfo::decode(&b).unwrap_err();
+        assert!(e.contains("IB connect-info of role 1, expected 2"), "{e}");
+        let mut old = b.clone();
+        old[4] = 2; // version
+        let e = RecvInfo::decode(&old).unwrap_err();
+        assert!(
+            e.contains("IB connect-info version 2, this build speaks 3"),
+            "{e}"
+        );
+        old[0] = b'X'; // magic
+        let e = RecvInfo::decode(&old).unwrap_err();
+        assert!(e.starts_with("not a braid IB connect-info"), "{e}");
         // Out-of-range fields.
         let mut bad = ri.clone();
         bad.slots = 0;

@@ -147,9 +147,6 @@ pub use transport::{ports, IbTransport};
 /// The transport's name (`BRAID_TRANSPORT=ib`).
 pub const NAME: &str = "ib";
 
-/// Whether this build has the verbs data path.
-pub const BUILT_IN: bool = cfg!(feature = "verbs");
-
 /// Environment variable: devices and ports.
 pub const ENV_HCA: &str = "BRAID_IB_HCA";
 /// Environment variable: GID index.

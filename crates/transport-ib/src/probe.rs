@@ -23,6 +23,8 @@
 //!   subnet), `roce` for RoCE (routable over IP: any two RoCE ports are
 //!   assumed to reach each other).
 
+use braid_core::config::NameList;
+
 use crate::info::Addr;
 
 /// Port link layer.
@@ -99,61 +101,37 @@ pub struct Chosen {
     pub fabric: String,
 }
 
-/// A parsed `BRAID_IB_HCA` value.
+/// A parsed `BRAID_IB_HCA` value: a [`NameList`] whose entries' suffixes
+/// are port numbers.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct HcaSpec {
-    exclude: bool,
-    exact: bool,
-    entries: Vec<(String, Option<u8>)>,
+pub struct HcaSpec(NameList);
+
+/// A port as `BRAID_IB_HCA` gives it after a `:`, from 1 to 255.
+fn parse_port(p: &str) -> Result<u8, String> {
+    match p.parse::<u8>() {
+        Ok(0) => Err("ports are numbered from 1".into()),
+        Ok(n) => Ok(n),
+        Err(_) => Err("the port after ':' must be a number from 1 to 255".into()),
+    }
 }
 
 impl HcaSpec {
     /// Parses `[^][=]dev[:port][,dev[:port]...]`; an entry with a port that
-    /// is not a number is an error.
+    /// is not a number from 1 to 255 is an error.
     pub fn parse(s: &str) -> Result<HcaSpec, String> {
-        let mut s = s.trim();
-        let exclude = s.starts_with('^');
-        if exclude {
-            s = &s[1..];
+        let list = NameList::parse(s);
+        for e in &list.entries {
+            if let Some(p) = &e.suffix {
+                parse_port(p).map_err(|why| format!("\"{}:{p}\": {why}", e.name))?;
+            }
         }
-        let exact = s.starts_with('=');
-        if exact {
-            s = &s[1..];
-        }
-        let mut entries = Vec::new();
-        for e in s.split(',').map(str::trim).filter(|e| !e.is_empty()) {
-            let (name, port) = match e.split_once(':') {
-                Some((n, p)) => {
-                    let p: u8 = p.trim().parse().map_err(|_| {
-                        format!("{e:?}: the port after ':' must be a number from 1 to 255")
-                    })?;
-                    if p == 0 {
-                        return Err(format!("{e:?}: ports are numbered from 1"));
-                    }
-                    (n.trim().to_owned(), Some(p))
-                }
-                None => (e.to_owned(), None),
-            };
-            entries.push((name, port));
-        }
-        Ok(HcaSpec {
-            exclude,
-            exact,
-            entries,
-        })
+        Ok(HcaSpec(list))
     }
 
     /// Whether `device:port` is selected.
     pub fn matches(&self, device: &str, port: u8) -> bool {
-        let hit = self.entries.iter().any(|(n, p)| {
-            let name_ok = if self.exact {
-                device == n
-            } else {
-                device.starts_with(n.as_str())
-            };
-            name_ok && p.is_none_or(|p| p == port)
-        });
-        hit != self.exclude
+        self.0
+            .matches_with(device, |p| parse_port(p).is_ok_and(|p| p == port))
     }
 }
 
@@ -246,7 +224,6 @@ pub fn choose(
         (h, n)
     };
     ok.sort_by_key(|(i, p)| (rank(p), *i));
-    let mut last_err = None;
     for (_, p) in ok {
         match gid_for(p, gid_index) {
             Ok(g) => {
@@ -268,13 +245,9 @@ pub fn choose(
                     },
                 });
             }
-            Err(e) => {
-                why.push(e.clone());
-                last_err = Some(e);
-            }
+            Err(e) => why.push(e),
         }
     }
-    let _ = last_err;
     Err(format!("no usable RDMA port: {}", why.join("; ")))
 }
 
@@ -414,8 +387,13 @@ mod tests {
         assert!(s.matches("mlx5_1", 1));
         assert!(!s.matches("mlx5_1", 2));
         assert!(s.matches("mlx5_10", 2));
-        assert!(HcaSpec::parse("mlx5_0:x").is_err());
-        assert!(HcaSpec::parse("mlx5_0:0").is_err());
+        let e = HcaSpec::parse("mlx5_0:x").unwrap_err();
+        assert!(
+            e.contains("\"mlx5_0:x\": the port after ':' must be a number"),
+            "{e}"
+        );
+        let e = HcaSpec::parse("mlx5_0:0").unwrap_err();
+        assert!(e.contains("numbered from 1"), "{e}");
     }
 
     #[test]

@@ -24,7 +24,7 @@ use std::time::{Duration, Instant};
 
 use braid_conformance::{connect_pair, WAIT};
 use braid_core::transport::{RecvChannel, SendChannel, SlotBuf};
-use braid_transport_shm::{leftover_segments, ShmTransport};
+use braid_transport_shm::{leftover_segments, ShmConfig, ShmTransport};
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 
 /// Failed polls between two deadline/liveness checks (each followed by a
@@ -136,11 +136,8 @@ fn echo(mut rx: Box<dyn RecvChannel>, mut tx: Box<dyn SendChannel>) {
 
 /// Ping-pong latency of one 8-byte message.
 fn pingpong(c: &mut Criterion) {
-    let t = ShmTransport::with_params(
-        ShmTransport::DEFAULT_SLOT_BYTES,
-        ShmTransport::DEFAULT_SLOTS,
-    )
-    .expect("shm geometry");
+    let t = ShmTransport::with_params(ShmConfig::DEFAULT_SLOT_BYTES, ShmConfig::DEFAULT_SLOTS)
+        .expect("shm geometry");
     let mut g = c.benchmark_group("shm_pingpong");
     g.sample_size(20)
         .warm_up_time(Duration::from_millis(500))
@@ -182,9 +179,9 @@ fn stream(c: &mut Criterion) {
     g.sample_size(10)
         .warm_up_time(Duration::from_millis(500))
         .measurement_time(Duration::from_secs(2));
-    for slot_bytes in [64 << 10, ShmTransport::DEFAULT_SLOT_BYTES] {
-        let t = ShmTransport::with_params(slot_bytes, ShmTransport::DEFAULT_SLOTS)
-            .expect("shm geometry");
+    for slot_bytes in [64 << 10, ShmConfig::DEFAULT_SLOT_BYTES] {
+        let t =
+            ShmTransport::with_params(slot_bytes, ShmConfig::DEFAULT_SLOTS).expect("shm geometry");
         g.throughput(Throughput::Bytes(slot_bytes as u64));
         std::thread::scope(|s| {
             let (mut tx, mut rx) = connect_pair(&t, &t.clone(), 0, 1);

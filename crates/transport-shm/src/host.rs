@@ -37,7 +37,7 @@ use braid_core::types::Element;
 use nix::fcntl::{fcntl, FcntlArg, SealFlag};
 use nix::sys::memfd::{memfd_create, MemFdCreateFlag};
 
-use crate::segment::{FileMap, PAGE};
+use crate::segment::{OwnMap, PeerMap, PAGE};
 
 /// How many peers' buffers one receiving channel keeps mapped.
 pub const MAPS_PER_PEER: usize = 16;
@@ -79,7 +79,7 @@ fn unavailable(reason: String) -> CoreError {
 /// documentation). Page-aligned, zeroed, pre-faulted; unmapped and
 /// unregistered on drop.
 pub struct HostBuffer {
-    map: FileMap,
+    map: OwnMap,
     len: usize,
     ino: u64,
     // Kept open: receivers find the file through this descriptor.
@@ -130,7 +130,7 @@ impl HostBuffer {
         let ino = nix::sys::stat::fstat(fd.as_raw_fd())
             .map_err(|e| unavailable(format!("fstat of the memory file failed: {e}")))?
             .st_ino;
-        let map = FileMap::new(&fd, size, true)
+        let map = OwnMap::new(&fd, size)
             .map_err(|e| unavailable(format!("cannot map {size} bytes: {e}")))?;
         let region = Region {
             ino,
@@ -158,41 +158,23 @@ impl HostBuffer {
 
     /// The bytes.
     pub fn as_slice(&self) -> &[u8] {
-        // SAFETY: the mapping holds at least `len` initialised (zeroed by the
-        // kernel) bytes and lives as long as `self`; only this process
-        // writes it (receivers map it read-only), through `&mut self`.
-        unsafe { std::slice::from_raw_parts(self.map.ptr(), self.len) }
+        &self.map.typed::<u8>()[..self.len]
     }
 
     /// The bytes, writable.
     pub fn as_mut_slice(&mut self) -> &mut [u8] {
-        // SAFETY: as in `as_slice`; `&mut self` makes this the only borrow.
-        unsafe { std::slice::from_raw_parts_mut(self.map.ptr(), self.len) }
+        &mut self.map.typed_mut::<u8>()[..self.len]
     }
 
     /// The buffer as elements of `T` (`len / size_of::<T>()` of them; a
     /// trailing partial element is left out), for the typed collectives.
     pub fn typed<T: Element>(&self) -> &[T] {
-        // SAFETY: the mapping is page-aligned (so aligned for every
-        // `Element`) and holds `len` initialised bytes; `Element` types have
-        // no padding and every bit pattern is a value; the borrow is `self`'s.
-        unsafe {
-            std::slice::from_raw_parts(
-                self.map.ptr().cast::<T>(),
-                self.len / std::mem::size_of::<T>(),
-            )
-        }
+        &self.map.typed::<T>()[..self.len / std::mem::size_of::<T>()]
     }
 
     /// [`HostBuffer::typed`], writable.
     pub fn typed_mut<T: Element>(&mut self) -> &mut [T] {
-        // SAFETY: as in `typed`; `&mut self` makes this the only borrow.
-        unsafe {
-            std::slice::from_raw_parts_mut(
-                self.map.ptr().cast::<T>(),
-                self.len / std::mem::size_of::<T>(),
-            )
-        }
+        &mut self.map.typed_mut::<T>()[..self.len / std::mem::size_of::<T>()]
     }
 }
 
@@ -220,7 +202,7 @@ impl Drop for HostBuffer {
 #[derive(Debug)]
 struct PeerFile {
     region: Region,
-    map: FileMap,
+    map: PeerMap,
 }
 
 /// The peer's buffers a receiving channel has mapped (most recently used
@@ -245,34 +227,25 @@ impl PeerFiles {
         }
     }
 
-    /// Copies the `len` bytes at `addr` in the peer's process — inside `region`,
-    /// the sender says — to `dst` through a mapping of the region's file.
-    /// Returns false, having copied nothing, when that is not possible; the
-    /// caller then reads the bytes with `process_vm_readv`. Streaming
-    /// stores when `stream`.
-    ///
-    /// # Safety
-    ///
-    /// `dst` must be valid for writes of `len` bytes.
-    pub(crate) unsafe fn read(
+    /// Where the `len` bytes at `addr` in the peer's process — inside
+    /// `region`, the sender says — can be copied from here: a mapping of the
+    /// region's file (mapped now if it is not yet) and their offset in it.
+    /// `None` when that is not possible; the caller then reads the bytes
+    /// with `process_vm_readv`.
+    pub(crate) fn locate(
         &mut self,
         region: Region,
         addr: u64,
-        dst: *mut u8,
         len: usize,
-        stream: bool,
-    ) -> bool {
-        let Some(off) = addr
+    ) -> Option<(&PeerMap, usize)> {
+        let off = addr
             .checked_sub(region.base)
-            .and_then(|o| usize::try_from(o).ok())
-        else {
-            return false;
-        };
+            .and_then(|o| usize::try_from(o).ok())?;
         let at = match self.maps.iter().position(|m| m.region == region) {
             Some(i) => i,
             None => {
                 if self.refused.contains(&region) {
-                    return false;
+                    return None;
                 }
                 match open(self.pid, region) {
                     Ok(map) => {
@@ -297,18 +270,19 @@ impl PeerFiles {
                             self.refused.remove(0);
                         }
                         self.refused.push(region);
-                        return false;
+                        return None;
                     }
                 }
             }
         };
         // Most recently used last.
         let f = self.maps.remove(at);
-        // SAFETY: forwarded from this function's contract; `read_at` checks
-        // the range against the mapping.
-        let ok = unsafe { f.map.read_at(off, dst, len, stream) };
         self.maps.push(f);
-        ok
+        let inside = off
+            .checked_add(len)
+            .is_some_and(|end| end as u64 <= region.len);
+        let f = self.maps.last()?;
+        inside.then_some((&f.map, off))
     }
 
     /// How many peer buffers are mapped.
@@ -320,7 +294,7 @@ impl PeerFiles {
 
 /// Opens and maps the peer's buffer file, checking that it is the file the
 /// sender named, of its size and sealed against shrinking.
-fn open(pid: u32, region: Region) -> std::result::Result<FileMap, String> {
+fn open(pid: u32, region: Region) -> std::result::Result<PeerMap, String> {
     let path = format!("/proc/{pid}/fd/{}", region.fd);
     let check = |meta: std::fs::Metadata| {
         if !meta.is_file() || meta.ino() != region.ino || meta.len() != region.len {
@@ -349,7 +323,7 @@ fn open(pid: u32, region: Region) -> std::result::Result<FileMap, String> {
         .map_err(|e| format!("{path}: no seals ({e})"))?;
     if SealFlag::from_bits_truncate(seals).contains(SealFlag::F_SEAL_SHRINK) {
         let len = usize::try_from(region.len).map_err(|_| "too large".to_string())?;
-        FileMap::new(&OwnedFd::from(file), len, false).map_err(|e| e.to_string())
+        PeerMap::new(&OwnedFd::from(file), len).map_err(|e| e.to_string())
     } else {
         Err(format!("{path} can shrink (not sealed)"))
     }
@@ -358,6 +332,24 @@ fn open(pid: u32, region: Region) -> std::result::Result<FileMap, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Copies through `files` as the receiver does (`locate`, then
+    /// `read_at`): false when nothing was copied.
+    fn read(
+        files: &mut PeerFiles,
+        region: Region,
+        addr: u64,
+        dst: &mut [u8],
+        len: usize,
+        stream: bool,
+    ) -> bool {
+        assert!(len <= dst.len());
+        match files.locate(region, addr, len) {
+            // SAFETY: `dst` holds at least `len` writable bytes (checked).
+            Some((map, off)) => unsafe { map.read_at(off, dst.as_mut_ptr(), len, stream) },
+            None => false,
+        }
+    }
 
     #[test]
     fn buffers_are_registered_while_alive_and_zeroed() {
@@ -394,8 +386,8 @@ mod tests {
         let mut files = PeerFiles::new(1, pid);
         let mut dst = vec![0u8; 2 << 20];
         let off = 12345;
-        // SAFETY: dst holds 2 MiB.
-        assert!(unsafe { files.read(r, r.base + off, dst.as_mut_ptr(), dst.len(), true) });
+        let n = dst.len();
+        assert!(read(&mut files, r, r.base + off, &mut dst, n, true));
         let want: Vec<u8> = (off as usize..off as usize + dst.len())
             .map(|i| (i % 251) as u8)
             .collect();
@@ -403,29 +395,32 @@ mod tests {
         assert_eq!(files.mapped(), 1);
         // Writes after the mapping are seen (one shared file).
         b[off as usize] = 0xEE;
-        // SAFETY: dst holds 2 MiB.
-        assert!(unsafe { files.read(r, r.base + off, dst.as_mut_ptr(), 16, false) });
+        assert!(read(&mut files, r, r.base + off, &mut dst, 16, false));
         assert_eq!(dst[0], 0xEE);
         assert_eq!(files.mapped(), 1, "mapped once");
         // Past the end, a wrong inode, a wrong size: refused, nothing copied.
         dst[0] = 1;
-        // SAFETY: dst holds 2 MiB.
-        unsafe {
-            assert!(!files.read(r, r.base + r.len - 8, dst.as_mut_ptr(), 16, false));
-            assert!(!files.read(r, r.base - 8, dst.as_mut_ptr(), 16, false));
-            let wrong = Region {
-                ino: r.ino + 1,
-                ..r
-            };
-            assert!(!files.read(wrong, r.base, dst.as_mut_ptr(), 16, false));
-            let wrong = Region {
-                len: r.len - 4096,
-                ..r
-            };
-            assert!(!files.read(wrong, r.base, dst.as_mut_ptr(), 16, false));
-            let wrong = Region { fd: 987_654, ..r };
-            assert!(!files.read(wrong, r.base, dst.as_mut_ptr(), 16, false));
-        }
+        assert!(!read(
+            &mut files,
+            r,
+            r.base + r.len - 8,
+            &mut dst,
+            16,
+            false
+        ));
+        assert!(!read(&mut files, r, r.base - 8, &mut dst, 16, false));
+        let wrong = Region {
+            ino: r.ino + 1,
+            ..r
+        };
+        assert!(!read(&mut files, wrong, r.base, &mut dst, 16, false));
+        let wrong = Region {
+            len: r.len - 4096,
+            ..r
+        };
+        assert!(!read(&mut files, wrong, r.base, &mut dst, 16, false));
+        let wrong = Region { fd: 987_654, ..r };
+        assert!(!read(&mut files, wrong, r.base, &mut dst, 16, false));
         assert_eq!(dst[0], 1);
         assert_eq!(files.mapped(), 1);
     }
@@ -482,8 +477,7 @@ mod tests {
         let mut dst = [0u8; 8];
         for b in &bufs {
             let r = region_of(b.as_ptr(), 8).unwrap();
-            // SAFETY: dst holds 8 bytes.
-            assert!(unsafe { files.read(r, r.base, dst.as_mut_ptr(), 8, false) });
+            assert!(read(&mut files, r, r.base, &mut dst, 8, false));
         }
         assert_eq!(files.mapped(), MAPS_PER_PEER);
     }

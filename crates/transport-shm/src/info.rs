@@ -1,12 +1,16 @@
 //! Connect-info blobs: compact, versioned, little-endian, validated.
 //!
-//! Receiver blob (`listen`), 42 bytes + name:
+//! Both blobs start with braid's connect-info header
+//! ([`braid_core::wire::Header`]): magic `BRSM`, version (2), role byte
+//! (1: receiver, 2: sender).
+//!
+//! Receiver blob (`listen`), 41 bytes + name:
 //!
 //! | bytes | field |
 //! | --- | --- |
-//! | 4 | magic `BRSR` |
-//! | 2 | version (1) |
-//! | 2 | reserved, 0 |
+//! | 4 | magic `BRSM` |
+//! | 2 | version (2) |
+//! | 1 | role: 1, receiver |
 //! | 4 | receiver pid |
 //! | 4 | sending rank (`from`) |
 //! | 4 | receiving rank (`to`) |
@@ -16,22 +20,27 @@
 //! | 2 | name length `n` |
 //! | n | segment name, `/braid-[0-9a-z-]*`, at most 255 bytes |
 //!
-//! Sender blob (`prepare_send`), 20 bytes: magic `BRSS`, version, reserved,
-//! sender pid, `from`, `to`.
+//! Sender blob (`prepare_send`), 19 bytes: the header with role 2, sender
+//! pid, `from`, `to`.
+//!
+//! Version 1 had a magic per role (`BRSR`, `BRSS`) and two reserved bytes
+//! after the version.
 //!
 //! Parsing checks the exact length, every field's range and the name's
 //! character set, so a garbage, truncated or oversized blob is an error and
 //! never reaches `shm_open`.
 
 use crate::segment::Layout;
-use braid_core::wire::Reader;
+use braid_core::wire::{Header, Reader, ROLE_RECEIVER, ROLE_SENDER};
 
-const RECV_MAGIC: [u8; 4] = *b"BRSR";
-const SEND_MAGIC: [u8; 4] = *b"BRSS";
-/// Wire version of both blobs.
-pub(crate) const INFO_VERSION: u16 = 1;
-const RECV_FIXED: usize = 42;
-const SEND_LEN: usize = 20;
+/// The header of both blobs.
+pub(crate) const HEADER: Header = Header {
+    magic: *b"BRSM",
+    version: 2,
+    what: "shm",
+};
+const RECV_FIXED: usize = Header::LEN + 34;
+const SEND_LEN: usize = Header::LEN + 12;
 /// Longest segment name (NAME_MAX, including the leading `/`).
 pub(crate) const MAX_NAME: usize = 255;
 /// Prefix of every segment name.
@@ -57,25 +66,6 @@ pub(crate) struct SendInfo {
     pub to: u32,
 }
 
-fn check_header(r: &mut Reader<'_>, magic: [u8; 4], kind: &str) -> Result<(), String> {
-    let m = r.take(4)?;
-    if m != magic {
-        return Err(format!(
-            "not an shm {kind} connect-info (bad magic {m:02x?})"
-        ));
-    }
-    let v = r.u16()?;
-    if v != INFO_VERSION {
-        return Err(format!(
-            "connect-info version {v}, this build speaks {INFO_VERSION}: run the same braid version on every rank"
-        ));
-    }
-    if r.u16()? != 0 {
-        return Err("reserved field is not zero".into());
-    }
-    Ok(())
-}
-
 fn check_pid(pid: u32) -> Result<u32, String> {
     // 0 and negative pids mean process groups to kill(2): never accept them.
     if pid == 0 || pid > i32::MAX as u32 {
@@ -97,9 +87,7 @@ pub(crate) fn valid_name(name: &str) -> bool {
 impl RecvInfo {
     pub fn encode(&self) -> Vec<u8> {
         let mut v = Vec::with_capacity(RECV_FIXED + self.name.len());
-        v.extend_from_slice(&RECV_MAGIC);
-        v.extend_from_slice(&INFO_VERSION.to_le_bytes());
-        v.extend_from_slice(&0u16.to_le_bytes());
+        HEADER.write(&mut v, ROLE_RECEIVER);
         v.extend_from_slice(&self.pid.to_le_bytes());
         v.extend_from_slice(&self.from.to_le_bytes());
         v.extend_from_slice(&self.to.to_le_bytes());
@@ -117,7 +105,7 @@ impl RecvInfo {
             return Err(format!("oversized ({} bytes)", buf.len()));
         }
         let mut r = Reader::new(buf);
-        check_header(&mut r, RECV_MAGIC, "receiver")?;
+        HEADER.read(&mut r, ROLE_RECEIVER)?;
         let pid = check_pid(r.u32()?)?;
         let from = r.u32()?;
         let to = r.u32()?;
@@ -153,9 +141,7 @@ impl RecvInfo {
 impl SendInfo {
     pub fn encode(&self) -> Vec<u8> {
         let mut v = Vec::with_capacity(SEND_LEN);
-        v.extend_from_slice(&SEND_MAGIC);
-        v.extend_from_slice(&INFO_VERSION.to_le_bytes());
-        v.extend_from_slice(&0u16.to_le_bytes());
+        HEADER.write(&mut v, ROLE_SENDER);
         v.extend_from_slice(&self.pid.to_le_bytes());
         v.extend_from_slice(&self.from.to_le_bytes());
         v.extend_from_slice(&self.to.to_le_bytes());
@@ -167,7 +153,7 @@ impl SendInfo {
             return Err(format!("oversized ({} bytes)", buf.len()));
         }
         let mut r = Reader::new(buf);
-        check_header(&mut r, SEND_MAGIC, "sender")?;
+        HEADER.read(&mut r, ROLE_SENDER)?;
         let pid = check_pid(r.u32()?)?;
         let from = r.u32()?;
         let to = r.u32()?;
@@ -225,8 +211,12 @@ mod tests {
             assert!(SendInfo::decode(&s[..n]).is_err(), "prefix {n}");
         }
         // The two kinds are not interchangeable.
-        assert!(RecvInfo::decode(&s).is_err());
-        assert!(SendInfo::decode(&b).is_err());
+        let e = RecvInfo::decode(&s).unwrap_err();
+        assert!(e.contains("shm connect-info of role 2, expected 1"), "{e}");
+        let e = SendInfo::decode(&b).unwrap_err();
+        assert!(e.starts_with("oversized"), "{e}");
+        let e = SendInfo::decode(&b[..SEND_LEN]).unwrap_err();
+        assert!(e.contains("shm connect-info of role 1, expected 2"), "{e}");
     }
 
     #[test]
@@ -248,9 +238,17 @@ mod tests {
         assert!(RecvInfo::decode(&r.encode()).is_err());
         let mut b = recv().encode();
         b[4] = 9; // version
+        let e = RecvInfo::decode(&b).unwrap_err();
+        assert!(
+            e.contains("shm connect-info version 9, this build speaks 2"),
+            "{e}"
+        );
+        let mut b = recv().encode();
+        b[6] = ROLE_SENDER; // role
         assert!(RecvInfo::decode(&b).is_err());
         let mut b = recv().encode();
-        b[6] = 1; // reserved
-        assert!(RecvInfo::decode(&b).is_err());
+        b[0] = b'X'; // magic
+        let e = RecvInfo::decode(&b).unwrap_err();
+        assert!(e.starts_with("not a braid shm connect-info"), "{e}");
     }
 }

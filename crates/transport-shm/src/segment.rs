@@ -1,14 +1,20 @@
-//! The shared-memory segment: creation, mapping, layout and raw access.
+//! The shared-memory segment and every other piece of raw memory the crate
+//! touches: creation, mapping, layout and raw access; the memory files
+//! behind [`crate::host::HostBuffer`]; and the process-memory system calls
+//! (`process_vm_readv`/`process_vm_writev`).
 //!
-//! This module holds the crate's mapping and process-memory system calls
-//! (`lib.rs` and `host.rs` only read and write through pointers from
-//! here). It also maps the memory files behind [`crate::host::HostBuffer`]
-//! ([`FileMap`]). Everything the
-//! two processes share lives in one `MAP_SHARED` mapping of a POSIX shm
-//! object; the control block ([`Header`]) consists of atomics only, so either
-//! process may read or write it at any time without a data race. Slot memory
-//! is handed out as raw pointers ([`Segment::slot_ptr`]); who may touch which
-//! slot when is decided by the `head`/`tail` protocol in `lib.rs`.
+//! This is the crate's one FFI/memory module: the rest reads and writes
+//! shared memory through the safe accessors here (atomics of the control
+//! block and boxes, slot words as atomics, bounds-checked copies). Only
+//! the channel ends keep an `unsafe` block where they pass on memory the
+//! engine lent them through the seam's `unsafe fn`s (see the crate docs).
+//!
+//! Everything the two processes share lives in one `MAP_SHARED` mapping of
+//! a POSIX shm object; the control block ([`Header`]) consists of atomics
+//! only, so either process may read or write it at any time without a data
+//! race. Slot memory is handed out as raw pointers ([`Segment::slot_ptr`]);
+//! who may touch which slot when is decided by the `head`/`tail` protocol
+//! in `link.rs`.
 //!
 //! Layout (offsets from the start of the mapping):
 //!
@@ -37,6 +43,8 @@ use nix::fcntl::OFlag;
 use nix::sys::mman::{self, MapFlags, MmapAdvise, ProtFlags};
 use nix::sys::stat::Mode;
 
+use braid_core::types::Element;
+
 /// `"BRAIDSHM"` in ASCII: the first word of every segment.
 pub(crate) const HEADER_MAGIC: u64 = u64::from_be_bytes(*b"BRAIDSHM");
 /// Version of the in-memory layout (bumped on any change to [`Header`]).
@@ -55,6 +63,9 @@ pub(crate) const MAX_SLOTS: usize = 1024;
 pub(crate) const MAX_SLOT_BYTES: usize = 1 << 30;
 /// Fewest boxes a segment has (see [`boxes_for`]).
 pub(crate) const MIN_BOXES: usize = 256;
+/// Words at the start of every slot that [`Segment::slot_word`] reaches
+/// (a slot holds at least [`PAGE`] bytes).
+pub(crate) const SLOT_WORDS: usize = PAGE / 8;
 
 /// Boxes of a segment with `slots` slots: at least [`MIN_BOXES`], and at
 /// least one per slot. A message that fits its box
@@ -164,7 +175,7 @@ pub(crate) struct SlotBox {
     /// Inline payload (raw bytes, handed out by [`Segment::inline_ptr`];
     /// first, so that it is 64-byte aligned like a slot).
     pub inline: [u8; INLINE_BYTES],
-    /// Byte length and flags of the message (see `lib.rs`).
+    /// Byte length and flags of the message (see `link.rs`).
     pub word: AtomicU64,
     /// `n + 1` once message `n` (announced in box `n % boxes`; its data,
     /// if it does not fit the box, in slot `n % slots`) is published
@@ -460,7 +471,7 @@ impl Segment {
 
     /// Start of box `i`'s inline payload ([`INLINE_BYTES`] bytes, 64-byte
     /// aligned; `i < boxes`). Like slot memory, who may touch it when is decided by the
-    /// protocol in `lib.rs`.
+    /// protocol in `link.rs`.
     pub fn inline_ptr(&self, i: usize) -> *mut u8 {
         // SAFETY: the field lies inside the box, inside the mapping;
         // `addr_of_mut!` creates no reference, and nothing is accessed.
@@ -478,6 +489,38 @@ impl Segment {
                 .as_ptr()
                 .add(self.layout.data_offset + i * self.layout.stride)
         }
+    }
+
+    /// Word `w` of slot `i` (`i < slots`, `w <` [`SLOT_WORDS`]) as an
+    /// atomic: a direct slot carries addresses and sizes there instead of
+    /// a payload (see `link.rs`). Who writes which word when is decided by
+    /// the protocol; the words are published and read back through the
+    /// Release/Acquire pairs on `seq` and the claim word, so `Relaxed`
+    /// accesses suffice.
+    pub fn slot_word(&self, i: usize, w: usize) -> &AtomicU64 {
+        assert!(w < SLOT_WORDS, "slot word {w} out of range");
+        // SAFETY: slot_ptr checks `i < slots`; slots are page-aligned and at
+        // least PAGE (4096) bytes, so word `w < 512` is 8-aligned and inside
+        // the slot, inside the mapping, which lives as long as `self`.
+        // AtomicU64 is valid for any bit pattern and allows shared mutation
+        // (the peer process writes these words too).
+        unsafe { &*self.slot_ptr(i).cast::<AtomicU64>().add(w) }
+    }
+
+    /// Copies the first `len` bytes of slot `slot` into box `bx`'s inline
+    /// payload (`len <=` [`INLINE_BYTES`]): a small message written into a
+    /// slot travels in the line the receiver polls.
+    pub fn copy_slot_to_box(&self, slot: usize, bx: usize, len: usize) {
+        assert!(len <= INLINE_BYTES, "{len} bytes do not fit a box");
+        let (src, dst) = (self.slot_ptr(slot), self.inline_ptr(bx));
+        // SAFETY: both ranges lie inside the mapping (slot_ptr and
+        // inline_ptr check the indices; a slot holds at least 4096 bytes, a
+        // box INLINE_BYTES) and do not overlap (boxes end before
+        // `data_offset`). No reference to either range exists: this process
+        // reaches slot and box memory only through raw pointers, and
+        // `Segment` is not `Sync`, so no other thread uses these accessors
+        // meanwhile; which message owns them is the protocol's decision.
+        unsafe { std::ptr::copy_nonoverlapping(src, dst, len) }
     }
 
     /// The shm name (with leading `/`).
@@ -525,42 +568,95 @@ impl Drop for UnlinkOnError<'_> {
     }
 }
 
-/// A memory-file mapping: unmapped on drop. Owned by a [`crate::host::HostBuffer`]
-/// (read-write, its own file) or by a receiver's cache of peers' buffers
-/// (read-only).
-pub(crate) struct FileMap {
+/// A shared mapping of a whole memory file: unmapped on drop.
+struct FileMapping {
     base: NonNull<u8>,
     len: usize,
 }
 
-// SAFETY: a `FileMap` is an exclusively owned mapping (like a Box<[u8]>);
-// what is written through it is governed by its owner.
-unsafe impl Send for FileMap {}
-// SAFETY: `&FileMap` only hands out the base address.
-unsafe impl Sync for FileMap {}
+// SAFETY: an exclusively owned mapping (like a Box<[u8]>); what is read or
+// written through it is governed by the types below.
+unsafe impl Send for FileMapping {}
+// SAFETY: `&FileMapping` only hands out the base address.
+unsafe impl Sync for FileMapping {}
 
-impl std::fmt::Debug for FileMap {
+impl std::fmt::Debug for FileMapping {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "FileMap({:p}, {} bytes)", self.base, self.len)
+        write!(f, "({:p}, {} bytes)", self.base, self.len)
     }
 }
 
-impl FileMap {
-    /// Maps all `len` bytes of `fd` (see `map_shared`).
-    pub(crate) fn new(
-        fd: &std::os::fd::OwnedFd,
-        len: usize,
-        write: bool,
-    ) -> Result<FileMap, SegError> {
-        Ok(FileMap {
-            base: map_shared(fd, len, write)?,
+impl Drop for FileMapping {
+    fn drop(&mut self) {
+        // SAFETY: `base..base+len` is the mapping created by `map_shared`
+        // for this value, unmapped only here; its owners hand out no
+        // reference that outlives them.
+        let _ = unsafe { mman::munmap(self.base.cast(), self.len) };
+    }
+}
+
+/// This process's own memory file (a [`crate::host::HostBuffer`]), mapped
+/// read-write. Peers map it read-only, so only this process writes it:
+/// through `&mut self`, which makes the byte views sound.
+#[derive(Debug)]
+pub(crate) struct OwnMap(FileMapping);
+
+impl OwnMap {
+    /// Maps all `len` bytes of `fd` read-write (see `map_shared`); `fd` must
+    /// be sealed against shrinking.
+    pub(crate) fn new(fd: &std::os::fd::OwnedFd, len: usize) -> Result<OwnMap, SegError> {
+        Ok(OwnMap(FileMapping {
+            base: map_shared(fd, len, true)?,
             len,
-        })
+        }))
     }
 
-    /// First byte of the mapping.
+    /// First byte of the mapping (page-aligned).
     pub(crate) fn ptr(&self) -> *mut u8 {
-        self.base.as_ptr()
+        self.0.base.as_ptr()
+    }
+
+    /// The whole mapping as elements of `T` (a trailing partial element is
+    /// left out).
+    pub(crate) fn typed<T: Element>(&self) -> &[T] {
+        // SAFETY: the mapping is page-aligned (so aligned for every
+        // `Element`), holds `len` initialised (zeroed by the kernel) bytes
+        // and lives as long as `self`; `Element` types have no padding and
+        // every bit pattern is a value; only this process writes the file,
+        // and only through `&mut self`.
+        unsafe {
+            std::slice::from_raw_parts(
+                self.ptr().cast::<T>(),
+                self.0.len / std::mem::size_of::<T>(),
+            )
+        }
+    }
+
+    /// [`OwnMap::typed`], writable.
+    pub(crate) fn typed_mut<T: Element>(&mut self) -> &mut [T] {
+        // SAFETY: as in `typed`; `&mut self` makes this the only borrow.
+        unsafe {
+            std::slice::from_raw_parts_mut(
+                self.ptr().cast::<T>(),
+                self.0.len / std::mem::size_of::<T>(),
+            )
+        }
+    }
+}
+
+/// A peer's memory file mapped read-only. Its owner may write it at any
+/// time, so it only copies out ([`PeerMap::read_at`]).
+#[derive(Debug)]
+pub(crate) struct PeerMap(FileMapping);
+
+impl PeerMap {
+    /// Maps all `len` bytes of `fd` read-only (see `map_shared`); `fd` must
+    /// be at least `len` bytes long and sealed against shrinking.
+    pub(crate) fn new(fd: &std::os::fd::OwnedFd, len: usize) -> Result<PeerMap, SegError> {
+        Ok(PeerMap(FileMapping {
+            base: map_shared(fd, len, false)?,
+            len,
+        }))
     }
 
     /// Copies `len` bytes at offset `off` of the mapping to `dst` — with
@@ -578,13 +674,13 @@ impl FileMap {
         len: usize,
         stream: bool,
     ) -> bool {
-        if off.checked_add(len).is_none_or(|end| end > self.len) {
+        if off.checked_add(len).is_none_or(|end| end > self.0.len) {
             return false;
         }
         // SAFETY: `off..off+len` is inside the mapping (checked above), which
         // lives as long as `self`; `dst` is the caller's (contract).
         unsafe {
-            let src = self.base.as_ptr().add(off);
+            let src = self.0.base.as_ptr().add(off);
             if stream {
                 braid_core::copy::copy_streaming(dst, src, len);
             } else {
@@ -595,12 +691,13 @@ impl FileMap {
     }
 }
 
-impl Drop for FileMap {
-    fn drop(&mut self) {
-        // SAFETY: `base..base+len` is the mapping created in `new`, unmapped
-        // only here; its owners hand out no reference that outlives them.
-        let _ = unsafe { mman::munmap(self.base.cast(), self.len) };
-    }
+/// Reads the `u64` at `remote` in process `pid` with `process_vm_readv`:
+/// the receiver's proof that it may read its sender's memory.
+pub(crate) fn read_process_word(pid: u32, remote: u64) -> Result<u64, Errno> {
+    let mut word = 0u64;
+    // SAFETY: `word` is a local u64, valid for 8 bytes of writes.
+    unsafe { read_process(pid, remote, (&mut word as *mut u64).cast(), 8) }?;
+    Ok(word)
 }
 
 /// Copy `len` bytes at `remote` in process `pid` to `dst` with

@@ -19,7 +19,7 @@ mod odd {
     );
 }
 
-/// The production defaults (512 KiB x 8).
+/// The production defaults (128 KiB x 16, `ShmConfig::default()`).
 mod defaults {
     use super::*;
     braid_conformance::transport_conformance_tests!(ShmTransport::default);

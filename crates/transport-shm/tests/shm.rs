@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use braid_conformance::{connect_pair, desc, wait_for};
 use braid_core::error::CoreError;
 use braid_core::transport::{SlotBuf, Transport};
-use braid_transport_shm::{leftover_segments, ShmTransport};
+use braid_transport_shm::{leftover_segments, ShmConfig, ShmTransport};
 
 static LOCK: Mutex<()> = Mutex::new(());
 
@@ -175,14 +175,23 @@ fn env_parameters() {
     assert_eq!((tx.slot_bytes(), tx.slots()), (8192, 3));
     std::env::set_var("BRAID_SHM_SLOT_BYTES", "4100");
     assert!(ShmTransport::from_env().is_err());
-    assert_eq!(ShmTransport::new(), ShmTransport::default());
+    // A bad value is reported, naming the variable (it used to be logged
+    // and replaced by the default).
+    let e = ShmConfig::from_env(&braid_core::config::process_env).unwrap_err();
+    assert_eq!(e.var, "BRAID_SHM_SLOT_BYTES", "{e}");
     std::env::set_var("BRAID_SHM_SLOT_BYTES", "lots");
     assert!(ShmTransport::from_env().is_err());
     std::env::remove_var("BRAID_SHM_SLOT_BYTES");
     std::env::set_var("BRAID_SHM_SLOTS", "1");
     assert!(ShmTransport::from_env().is_err());
     std::env::remove_var("BRAID_SHM_SLOTS");
-    assert_eq!(ShmTransport::new(), ShmTransport::default());
+    let t = ShmTransport::from_env().unwrap();
+    let d = ShmTransport::default();
+    assert_eq!((t.slot_bytes(), t.slots()), (d.slot_bytes(), d.slots()));
+    assert_eq!(
+        ShmTransport::new(ShmConfig::default()).unwrap(),
+        ShmTransport::default()
+    );
 }
 
 const CHILD_ENV: &str = "BRAID_SHM_TEST_RECEIVER_INFO";
@@ -195,7 +204,7 @@ fn child_sender() {
         return; // ordinary test run: nothing to do
     };
     let rinfo = unhex(info.trim());
-    let t = ShmTransport::new();
+    let t = ShmTransport::from_env().unwrap();
     let (ptx, sinfo) = t.prepare_send(&desc(0), &desc(1)).unwrap();
     let mut out = std::io::stdout().lock();
     writeln!(out, "\nSENDER_INFO {}", hex(&sinfo)).unwrap();
@@ -301,7 +310,7 @@ fn direct_transfers_probe_succeeds_between_processes_of_one_user() {
     let deadline = Instant::now() + Duration::from_secs(10);
     let mut tx = ptx.connect(&rinfo, deadline).unwrap();
     let _rx = prx.connect(&sinfo, deadline).unwrap();
-    if std::env::var("BRAID_SHM_DIRECT").as_deref() == Ok("0") {
+    if !t1.config().direct() {
         assert!(!tx.can_send_direct());
     } else {
         assert!(
@@ -349,7 +358,7 @@ fn direct_transfers_are_shared_with_the_sender() {
         eprintln!("skipped: direct transfers are off (BRAID_SHM_DIRECT=0)");
         return;
     }
-    let off = std::env::var("BRAID_SHM_HELP").as_deref() == Ok("0");
+    let off = t.config().help_chunk().is_none();
     // Five small messages first, so that the direct transfers' boxes
     // (message number mod 256) and slots (mod 4) differ: the sender finds
     // the slot of the offered box.

@@ -2,19 +2,30 @@
 //! data-frame and control-frame headers. All integers are little-endian and
 //! every blob has one exact length, so truncated, padded or foreign blobs
 //! are rejected instead of half-parsed.
+//!
+//! Both blobs start with braid's connect-info header
+//! ([`braid_core::wire::Header`]: magic `BRSK`, version, role byte 1 for the
+//! receiver's blob, 2 for the sender's). Version 3 has the layout of
+//! version 2 (whose header was decoded here); the bump marks the change of
+//! decoder and its messages.
+//!
+//! The hello keeps its own header (magic `BRSH`, the same version, then the
+//! socket's kind): the receiver does not know in advance which kind of
+//! socket a hello opens, so it has no role to check.
 
-use braid_core::wire::Reader;
+use braid_core::wire::{Header, Reader, ROLE_RECEIVER, ROLE_SENDER};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV4, SocketAddrV6};
 
-/// `BRSK`: connect-info blobs.
-pub const BLOB_MAGIC: u32 = u32::from_le_bytes(*b"BRSK");
+/// Wire version; bump on any change of the formats in this module.
+pub const VERSION: u16 = 3;
+/// The header of both connect-info blobs.
+pub const HEADER: Header = Header {
+    magic: *b"BRSK",
+    version: VERSION,
+    what: "socket",
+};
 /// `BRSH`: socket hellos.
 pub const HELLO_MAGIC: u32 = u32::from_le_bytes(*b"BRSH");
-/// Wire version; bump on any change of the formats in this module.
-pub const VERSION: u16 = 2;
-
-const ROLE_RECV: u8 = 1;
-const ROLE_SEND: u8 = 2;
 
 /// Largest slot size accepted (the frame header carries 32-bit offsets).
 pub const MAX_SLOT_BYTES: usize = 1 << 30;
@@ -26,35 +37,33 @@ pub const MAX_NSOCKS: usize = 64;
 /// Why a blob was rejected.
 pub type ParseError = String;
 
-fn header(r: &mut Reader<'_>, role: u8) -> Result<(), ParseError> {
-    if r.u32()? != BLOB_MAGIC {
-        return Err("not a braid socket connect-info blob (bad magic)".into());
-    }
-    let v = r.u16()?;
-    if v != VERSION {
-        return Err(format!(
-            "connect-info version {v}, this build speaks {VERSION}: run the same braid build on every rank"
-        ));
-    }
-    let got = r.u8()?;
-    if got != role {
-        return Err(format!(
-            "connect-info of role {got}, expected {role} (blobs of the two ends swapped?)"
-        ));
-    }
-    Ok(())
-}
-
 /// Checks a slot geometry and socket count.
 pub fn check_geometry(slot_bytes: usize, slots: usize, nsocks: usize) -> Result<(), String> {
+    check_slot_bytes(slot_bytes)?;
+    check_slots(slots)?;
+    check_nsocks(nsocks)
+}
+
+/// Checks a slot size.
+pub(crate) fn check_slot_bytes(slot_bytes: usize) -> Result<(), String> {
     if !(64..=MAX_SLOT_BYTES).contains(&slot_bytes) || !slot_bytes.is_multiple_of(64) {
         return Err(format!(
             "slot size {slot_bytes} must be a multiple of 64 between 64 and {MAX_SLOT_BYTES}"
         ));
     }
+    Ok(())
+}
+
+/// Checks a slot count.
+pub(crate) fn check_slots(slots: usize) -> Result<(), String> {
     if !(1..=MAX_SLOTS).contains(&slots) {
         return Err(format!("{slots} slots: must be 1 to {MAX_SLOTS}"));
     }
+    Ok(())
+}
+
+/// Checks a data socket count.
+pub(crate) fn check_nsocks(nsocks: usize) -> Result<(), String> {
     if !(1..=MAX_NSOCKS).contains(&nsocks) {
         return Err(format!("{nsocks} data sockets: must be 1 to {MAX_NSOCKS}"));
     }
@@ -84,9 +93,7 @@ impl RecvInfo {
     /// Serialises.
     pub fn encode(&self) -> Vec<u8> {
         let mut v = Vec::with_capacity(68);
-        v.extend_from_slice(&BLOB_MAGIC.to_le_bytes());
-        v.extend_from_slice(&VERSION.to_le_bytes());
-        v.push(ROLE_RECV);
+        HEADER.write(&mut v, ROLE_RECEIVER);
         v.push(if self.addr.is_ipv4() { 4 } else { 6 });
         v.extend_from_slice(&self.from.to_le_bytes());
         v.extend_from_slice(&self.to.to_le_bytes());
@@ -109,7 +116,7 @@ impl RecvInfo {
     /// Parses and validates.
     pub fn decode(b: &[u8]) -> Result<RecvInfo, ParseError> {
         let mut r = Reader::new(b);
-        header(&mut r, ROLE_RECV)?;
+        HEADER.read(&mut r, ROLE_RECEIVER)?;
         let fam = r.u8()?;
         let from = r.u32()?;
         let to = r.u32()?;
@@ -175,9 +182,7 @@ impl SendInfo {
     /// Serialises.
     pub fn encode(&self) -> Vec<u8> {
         let mut v = Vec::with_capacity(Self::LEN);
-        v.extend_from_slice(&BLOB_MAGIC.to_le_bytes());
-        v.extend_from_slice(&VERSION.to_le_bytes());
-        v.push(ROLE_SEND);
+        HEADER.write(&mut v, ROLE_SENDER);
         v.push(0);
         v.extend_from_slice(&self.from.to_le_bytes());
         v.extend_from_slice(&self.to.to_le_bytes());
@@ -188,7 +193,7 @@ impl SendInfo {
     /// Parses and validates.
     pub fn decode(b: &[u8]) -> Result<SendInfo, ParseError> {
         let mut r = Reader::new(b);
-        header(&mut r, ROLE_SEND)?;
+        HEADER.read(&mut r, ROLE_SENDER)?;
         if r.u8()? != 0 {
             return Err("reserved field is not zero".into());
         }
@@ -249,8 +254,11 @@ impl Hello {
         if r.u32()? != HELLO_MAGIC {
             return Err("not a braid socket hello (bad magic)".into());
         }
-        if r.u16()? != VERSION {
-            return Err("hello of another wire version".into());
+        let v = r.u16()?;
+        if v != VERSION {
+            return Err(format!(
+                "hello of wire version {v}, this build speaks {VERSION}"
+            ));
         }
         Ok(Hello {
             kind: r.u8()?,
@@ -426,7 +434,15 @@ mod tests {
         bad(&|i| i.token = [0; 16]);
         let mut b = good.encode();
         b[4] = 9; // version
-        assert!(RecvInfo::decode(&b).unwrap_err().contains("version"));
+        let e = RecvInfo::decode(&b).unwrap_err();
+        assert!(
+            e.contains("socket connect-info version 9, this build speaks 3"),
+            "{e}"
+        );
+        let mut b = good.encode();
+        b[0] = b'X'; // magic
+        let e = RecvInfo::decode(&b).unwrap_err();
+        assert!(e.starts_with("not a braid socket connect-info"), "{e}");
         let mut b = good.encode();
         b[7] = 5; // family
         assert!(RecvInfo::decode(&b).is_err());
@@ -436,8 +452,10 @@ mod tests {
             to: 2,
             nonce: [1; 16],
         };
-        assert!(RecvInfo::decode(&s.encode()).is_err());
-        assert!(SendInfo::decode(&good.encode()).is_err());
+        let e = RecvInfo::decode(&s.encode()).unwrap_err();
+        assert!(e.contains("role 2, expected 1"), "{e}");
+        let e = SendInfo::decode(&good.encode()).unwrap_err();
+        assert!(e.contains("role 1, expected 2"), "{e}");
     }
 
     #[test]
@@ -468,6 +486,10 @@ mod tests {
         };
         assert_eq!(Hello::decode(&h.encode()).unwrap(), h);
         assert!(Hello::decode(&[0; Hello::LEN]).is_err());
+        let mut b = h.encode();
+        b[4] = 2; // version
+        let e = Hello::decode(&b).unwrap_err();
+        assert!(e.contains("version 2, this build speaks 3"), "{e}");
         let f = FrameHeader {
             seq: 1 << 40 | 5,
             total: 1 << 20,

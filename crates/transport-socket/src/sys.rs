@@ -76,11 +76,13 @@ impl SlotMem {
         );
     }
 
-    /// Bytes `off..off + len` of slot `i`, to read.
+    /// Bytes `off..off + len` of slot `i`, to read (the fuzzing harness
+    /// reads the slots its readers filled).
     ///
     /// # Safety
     ///
     /// Nobody may write these bytes while the returned slice lives.
+    #[cfg(feature = "fuzzing")]
     pub unsafe fn slice(&self, i: usize, off: usize, len: usize) -> &[u8] {
         self.check(i, off, len);
         // SAFETY: the range is inside the allocation (checked above), the

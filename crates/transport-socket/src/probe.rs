@@ -1,10 +1,12 @@
-//! Choosing the local address the socket transport listens on.
+//! What this host offers the socket transport: its interfaces and their
+//! addresses ([`list`]), the route to the root ([`route_source`]), and the
+//! choice of the local address to listen on ([`choose`], pure).
 //!
-//! `BRAID_SOCKET_IFNAME` has the syntax of `NCCL_SOCKET_IFNAME`: a
-//! comma-separated list of interface-name prefixes (`eth,ib` matches `eth0`,
-//! `ib1`, ...); a leading `^` turns the list into an exclusion list
-//! (`^docker,lo`), and a leading `=` (after the `^`, if any) makes every entry
-//! an exact name (`=eth0`, `^=eth1`).
+//! `BRAID_SOCKET_IFNAME` has the syntax of `NCCL_SOCKET_IFNAME`, parsed by
+//! [`NameList`]: a comma-separated list of interface-name prefixes
+//! (`eth,ib` matches `eth0`, `ib1`, ...); a leading `^` turns the list into
+//! an exclusion list (`^docker,lo`), and a leading `=` (after the `^`, if
+//! any) makes every entry an exact name (`=eth0`, `^=eth1`).
 //!
 //! Without it, the address is the one the kernel would use as the source to
 //! reach the root (a UDP socket `connect`ed to the root, then
@@ -18,6 +20,8 @@
 //! addresses come before link-local ones (which carry their scope id).
 
 use std::net::{IpAddr, Ipv6Addr, SocketAddr, SocketAddrV6, UdpSocket};
+
+use braid_core::config::NameList;
 
 /// An address family.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -44,53 +48,6 @@ impl Family {
             IpAddr::V4(_) => Family::V4,
             IpAddr::V6(_) => Family::V6,
         }
-    }
-}
-
-/// A parsed `BRAID_SOCKET_IFNAME` value.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct IfSpec {
-    exclude: bool,
-    exact: bool,
-    names: Vec<String>,
-}
-
-impl IfSpec {
-    /// Parses the NCCL syntax: `[^][=]name[,name...]`. Empty entries are
-    /// ignored; an empty include list matches nothing.
-    pub fn parse(s: &str) -> IfSpec {
-        let mut s = s.trim();
-        let exclude = s.starts_with('^');
-        if exclude {
-            s = &s[1..];
-        }
-        let exact = s.starts_with('=');
-        if exact {
-            s = &s[1..];
-        }
-        let names = s
-            .split(',')
-            .map(|n| n.trim())
-            .filter(|n| !n.is_empty())
-            .map(str::to_owned)
-            .collect();
-        IfSpec {
-            exclude,
-            exact,
-            names,
-        }
-    }
-
-    /// Whether interface `name` is selected.
-    pub fn matches(&self, name: &str) -> bool {
-        let hit = self.names.iter().any(|p| {
-            if self.exact {
-                name == p
-            } else {
-                name.starts_with(p.as_str())
-            }
-        });
-        hit != self.exclude
     }
 }
 
@@ -175,7 +132,7 @@ pub fn route_source(root: SocketAddr) -> Option<IpAddr> {
 /// `route_src` is [`route_source`] of `root`.
 pub fn choose(
     ifaces: &[IfAddr],
-    spec: Option<&IfSpec>,
+    spec: Option<&NameList>,
     family: Option<Family>,
     root: Option<SocketAddr>,
     route_src: Option<IpAddr>,
@@ -219,11 +176,8 @@ pub fn choose(
         let names: Vec<&str> = ifaces.iter().map(|a| a.name.as_str()).collect();
         return pick(cands).ok_or_else(|| {
             format!(
-                "no interface that is up matches BRAID_SOCKET_IFNAME={}{}{} \
+                "no interface that is up matches BRAID_SOCKET_IFNAME={spec} \
                  (interfaces with addresses: {}); fix the variable or unset it",
-                if spec.exclude { "^" } else { "" },
-                if spec.exact { "=" } else { "" },
-                spec.names.join(","),
                 dedup(names).join(", ")
             )
         });
@@ -251,7 +205,7 @@ pub fn choose(
     if let Some(a) = pick(ib) {
         return Ok(a);
     }
-    let default_spec = IfSpec::parse("^docker,lo");
+    let default_spec = NameList::parse("^docker,lo");
     let rest: Vec<&IfAddr> = usable
         .iter()
         .copied()
@@ -318,20 +272,22 @@ mod tests {
         ]
     }
 
+    /// `BRAID_SOCKET_IFNAME` as [`NameList`] reads it.
     #[test]
     fn ifname_syntax() {
-        let s = IfSpec::parse("eth,ib");
+        let s = NameList::parse("eth,ib");
         assert!(s.matches("eth0") && s.matches("ib1") && !s.matches("lo") && !s.matches("en0"));
-        let s = IfSpec::parse("^docker,lo");
+        let s = NameList::parse("^docker,lo");
         assert!(!s.matches("docker0") && !s.matches("lo") && s.matches("eth0"));
-        let s = IfSpec::parse("=eth0");
+        let s = NameList::parse("=eth0");
         assert!(s.matches("eth0") && !s.matches("eth01") && !s.matches("eth1"));
-        let s = IfSpec::parse("^=eth0");
+        let s = NameList::parse("^=eth0");
         assert!(!s.matches("eth0") && s.matches("eth01"));
-        let s = IfSpec::parse(" eth0 , ,ib ");
-        assert_eq!(s.names, vec!["eth0".to_string(), "ib".to_string()]);
-        assert!(!IfSpec::parse("").matches("eth0"));
-        assert!(IfSpec::parse("^").matches("eth0"));
+        let s = NameList::parse(" eth0 , ,ib ");
+        let names: Vec<&str> = s.entries.iter().map(|e| e.name.as_str()).collect();
+        assert_eq!(names, ["eth0", "ib"]);
+        assert!(!NameList::parse("").matches("eth0"));
+        assert!(NameList::parse("^").matches("eth0"));
     }
 
     #[test]
@@ -345,7 +301,7 @@ mod tests {
     #[test]
     fn ifname_picks_ipv4_first_then_ipv6() {
         let h = host();
-        let eth0 = IfSpec::parse("=eth0");
+        let eth0 = NameList::parse("=eth0");
         assert_eq!(
             choose(&h, Some(&eth0), None, None, None).unwrap().ip,
             "10.0.0.5".parse::<IpAddr>().unwrap()
@@ -362,13 +318,13 @@ mod tests {
                 .ip,
             "2001:db8::5".parse::<IpAddr>().unwrap()
         );
-        let ib = IfSpec::parse("ib");
+        let ib = NameList::parse("ib");
         assert_eq!(
             choose(&h, Some(&ib), Some(Family::V4), None, None).unwrap_err()[..9],
             *"no interf"
         );
         // Exclusion list.
-        let not = IfSpec::parse("^eth,lo,docker");
+        let not = NameList::parse("^eth,lo,docker");
         assert_eq!(
             choose(&h, Some(&not), None, None, None).unwrap().name,
             "ib0"
@@ -377,7 +333,7 @@ mod tests {
 
     #[test]
     fn ifname_may_choose_loopback_explicitly() {
-        let lo = IfSpec::parse("=lo");
+        let lo = NameList::parse("=lo");
         assert_eq!(
             choose(&host(), Some(&lo), None, None, None).unwrap().ip,
             "127.0.0.1".parse::<IpAddr>().unwrap()

@@ -1,0 +1,133 @@
+//! What one end knows about its link's liveness, shared with its helper
+//! threads: the first failure (a lost socket, the peer's abort, a protocol
+//! violation), the peer's normal close, and this end's own shutdown.
+
+use std::io;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::Duration;
+
+use braid_core::error::CoreError;
+
+use super::lock;
+use crate::NAME;
+
+/// How long a helper that saw its socket fail waits for the control socket
+/// to explain why (an abort reason or a normal close) before it reports
+/// "connection lost".
+const VERDICT_GRACE: Duration = Duration::from_millis(200);
+
+#[derive(Debug)]
+pub(super) enum Fail {
+    Lost {
+        what: String,
+        kind: io::ErrorKind,
+        cause: String,
+    },
+    PeerAborted(String),
+    Protocol(String),
+}
+
+#[derive(Debug, Default)]
+struct HealthState {
+    fail: Option<Fail>,
+    /// The control reader has finished: it saw an abort, a close, EOF or an
+    /// error.
+    ctrl_finished: bool,
+}
+
+/// What one end knows about its link's liveness; shared with its helpers.
+#[derive(Debug)]
+pub(super) struct Health {
+    pub(super) peer: u32,
+    pub(super) failed: AtomicBool,
+    /// The peer closed its end normally (a `Close` control frame).
+    pub(super) peer_closed: AtomicBool,
+    /// This end is shutting its sockets down (drop or abort): helpers exit
+    /// quietly.
+    pub(super) local_closing: AtomicBool,
+    st: Mutex<HealthState>,
+    cv: Condvar,
+}
+
+impl Health {
+    pub(super) fn new(peer: u32) -> Arc<Health> {
+        Arc::new(Health {
+            peer,
+            failed: AtomicBool::new(false),
+            peer_closed: AtomicBool::new(false),
+            local_closing: AtomicBool::new(false),
+            st: Mutex::new(HealthState::default()),
+            cv: Condvar::new(),
+        })
+    }
+
+    pub(super) fn fail(&self, f: Fail) {
+        let mut st = lock(&self.st);
+        let replace = match (&st.fail, &f) {
+            (None, _) => true,
+            // The peer's own reason beats our view of the broken socket.
+            (Some(Fail::Lost { .. }), Fail::PeerAborted(_)) => true,
+            _ => false,
+        };
+        if replace {
+            if !matches!(f, Fail::PeerAborted(_)) {
+                tracing::debug!(peer = self.peer, "socket link failed: {f:?}");
+            }
+            st.fail = Some(f);
+            self.failed.store(true, Ordering::Release);
+        }
+        drop(st);
+        self.cv.notify_all();
+    }
+
+    pub(super) fn lost(&self, what: &str, e: &io::Error) {
+        self.fail(Fail::Lost {
+            what: what.to_owned(),
+            kind: e.kind(),
+            cause: e.to_string(),
+        });
+    }
+
+    pub(super) fn ctrl_finished(&self) {
+        lock(&self.st).ctrl_finished = true;
+        self.cv.notify_all();
+    }
+
+    /// A data helper saw its socket fail or close: give the control socket a
+    /// moment to say why, unless we are closing ourselves.
+    pub(super) fn await_verdict(&self) {
+        if self.local_closing.load(Ordering::Acquire) {
+            return;
+        }
+        let st = lock(&self.st);
+        let _unused = self
+            .cv
+            .wait_timeout_while(st, VERDICT_GRACE, |s| !s.ctrl_finished && s.fail.is_none());
+    }
+
+    pub(super) fn error(&self) -> Option<CoreError> {
+        if !self.failed.load(Ordering::Acquire) {
+            return None;
+        }
+        let st = lock(&self.st);
+        let peer = self.peer;
+        st.fail.as_ref().map(|f| match f {
+            Fail::Lost { what, kind, cause } => CoreError::Peer {
+                transport: NAME,
+                peer,
+                what: format!("connection lost: {what}: {cause}"),
+                source: Some(Box::new(io::Error::new(*kind, cause.clone()))),
+            },
+            Fail::PeerAborted(reason) => CoreError::PeerAborted {
+                transport: NAME,
+                peer,
+                reason: reason.clone(),
+            },
+            Fail::Protocol(detail) => CoreError::Protocol {
+                peer,
+                detail: format!("socket link: {detail}"),
+            },
+        })
+    }
+}
