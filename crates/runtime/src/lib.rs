@@ -14,7 +14,7 @@
 //! this crate holds the bootstrap, transport selection, the host engine that
 //! runs plans, the communicator and streams.
 
-pub mod bootstrap;
+mod bootstrap;
 pub mod comm;
 pub mod cuda;
 mod cuda_stream;
@@ -30,6 +30,14 @@ pub mod stream;
 pub mod topology;
 
 pub use bootstrap::{RootServer, UniqueId};
+
+/// Unstable internals for braid's fuzz targets (feature `internals`): the
+/// wire decoders over plain bytes. Not part of the API.
+#[cfg(feature = "internals")]
+#[doc(hidden)]
+pub mod fuzzing {
+    pub use crate::bootstrap::fuzzing as bootstrap;
+}
 pub use braid_core::plan::Collective;
 pub use braid_core::types::{bf16, f16, DataType, Element, RedOp};
 pub use braid_cuda;
