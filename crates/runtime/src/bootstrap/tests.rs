@@ -601,3 +601,142 @@ fn oversized_payload_rejected() {
     let e = Bootstrap::connect(&id, 0, 1, &big, Duration::from_secs(1)).unwrap_err();
     assert!(matches!(e, Error::InvalidArgument(_)), "{e}");
 }
+
+/// Raises this process's soft limit of open files to at least `want` (the
+/// hard limit allowing); returns whether it is there now.
+fn ensure_open_files(want: u64) -> bool {
+    let mut r = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes the limits into `r`, a valid rlimit.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut r) } != 0 {
+        return false;
+    }
+    if r.rlim_cur >= want {
+        return true;
+    }
+    if r.rlim_max < want {
+        return false;
+    }
+    r.rlim_cur = want;
+    // SAFETY: setrlimit reads the limits from `r`, a valid rlimit; raising
+    // the soft limit up to the hard one only lets this process open more.
+    unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &r) == 0 }
+}
+
+/// Item 1 of the hostile-load review, over real sockets: 1,100 idle
+/// connections opened before the ranks arrive do not lock them out. The
+/// root closes the newest ones while it is full of young connections (the
+/// ranks connect again) and then the oldest to make room.
+#[test]
+fn idle_connections_do_not_lock_the_ranks_out() {
+    if !ensure_open_files(4096) {
+        println!("skipping: cannot open 4096 files (ulimit -n)");
+        return;
+    }
+    let t = Duration::from_secs(20);
+    let (id, server) = root(t);
+    let idle: Vec<TcpStream> = (0..1100)
+        .filter_map(|_| TcpStream::connect_timeout(&id.addr, Duration::from_secs(2)).ok())
+        .collect();
+    assert!(idle.len() >= 1000, "{} connections", idle.len());
+    let start = Instant::now();
+    let hs: Vec<_> = (0..4)
+        .map(|r| spawn_rank(id, r, 4, vec![r as u8], t))
+        .collect();
+    for h in hs {
+        let (b, all) = h.join().unwrap().expect("a rank locked out");
+        assert_eq!(all, vec![vec![0], vec![1], vec![2], vec![3]]);
+        drop(b);
+    }
+    assert!(
+        start.elapsed() < Duration::from_secs(8),
+        "{:?}",
+        start.elapsed()
+    );
+    server.join().unwrap();
+    drop(idle);
+}
+
+/// A rank whose connection the root closes before the challenge (it was
+/// full, or not quite up) connects again within its deadline.
+#[test]
+fn client_connects_again_when_closed_before_the_challenge() {
+    let t = Duration::from_secs(10);
+    let listener = TcpListener::bind(LOCAL4).unwrap();
+    let id = UniqueId::generate(listener.local_addr().unwrap()).unwrap();
+    let door = std::thread::spawn(move || {
+        for _ in 0..3 {
+            let (s, _) = listener.accept().unwrap();
+            drop(s);
+        }
+        RootServer::spawn(listener, id.secret, t).unwrap()
+    });
+    let (b, all) = Bootstrap::connect(&id, 0, 1, b"again", t).unwrap();
+    assert_eq!(all, vec![b"again".to_vec()]);
+    drop(b);
+    door.join().unwrap().join().unwrap();
+
+    // A peer that always closes at once: the rank gives up at its deadline
+    // and says how often it was turned away.
+    let listener = TcpListener::bind(LOCAL4).unwrap();
+    let id = UniqueId::generate(listener.local_addr().unwrap()).unwrap();
+    std::thread::spawn(move || {
+        for s in listener.incoming() {
+            drop(s);
+        }
+    });
+    let start = Instant::now();
+    let e = err_text(Bootstrap::connect(
+        &id,
+        1,
+        2,
+        b"",
+        Duration::from_millis(800),
+    ));
+    assert!(
+        e.contains("closed") && e.contains("times before accepting"),
+        "{e}"
+    );
+    assert!(e.contains(&id.addr.to_string()), "{e}");
+    assert!(start.elapsed() < Duration::from_millis(1500));
+}
+
+/// Item 4: an id with port 0 is not a root address; it fails at once.
+#[test]
+fn port_zero_fails_at_once() {
+    let id = UniqueId::generate(LOCAL4).unwrap();
+    let start = Instant::now();
+    let e = Bootstrap::connect(&id, 1, 2, b"", Duration::from_secs(30)).unwrap_err();
+    assert!(matches!(e, Error::InvalidArgument(_)), "{e}");
+    let e = e.to_string();
+    assert!(
+        e.contains("port 0") && e.contains("not a root address"),
+        "{e}"
+    );
+    assert!(e.contains("rank 1"), "{e}");
+    assert!(start.elapsed() < Duration::from_millis(100));
+}
+
+/// Item 3: when the rendezvous fails, every rank gets the root's reason,
+/// including when the owner drops the root as soon as its own rank failed.
+#[test]
+fn every_rank_hears_why_even_when_the_owner_drops_the_root() {
+    for _ in 0..3 {
+        let t = Duration::from_secs(5);
+        let (id, server) = root(t);
+        let others: Vec<_> = (1..4).map(|r| spawn_rank(id, r, 5, vec![], t)).collect();
+        let odd = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(200));
+            Bootstrap::connect(&id, 4, 6, b"", t)
+        });
+        let e = err_text(Bootstrap::connect(&id, 0, 5, b"", t));
+        drop(server);
+        assert!(e.contains("says nranks=6"), "{e}");
+        for h in others.into_iter().chain([odd]) {
+            let e = err_text(h.join().unwrap());
+            assert!(e.contains("says nranks=6"), "{e}");
+        }
+    }
+}
