@@ -249,7 +249,15 @@ impl Driver {
                 break;
             }
         }
-        if self.machine.is_finished() && self.shared.phase() == Phase::Serving {
+        self.mark_delivering(now);
+    }
+
+    /// A failed rendezvous: the owner's drop of its RootServer waits for
+    /// the error frames (a clean end, where the others are only told that
+    /// a rank left, does not hold the owner up).
+    fn mark_delivering(&self, now: Instant) {
+        let failed = matches!(self.machine.result(), Some(Err(_)));
+        if failed && self.shared.phase() == Phase::Serving {
             self.shared.set(Phase::Delivering {
                 until: now + self.linger,
             });
@@ -259,13 +267,9 @@ impl Driver {
     /// Takes the machine's outputs: bytes to queue, connections to close,
     /// log lines.
     fn apply(&mut self, now: Instant) {
-        if self.machine.is_finished() && self.shared.phase() == Phase::Serving {
-            // Before the first byte of the last messages goes out, so that
-            // an owner dropping its RootServer waits for all of them.
-            self.shared.set(Phase::Delivering {
-                until: now + self.linger,
-            });
-        }
+        // Before the first byte of the last messages goes out, so that an
+        // owner dropping its RootServer waits for all of them.
+        self.mark_delivering(now);
         while let Some(t) = self.machine.poll_transmit() {
             if let Some(s) = self.socks.get_mut(&t.conn) {
                 if !s.write_shut {
