@@ -457,6 +457,7 @@ impl Rendezvous {
         );
         for id in expired {
             let Some(c) = self.conns.get(&id) else {
+                self.drop_conn(id);
                 continue;
             };
             let (peer, proven) = (c.peer, matches!(c.state, ConnState::Proven));
