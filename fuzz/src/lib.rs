@@ -13,9 +13,9 @@
 
 use std::net::SocketAddr;
 
-use braid::bootstrap::fuzzing as bs;
-use braid::bootstrap::UniqueId;
+use braid::internals::bootstrap as bs;
 use braid::internals::fingerprint::{self, OpHeader};
+use braid::UniqueId;
 use braid_core::topo::{json, xml, System, Topology};
 use braid_transport_shm::fuzzing as shm;
 use braid_transport_socket::fuzzing as sock;
@@ -67,12 +67,9 @@ fn to_hex(b: &[u8]) -> String {
     b.iter().map(|x| format!("{x:02x}")).collect()
 }
 
-/// A frame as the bootstrap writes it: big-endian length, kind, body.
+/// A frame as the bootstrap writes it: little-endian length, kind, body.
 fn frame(kind: u8, body: &[u8]) -> Vec<u8> {
-    let mut v = ((body.len() + 1) as u32).to_be_bytes().to_vec();
-    v.push(kind);
-    v.extend_from_slice(body);
-    v
+    bs::frame(kind, body)
 }
 
 const K_HELLO: u8 = 2;
@@ -117,7 +114,7 @@ pub fn bootstrap_frames(data: &[u8]) {
     assert_eq!(rf, cf, "root and client cut different frames");
     let mut consumed = 0;
     for (kind, body) in &rf {
-        assert!(body.len() < braid::bootstrap::MAX_FRAME);
+        assert!(body.len() < bs::MAX_FRAME);
         let f = frame(*kind, body);
         assert_eq!(f, stream[consumed..consumed + f.len()]);
         consumed += f.len();

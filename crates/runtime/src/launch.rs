@@ -53,23 +53,31 @@ pub fn timeout_from_env() -> Result<Duration> {
     timeout_from_vars(real_env)
 }
 
-/// [`timeout_from_env`] over any variable source.
+/// [`timeout_from_env`] over any variable source. Accepts 1 ms to a year;
+/// anything else is an error that names `BRAID_TIMEOUT`.
 pub fn timeout_from_vars(get: impl Fn(&str) -> Option<String>) -> Result<Duration> {
+    const MIN: Duration = Duration::from_millis(1);
+    const MAX: Duration = Duration::from_secs(365 * 24 * 3600);
     let Some(v) = var(&get, "BRAID_TIMEOUT") else {
         return Ok(DEFAULT_TIMEOUT);
     };
-    let bad = || {
+    let bad = |why: &str| {
         Error::Env(format!(
-            "BRAID_TIMEOUT={v:?} is not a timeout: give a positive number of seconds, e.g. \
-             BRAID_TIMEOUT=120 or BRAID_TIMEOUT=2.5 (unset means {}s)",
+            "BRAID_TIMEOUT={v:?} is not a timeout{why}: give a positive number of seconds from \
+             0.001 to {} (a year), e.g. BRAID_TIMEOUT=120 or BRAID_TIMEOUT=2.5 (unset means {}s)",
+            MAX.as_secs(),
             DEFAULT_TIMEOUT.as_secs()
         ))
     };
-    let secs: f64 = v.parse().map_err(|_| bad())?;
+    let secs: f64 = v.parse().map_err(|_| bad(""))?;
     if !secs.is_finite() || secs <= 0.0 {
-        return Err(bad());
+        return Err(bad(""));
     }
-    Duration::try_from_secs_f64(secs).map_err(|_| bad())
+    match Duration::try_from_secs_f64(secs) {
+        Ok(d) if d < MIN => Err(bad(" (below 1 ms)")),
+        Ok(d) if d <= MAX => Ok(d),
+        _ => Err(bad(" (over a year)")),
+    }
 }
 
 fn real_env(name: &str) -> Option<String> {
@@ -830,11 +838,26 @@ mod tests {
             timeout_from_vars(vars(&[("BRAID_TIMEOUT", " 30 ")])).unwrap(),
             Duration::from_secs(30)
         );
-        for bad in ["0", "-1", "abc", "nan", "inf", "1e300", "5s"] {
+        for bad in [
+            "0", "-1", "abc", "nan", "inf", "1e300", "5s", "1e-12", "0.0009", "1e20",
+        ] {
             let e = timeout_from_vars(vars(&[("BRAID_TIMEOUT", bad)])).unwrap_err();
             assert!(matches!(e, Error::Env(_)), "{bad}");
             assert!(e.to_string().contains("positive number of seconds"), "{e}");
+            assert!(e.to_string().contains("BRAID_TIMEOUT="), "{e}");
         }
+        let e = timeout_from_vars(vars(&[("BRAID_TIMEOUT", "1e-12")])).unwrap_err();
+        assert!(e.to_string().contains("below 1 ms"), "{e}");
+        let e = timeout_from_vars(vars(&[("BRAID_TIMEOUT", "1e20")])).unwrap_err();
+        assert!(e.to_string().contains("over a year"), "{e}");
+        assert_eq!(
+            timeout_from_vars(vars(&[("BRAID_TIMEOUT", "0.001")])).unwrap(),
+            Duration::from_millis(1)
+        );
+        assert_eq!(
+            timeout_from_vars(vars(&[("BRAID_TIMEOUT", "31536000")])).unwrap(),
+            Duration::from_secs(31_536_000)
+        );
     }
 
     #[test]

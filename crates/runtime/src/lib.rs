@@ -14,8 +14,7 @@
 //! this crate holds the bootstrap, transport selection, the host engine that
 //! runs plans, the communicator and streams.
 
-#[doc(hidden)] // private once the bootstrap split lands
-pub mod bootstrap;
+mod bootstrap;
 mod comm;
 mod device;
 mod engine;
@@ -47,6 +46,7 @@ pub use stream::{Handle, Stream};
 #[cfg(feature = "internals")]
 #[doc(hidden)]
 pub mod internals {
+    pub use crate::bootstrap::fuzzing as bootstrap;
     pub use crate::comm::fuzzing as rendezvous;
     pub use crate::launch::{first_host, parse_hostlist};
 

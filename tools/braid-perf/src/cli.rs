@@ -340,6 +340,18 @@ pub fn size_sequence(min: u64, max: u64, step: Step) -> Result<Vec<u64>, UsageEr
     Ok(out)
 }
 
+/// The shortest `-T` (1 ms), as `BRAID_TIMEOUT`.
+pub const MIN_TIMEOUT_S: f64 = 0.001;
+/// The longest `-T` (a year), as `BRAID_TIMEOUT`.
+pub const MAX_TIMEOUT_S: f64 = 365.0 * 24.0 * 3600.0;
+
+/// `-T`'s seconds as a duration (clamped to the accepted range, so that it
+/// never panics).
+pub fn timeout_duration(secs: f64) -> std::time::Duration {
+    let secs = if secs.is_nan() { MIN_TIMEOUT_S } else { secs };
+    std::time::Duration::from_secs_f64(secs.clamp(MIN_TIMEOUT_S, MAX_TIMEOUT_S))
+}
+
 fn parse_num<T: std::str::FromStr>(flag: &str, v: &str, what: &str) -> Result<T, UsageError> {
     v.trim()
         .parse()
@@ -681,9 +693,10 @@ fn parse_bench(bench: Bench, args: &[String]) -> Result<Command, UsageError> {
             }
             "timeout" => {
                 let t: f64 = parse_num(&flag, &v, "seconds")?;
-                if !(t.is_finite() && t > 0.0) {
+                if !(t.is_finite() && (MIN_TIMEOUT_S..=MAX_TIMEOUT_S).contains(&t)) {
                     return usage(format!(
-                        "{flag} '{v}': expected a positive number of seconds"
+                        "{flag} '{v}': expected a positive number of seconds from \
+                         {MIN_TIMEOUT_S} to {MAX_TIMEOUT_S} (a year), as BRAID_TIMEOUT"
                     ));
                 }
                 o.timeout = Some(t);
@@ -1104,6 +1117,9 @@ mod tests {
             &["all_reduce", "-b", "64", "-e", "8"],
             &["all_reduce", "-np", "0"],
             &["all_reduce", "-T", "-1"],
+            &["all_reduce", "-T", "1e20"],
+            &["all_reduce", "-T", "1e-12"],
+            &["all_reduce", "-T", "inf"],
             &["all_reduce", "--bogus"],
             &["all_reduce", "-q"],
             &["all_reduce", "stray"],
@@ -1116,6 +1132,27 @@ mod tests {
         ] {
             assert!(parse("braid-perf", &s(args)).is_err(), "{args:?}");
         }
+    }
+
+    /// `-T` accepts what BRAID_TIMEOUT accepts and never panics when
+    /// turned into a duration.
+    #[test]
+    fn timeouts_in_range_and_never_a_panic() {
+        let e = parse("braid-perf", &s(&["all_reduce", "-np", "2", "-T", "1e20"])).unwrap_err();
+        assert!(e.0.contains("31536000") && e.0.contains("timeout"), "{e}");
+        match parse("braid-perf", &s(&["all_reduce", "-T", "31536000"])).unwrap() {
+            Command::Bench(o) => assert_eq!(o.timeout, Some(MAX_TIMEOUT_S)),
+            _ => panic!(),
+        }
+        for t in [1e20, f64::INFINITY, f64::NAN, -1.0, 0.0, 1e-12, 2.5] {
+            let d = timeout_duration(t);
+            assert!(d >= std::time::Duration::from_millis(1), "{t}");
+            assert!(d <= std::time::Duration::from_secs(365 * 24 * 3600), "{t}");
+        }
+        assert_eq!(
+            timeout_duration(2.5),
+            std::time::Duration::from_millis(2500)
+        );
     }
 
     #[test]

@@ -14,6 +14,29 @@ use braid_core::topo::CpuSet;
 
 use crate::cli::Opts;
 
+/// An error line for stderr: `braid-perf: <msg>`, with the prefix once
+/// even when `msg` already has it.
+pub fn error_line(msg: &str) -> String {
+    let mut m = msg.trim_start();
+    while let Some(rest) = m.strip_prefix("braid-perf:") {
+        m = rest.trim_start();
+    }
+    format!("braid-perf: {m}")
+}
+
+/// `rank <r>: <msg>`, unless `msg` already starts by naming this rank
+/// (braid's operation errors do).
+pub fn for_rank(rank: u32, msg: &str) -> String {
+    let m = error_line(msg);
+    let m = m.strip_prefix("braid-perf: ").unwrap_or(&m);
+    let me = format!("rank {rank}:");
+    if m.starts_with(&me) {
+        m.to_string()
+    } else {
+        format!("{me} {m}")
+    }
+}
+
 /// Where the ranks' binding is described to them (for the header).
 pub const BINDING_ENV: &str = "BRAID_PERF_BINDING";
 
@@ -119,7 +142,7 @@ fn code_of(st: std::process::ExitStatus) -> i32 {
 pub fn launch(opts: &Opts) -> Result<i32, String> {
     let np = opts.np.unwrap_or(1);
     let timeout = match opts.timeout {
-        Some(t) => Duration::from_secs_f64(t),
+        Some(t) => crate::cli::timeout_duration(t),
         None => {
             braid::Config::from_env()
                 .map_err(|e| e.to_string())?
@@ -127,7 +150,7 @@ pub fn launch(opts: &Opts) -> Result<i32, String> {
         }
     };
     let addr: SocketAddr = SocketAddr::from(([127, 0, 0, 1], 0));
-    let (id, root) = braid::bootstrap::create_unique_id_with_timeout(addr, timeout)
+    let (id, root) = braid::RootServer::create(addr, timeout)
         .map_err(|e| format!("cannot host the rendezvous on 127.0.0.1: {e}"))?;
     let exe = std::env::current_exe()
         .map_err(|e| format!("cannot find this program to start the ranks: {e}"))?;
@@ -234,5 +257,28 @@ mod tests {
         );
         assert_eq!(strip_np(&s(&["--np", "3", "-n", "1"])), s(&["-n", "1"]));
         assert_eq!(strip_np(&s(&["--np=3", "-n", "1"])), s(&["-n", "1"]));
+    }
+
+    /// One `braid-perf:` and one `rank N:` per line, whatever the message
+    /// already says.
+    #[test]
+    fn error_prefixes_appear_once() {
+        assert_eq!(error_line("no such file"), "braid-perf: no such file");
+        assert_eq!(
+            error_line("braid-perf: braid-perf: rank 1: gone"),
+            "braid-perf: rank 1: gone"
+        );
+        assert_eq!(for_rank(1, "bootstrap: x"), "rank 1: bootstrap: x");
+        assert_eq!(
+            for_rank(0, "rank 0: AllGather #0 failed: shm link with rank 1"),
+            "rank 0: AllGather #0 failed: shm link with rank 1"
+        );
+        assert_eq!(for_rank(1, "braid-perf: rank 1: y"), "rank 1: y");
+        // Another rank named first is not this rank's prefix.
+        assert_eq!(for_rank(1, "rank 10: z"), "rank 1: rank 10: z");
+        assert_eq!(
+            error_line(&for_rank(2, "braid-perf: boom")),
+            "braid-perf: rank 2: boom"
+        );
     }
 }

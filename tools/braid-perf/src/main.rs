@@ -19,7 +19,7 @@ fn main() -> ExitCode {
     let cmd = match cli::parse(&argv0, &args) {
         Ok(c) => c,
         Err(e) => {
-            eprintln!("braid-perf: {e}");
+            eprintln!("{}", launch::error_line(&e.to_string()));
             return ExitCode::from(USAGE);
         }
     };
@@ -77,7 +77,7 @@ fn main() -> ExitCode {
 }
 
 fn fail(msg: &str, code: u8) -> ExitCode {
-    eprintln!("braid-perf: {msg}");
+    eprintln!("{}", launch::error_line(msg));
     ExitCode::from(code)
 }
 
@@ -88,7 +88,7 @@ fn rank_main(o: &Opts) -> ExitCode {
             launch::die_with_parent();
             let config = Config::from_env().map(|mut cfg| {
                 if let Some(t) = o.timeout {
-                    cfg.timeout = std::time::Duration::from_secs_f64(t);
+                    cfg.timeout = cli::timeout_duration(t);
                 }
                 cfg
             });
@@ -117,7 +117,7 @@ fn rank_main(o: &Opts) -> ExitCode {
         eprintln!("braid-perf: rank {rank}: exiting on purpose (BRAID_PERF_FAULT)");
         std::process::exit(3);
     }
-    let who = |m: &str| format!("rank {rank}: {m}");
+    let who = |m: &str| launch::for_rank(rank, m);
     let stdout = Box::new(std::io::stdout());
     let mut command = format!("braid-perf {}", o.bench.name());
     let mut it = launch::strip_np(&o.raw_args).into_iter();
@@ -145,13 +145,13 @@ fn rank_main(o: &Opts) -> ExitCode {
         let rep = summary.report;
         if let Some(j) = &o.json {
             if let Err(e) = rep.save(j) {
-                eprintln!("braid-perf: {e}");
+                eprintln!("{}", launch::error_line(&e));
                 code = 1;
             }
         }
         if let Some(p) = &o.plot {
             if let Err(e) = plot_reports(&[rep], p, None, Placement::Both, None) {
-                eprintln!("braid-perf: {e}");
+                eprintln!("{}", launch::error_line(&e));
                 code = 1;
             }
         }

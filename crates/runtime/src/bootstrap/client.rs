@@ -1,0 +1,552 @@
+//! [`Bootstrap`]: a rank's side of the rendezvous, with blocking I/O
+//! bounded by deadlines.
+//!
+//! A connection that the root closes before it accepted this rank (no
+//! error frame: the root was making room for others, or dropped a slow
+//! handshake) is tried again, with a growing pause, within the rank's own
+//! deadline. An error frame from the root always wins over a closed
+//! connection: it says why.
+
+use std::io::{self, Read, Write};
+use std::net::{IpAddr, Shutdown, SocketAddr, TcpStream};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use super::id::{random_bytes, UniqueId};
+use super::wire::{
+    client_mac, contrib_header, ct_eq, hello_header, parse_challenge, parse_data, read_frame_with,
+    root_mac, ChallengeError, FrameError, HelloFixed, K_ACCEPT, K_ERROR, MAX_PAYLOAD, MAX_RANKS,
+    NONCE_LEN, V1_CHALLENGE_LEN_LE, VERSION,
+};
+use super::{fmt_dur, grace, remaining, MAX_TIMEOUT};
+use crate::error::{Error, Result};
+
+/// How often a blocked read looks at the abort flag.
+const ABORT_POLL: Duration = Duration::from_millis(50);
+/// The first pause before connecting again after the root closed the
+/// connection before accepting this rank; it doubles up to
+/// [`RETRY_PAUSE_MAX`].
+const RETRY_PAUSE_MIN: Duration = Duration::from_millis(10);
+const RETRY_PAUSE_MAX: Duration = Duration::from_millis(500);
+
+/// A rank's connection to the bootstrap root.
+#[derive(Debug)]
+pub struct Bootstrap {
+    rank: u32,
+    nranks: u32,
+    root: SocketAddr,
+    timeout: Duration,
+    abort: Option<Arc<AtomicBool>>,
+    state: Mutex<ClientState>,
+}
+
+#[derive(Debug)]
+struct ClientState {
+    stream: TcpStream,
+    round: u64,
+    broken: Option<String>,
+}
+
+/// Blocking frame I/O with deadlines and messages that name the root.
+pub(super) struct Wire<'a> {
+    pub stream: &'a mut TcpStream,
+    pub root: SocketAddr,
+    pub timeout: Duration,
+    /// Set from another thread to give up (init abort); polled every 50 ms.
+    pub abort: Option<&'a AtomicBool>,
+    /// The last failure was the root closing the connection (end of
+    /// stream, reset), with no error frame before it.
+    pub closed: bool,
+}
+
+fn aborted_error() -> io::Error {
+    io::Error::other("aborted by the caller")
+}
+
+impl<'a> Wire<'a> {
+    pub fn new(
+        stream: &'a mut TcpStream,
+        root: SocketAddr,
+        timeout: Duration,
+        abort: Option<&'a AtomicBool>,
+    ) -> Wire<'a> {
+        Wire {
+            stream,
+            root,
+            timeout,
+            abort,
+            closed: false,
+        }
+    }
+
+    fn io_error(&mut self, e: io::Error, what: &str) -> Error {
+        if self.abort.is_some_and(|a| a.load(Ordering::Relaxed)) {
+            return Error::Unusable(format!("aborted by the caller while {what}"));
+        }
+        match e.kind() {
+            io::ErrorKind::TimedOut | io::ErrorKind::WouldBlock => Error::Bootstrap(format!(
+                "no answer from the bootstrap root at {} within {} while {what}",
+                self.root,
+                fmt_dur(self.timeout)
+            )),
+            io::ErrorKind::UnexpectedEof
+            | io::ErrorKind::ConnectionReset
+            | io::ErrorKind::ConnectionAborted
+            | io::ErrorKind::BrokenPipe => {
+                self.closed = true;
+                Error::Bootstrap(format!(
+                    "the bootstrap root at {} closed the connection while {what} (did the root \
+                     process exit?)",
+                    self.root
+                ))
+            }
+            _ => Error::BootstrapIo {
+                what: format!("{what} (bootstrap root at {})", self.root),
+                source: e,
+            },
+        }
+    }
+
+    fn read_exact(&mut self, buf: &mut [u8], deadline: Instant) -> io::Result<()> {
+        let mut off = 0;
+        while off < buf.len() {
+            let Some(left) = remaining(deadline) else {
+                return Err(io::ErrorKind::TimedOut.into());
+            };
+            if self.abort.is_some_and(|a| a.load(Ordering::Relaxed)) {
+                return Err(aborted_error());
+            }
+            let slice = if self.abort.is_some() {
+                left.min(ABORT_POLL)
+            } else {
+                left
+            };
+            self.stream.set_read_timeout(Some(slice))?;
+            match self.stream.read(&mut buf[off..]) {
+                Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
+                Ok(n) => off += n,
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        io::ErrorKind::Interrupted
+                            | io::ErrorKind::WouldBlock
+                            | io::ErrorKind::TimedOut
+                    ) => {}
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
+    }
+
+    pub fn write_all(&mut self, bufs: &[&[u8]], deadline: Instant, what: &str) -> Result<()> {
+        for buf in bufs {
+            let mut off = 0;
+            while off < buf.len() {
+                let Some(left) = remaining(deadline) else {
+                    return Err(self.io_error(io::ErrorKind::TimedOut.into(), what));
+                };
+                if let Err(e) = self.stream.set_write_timeout(Some(left)) {
+                    return Err(self.io_error(e, what));
+                }
+                match self.stream.write(&buf[off..]) {
+                    Ok(0) => return Err(self.io_error(io::ErrorKind::WriteZero.into(), what)),
+                    Ok(n) => off += n,
+                    Err(e)
+                        if matches!(
+                            e.kind(),
+                            io::ErrorKind::Interrupted
+                                | io::ErrorKind::WouldBlock
+                                | io::ErrorKind::TimedOut
+                        ) => {}
+                    Err(e) => return Err(self.io_error(e, what)),
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Reads one frame; an `ERROR` frame becomes `Err` with the root's message.
+    pub fn read_frame(&mut self, deadline: Instant, what: &str) -> Result<(u8, Vec<u8>)> {
+        let (kind, body) = self.read_raw_frame(deadline, what)?;
+        if kind == K_ERROR {
+            return Err(self.root_error(&body));
+        }
+        Ok((kind, body))
+    }
+
+    fn root_error(&self, body: &[u8]) -> Error {
+        let msg = String::from_utf8_lossy(body);
+        Error::Bootstrap(format!(
+            "{msg} (reported by the bootstrap root at {})",
+            self.root
+        ))
+    }
+
+    /// After a failed write: the root may have said why it closed the
+    /// connection. Returns its message if one is waiting.
+    fn pending_root_error(&mut self) -> Option<Error> {
+        let deadline = Instant::now() + self.timeout.min(Duration::from_millis(500));
+        let closed = self.closed;
+        let got = self.read_raw_frame(deadline, "reading the root's last message");
+        self.closed = closed;
+        match got {
+            Ok((K_ERROR, body)) => {
+                self.closed = false;
+                Some(self.root_error(&body))
+            }
+            _ => None,
+        }
+    }
+
+    /// Writes a message; if that fails, prefers the root's explanation.
+    pub fn send(&mut self, bufs: &[&[u8]], deadline: Instant, what: &str) -> Result<()> {
+        match self.write_all(bufs, deadline, what) {
+            Ok(()) => Ok(()),
+            Err(e) => Err(self.pending_root_error().unwrap_or(e)),
+        }
+    }
+
+    pub fn read_raw_frame(&mut self, deadline: Instant, what: &str) -> Result<(u8, Vec<u8>)> {
+        match read_frame_with(|b| self.read_exact(b, deadline)) {
+            Ok(f) => Ok(f),
+            Err(FrameError::Io(e)) => Err(self.io_error(e, what)),
+            Err(FrameError::Length(n)) if n == V1_CHALLENGE_LEN_LE => {
+                Err(Error::Bootstrap(format!(
+                    "bootstrap protocol version mismatch: the root at {} speaks v1 (an older \
+                     braid), this rank v{VERSION}; all ranks must run the same braid version",
+                    self.root
+                )))
+            }
+            Err(FrameError::Length(n)) => Err(Error::Bootstrap(format!(
+                "the peer at {} does not speak the braid bootstrap protocol (frame length {n}) \
+                 while {what}; is the unique id's address really a braid root?",
+                self.root
+            ))),
+        }
+    }
+
+    /// Reads the `nranks` DATA frames of `round`.
+    fn read_round(
+        &mut self,
+        round: u64,
+        nranks: u32,
+        deadline: Instant,
+        what: &str,
+    ) -> Result<Vec<Vec<u8>>> {
+        let mut out = Vec::with_capacity(nranks.min(1 << 16) as usize);
+        for want in 0..nranks {
+            let (kind, body) = self.read_frame(deadline, what)?;
+            let data =
+                parse_data(kind, &body, round, want).map_err(|got| self.protocol(what, &got))?;
+            out.push(data.to_vec());
+        }
+        Ok(out)
+    }
+
+    fn protocol(&self, what: &str, got: &str) -> Error {
+        Error::Bootstrap(format!(
+            "the bootstrap root at {} sent {got} while {what} (protocol error)",
+            self.root
+        ))
+    }
+}
+
+fn aborted() -> Error {
+    Error::Unusable("communicator creation aborted by the caller".into())
+}
+
+fn connect_retry(
+    addr: SocketAddr,
+    timeout: Duration,
+    deadline: Instant,
+    abort: Option<&AtomicBool>,
+) -> Result<TcpStream> {
+    let mut backoff = Duration::from_millis(10);
+    loop {
+        if abort.is_some_and(|a| a.load(Ordering::Relaxed)) {
+            return Err(aborted());
+        }
+        let left = remaining(deadline).unwrap_or(Duration::ZERO);
+        let err = if left.is_zero() {
+            io::Error::new(io::ErrorKind::TimedOut, "deadline reached")
+        } else {
+            match TcpStream::connect_timeout(&addr, left) {
+                Ok(s) => return Ok(s),
+                Err(e) => e,
+            }
+        };
+        let Some(left) = remaining(deadline) else {
+            return Err(Error::BootstrapIo {
+                what: format!(
+                    "could not reach the bootstrap root at {addr} within {} (is rank 0 / the root \
+                     running, and is the address in the unique id reachable from this host?)",
+                    fmt_dur(timeout)
+                ),
+                source: err,
+            });
+        };
+        tracing::trace!(root = %addr, "bootstrap connect failed ({err}); retrying");
+        std::thread::sleep(backoff.min(left));
+        backoff = (backoff * 2).min(Duration::from_millis(500));
+    }
+}
+
+/// The handshake on a fresh connection, up to the root's `ACCEPT`.
+fn handshake(
+    wire: &mut Wire<'_>,
+    id: &UniqueId,
+    rank: u32,
+    nranks: u32,
+    payload: &[u8],
+    deadline: Instant,
+) -> Result<()> {
+    let root = id.addr;
+    // 1. challenge
+    let (kind, body) = wire.read_frame(deadline, "waiting for the root's challenge")?;
+    let rnonce = match parse_challenge(kind, &body) {
+        Ok(n) => n,
+        Err(ChallengeError::NotBraid) => {
+            return Err(Error::Bootstrap(format!(
+                "the peer at {root} does not speak the braid bootstrap protocol; is the \
+                 unique id's address really a braid root?"
+            )))
+        }
+        Err(ChallengeError::Version(version)) => {
+            return Err(Error::Bootstrap(format!(
+                "bootstrap protocol version mismatch: the root at {root} speaks v{version}, \
+                 this rank v{VERSION}; all ranks must run the same braid version"
+            )))
+        }
+    };
+
+    // 2. hello
+    let cnonce: [u8; NONCE_LEN] = random_bytes()?;
+    let hello = HelloFixed {
+        rank,
+        nranks,
+        cnonce,
+        mac: client_mac(&id.secret, &rnonce, &cnonce, rank, nranks),
+    }
+    .encode();
+    let hdr = hello_header(payload.len());
+    wire.send(&[&hdr, &hello, payload], deadline, "sending hello")?;
+
+    // 3. accept, with the root's proof
+    let (kind, proof) = wire.read_frame(deadline, "waiting for the root to accept this rank")?;
+    if kind != K_ACCEPT || !ct_eq(&proof, &root_mac(&id.secret, &cnonce, &rnonce, rank)) {
+        return Err(Error::Bootstrap(format!(
+            "the bootstrap root at {root} could not prove that it knows the secret: check \
+             that every rank uses the same UniqueId"
+        )));
+    }
+    Ok(())
+}
+
+impl Bootstrap {
+    /// Joins the bootstrap at `id`: connects to the root (retrying while it
+    /// is not up yet, or while it closes the connection before accepting
+    /// this rank), proves the secret, and waits until all `nranks` ranks
+    /// have joined. Returns every rank's `payload` in rank order.
+    ///
+    /// Fails within about `timeout` with an error naming the root or the
+    /// ranks concerned.
+    #[cfg(test)]
+    pub fn connect(
+        id: &UniqueId,
+        rank: u32,
+        nranks: u32,
+        payload: &[u8],
+        timeout: Duration,
+    ) -> Result<(Bootstrap, Vec<Vec<u8>>)> {
+        Self::connect_abortable(id, rank, nranks, payload, timeout, None)
+    }
+
+    /// [`Bootstrap::connect`] that gives up within about 50 ms once `abort`
+    /// is set (from any thread), here and in every later round.
+    pub fn connect_abortable(
+        id: &UniqueId,
+        rank: u32,
+        nranks: u32,
+        payload: &[u8],
+        timeout: Duration,
+        abort: Option<Arc<AtomicBool>>,
+    ) -> Result<(Bootstrap, Vec<Vec<u8>>)> {
+        if nranks == 0 || nranks > MAX_RANKS {
+            return Err(Error::InvalidArgument(format!(
+                "nranks={nranks} is out of range (1..={MAX_RANKS})"
+            )));
+        }
+        if rank >= nranks {
+            return Err(Error::InvalidArgument(format!(
+                "rank {rank} is out of range for nranks={nranks} (ranks are 0..={})",
+                nranks - 1
+            )));
+        }
+        check_payload(payload)?;
+        if timeout.is_zero() {
+            return Err(Error::InvalidArgument(
+                "the bootstrap timeout must be greater than zero".into(),
+            ));
+        }
+        if id.addr.port() == 0 {
+            return Err(Error::InvalidArgument(format!(
+                "rank {rank}: the unique id's address {} has port 0, which is not a root \
+                 address (port 0 only asks the OS for a free port when binding); give every \
+                 rank the id with the root's real port (RootServer::addr() once bound)",
+                id.addr
+            )));
+        }
+        let timeout = timeout.min(MAX_TIMEOUT);
+        let start = Instant::now();
+        let deadline = start + timeout;
+        let root = id.addr;
+        let mut pause = RETRY_PAUSE_MIN;
+        let mut closes = 0u32;
+        let mut stream = loop {
+            let mut stream =
+                connect_retry(root, timeout, deadline, abort.as_deref()).map_err(|e| match e {
+                    Error::BootstrapIo { what, source } if closes > 0 => Error::BootstrapIo {
+                        what: format!(
+                            "{what}; before that it closed this rank's connection {closes} \
+                                 times before accepting it"
+                        ),
+                        source,
+                    },
+                    e => e,
+                })?;
+            stream.set_nodelay(true).map_err(|e| Error::BootstrapIo {
+                what: format!(
+                    "cannot set TCP_NODELAY on the connection to the bootstrap root at {root}"
+                ),
+                source: e,
+            })?;
+            let mut wire = Wire::new(&mut stream, root, timeout, abort.as_deref());
+            let e = match handshake(&mut wire, id, rank, nranks, payload, deadline) {
+                Ok(()) => break stream,
+                Err(e) => e,
+            };
+            // Closed before this rank was accepted, without a word: the
+            // root did not count it (it was making room, or the handshake
+            // was slow). Connect again while there is time.
+            let Some(left) = remaining(deadline).filter(|_| wire.closed) else {
+                return Err(match (e, closes) {
+                    (Error::Bootstrap(m), n) if n > 0 => Error::Bootstrap(format!(
+                        "{m}; it had closed this rank's connection {n} times before accepting it \
+                         (rank {rank}: is the root overloaded by other connections?)"
+                    )),
+                    (e, _) => e,
+                });
+            };
+            closes += 1;
+            tracing::debug!(root = %root,
+                "rank {rank}: the bootstrap root closed the connection before accepting it \
+                 ({e}); connecting again");
+            if abort.as_deref().is_some_and(|a| a.load(Ordering::Relaxed)) {
+                return Err(aborted());
+            }
+            std::thread::sleep(pause.min(left));
+            pause = (pause * 2).min(RETRY_PAUSE_MAX);
+        };
+
+        // Everyone's payloads.
+        let mut wire = Wire::new(&mut stream, root, timeout, abort.as_deref());
+        let what = format!("waiting for all {nranks} ranks to join (this is rank {rank})");
+        let all = wire.read_round(0, nranks, deadline + grace(timeout), &what)?;
+        tracing::debug!(root = %root, "rank {rank}/{nranks} bootstrapped in {:?}", start.elapsed());
+        Ok((
+            Bootstrap {
+                rank,
+                nranks,
+                root,
+                timeout,
+                abort,
+                state: Mutex::new(ClientState {
+                    stream,
+                    round: 0,
+                    broken: None,
+                }),
+            },
+            all,
+        ))
+    }
+
+    /// This rank.
+    #[cfg(test)]
+    pub fn rank(&self) -> u32 {
+        self.rank
+    }
+
+    /// The number of ranks.
+    #[cfg(test)]
+    pub fn nranks(&self) -> u32 {
+        self.nranks
+    }
+
+    /// The local address of this rank's connection to the root: an address
+    /// the other ranks can reach this host at, as they reach the root.
+    pub fn local_ip(&self) -> Option<IpAddr> {
+        let st = self.state.lock().ok()?;
+        st.stream.local_addr().ok().map(|a| a.ip())
+    }
+
+    /// Every rank contributes `data`; all get all contributions in rank order.
+    /// All ranks must call this the same number of times. After an error the
+    /// bootstrap is unusable.
+    pub fn allgather(&self, data: &[u8]) -> Result<Vec<Vec<u8>>> {
+        check_payload(data)?;
+        let mut st = self
+            .state
+            .lock()
+            .map_err(|_| Error::Unusable("a bootstrap round panicked on another thread".into()))?;
+        if let Some(why) = &st.broken {
+            return Err(Error::Unusable(format!(
+                "an earlier bootstrap round failed: {why}"
+            )));
+        }
+        let round = st.round + 1;
+        let res = {
+            let mut wire = Wire::new(
+                &mut st.stream,
+                self.root,
+                self.timeout,
+                self.abort.as_deref(),
+            );
+            let deadline = Instant::now() + self.timeout;
+            let what = format!(
+                "in bootstrap round {round} (rank {} of {})",
+                self.rank, self.nranks
+            );
+            let hdr = contrib_header(round, data.len());
+            wire.send(&[&hdr, data], deadline, &what).and_then(|()| {
+                wire.read_round(round, self.nranks, deadline + grace(self.timeout), &what)
+            })
+        };
+        match res {
+            Ok(v) => {
+                st.round = round;
+                Ok(v)
+            }
+            Err(e) => {
+                st.broken = Some(e.to_string());
+                let _ = st.stream.shutdown(Shutdown::Both);
+                Err(e)
+            }
+        }
+    }
+
+    /// Waits until every rank has called `barrier`.
+    pub fn barrier(&self) -> Result<()> {
+        self.allgather(&[]).map(|_| ())
+    }
+}
+
+fn check_payload(p: &[u8]) -> Result<()> {
+    if p.len() > MAX_PAYLOAD {
+        return Err(Error::InvalidArgument(format!(
+            "bootstrap payload of {} bytes exceeds the limit of {MAX_PAYLOAD} bytes",
+            p.len()
+        )));
+    }
+    Ok(())
+}

@@ -1,0 +1,152 @@
+//! Bootstrap: the rendezvous of all ranks through a root over TCP.
+//!
+//! A [`UniqueId`] is the root's address plus a random 128-bit secret. One
+//! process (usually rank 0) hosts a [`RootServer`]; every rank, rank 0
+//! included, calls [`Bootstrap::connect`] with the same id, its rank, the
+//! number of ranks and a payload (typically its connect-info blob). The root
+//! waits until all ranks arrived and sends every rank all payloads in rank
+//! order. Later rounds ([`Bootstrap::allgather`], [`Bootstrap::barrier`]) go
+//! through the root as well (a star).
+//!
+//! # Files
+//!
+//! - `id.rs`: the [`UniqueId`] and the OS randomness;
+//! - `wire.rs`: frames, their encoders and decoders, the proofs (MACs);
+//! - `rendezvous.rs`: the root as a pure state machine (no sockets, no
+//!   clock), tested in memory by `sim.rs`;
+//! - `io.rs`: the driver that feeds it from real sockets (poll, accept,
+//!   read, write, closing gently);
+//! - `root.rs`: [`RootServer`], the root's thread and its handle;
+//! - `client.rs`: [`Bootstrap`], a rank's side;
+//! - `fuzzing.rs`: the decoders over plain bytes for `fuzz/` (feature
+//!   `internals`).
+//!
+//! # Protocol (version 2)
+//!
+//! Every message is a frame: a little-endian `u32` length `n` (at most
+//! [`wire::MAX_FRAME`]), then `n` bytes: one kind byte and the body.
+//! Integers are little-endian.
+//!
+//! 1. root → client `CHALLENGE`: magic, protocol version, 32-byte nonce.
+//! 2. client → root `HELLO`: magic, version, rank, nranks, the client's
+//!    nonce, `SHA-256("braid-bootstrap-client" ‖ secret ‖ root nonce ‖
+//!    client nonce ‖ rank ‖ nranks)`, payload. The secret itself never
+//!    travels.
+//! 3. root → client `ACCEPT` with `SHA-256("braid-bootstrap-root" ‖ secret ‖
+//!    client nonce ‖ root nonce ‖ rank)`, so the client knows the root holds
+//!    the secret too; or `ERROR` with a message.
+//! 4. root → client: `nranks` `DATA` frames (round, rank, bytes) in rank
+//!    order, once all ranks joined (round 0) and after every later round.
+//! 5. client → root `CONTRIB` (round, bytes) for rounds 1, 2, ...
+//!
+//! The root sends an `ERROR` frame to every connected rank before it gives
+//! up (ranks that disagree on nranks, a rank that joined twice, ranks missing
+//! at the deadline, a rank that left), and delivers it (within a short
+//! linger) before its thread ends or its [`RootServer`] is dropped, so no
+//! rank waits for nothing or gets a bare "connection closed". Connections
+//! that fail the handshake (garbage, oversized frames, a wrong secret) are
+//! closed and logged (at most one warning per cause per second); they never
+//! count as ranks. Connections that do not prove the secret within
+//! [`rendezvous::HANDSHAKE_TIMEOUT`] are closed, and when
+//! [`rendezvous::MAX_PENDING`] of them are held the oldest makes room for a
+//! new one; a rank whose connection is closed before it was accepted
+//! connects again, within its own deadline.
+//!
+//! Every wait has a deadline: the `timeout` given to [`RootServer::spawn`]
+//! and [`Bootstrap::connect`]. Between rounds the root waits without a
+//! deadline (the ranks may compute for as long as they like); it ends as
+//! soon as a rank disconnects.
+
+use std::time::{Duration, Instant};
+
+use nix::poll::PollTimeout;
+
+mod client;
+#[cfg(feature = "internals")]
+pub mod fuzzing;
+mod id;
+mod io;
+mod rendezvous;
+mod root;
+#[cfg(test)]
+mod sim;
+#[cfg(test)]
+mod tests;
+mod wire;
+
+pub use client::Bootstrap;
+pub(crate) use id::parse_secret_hex;
+pub use id::UniqueId;
+pub use root::RootServer;
+pub(crate) use root::{create_unique_id, create_unique_id_with_timeout};
+
+/// Timeouts are capped at a year so that deadlines never overflow.
+pub(crate) const MAX_TIMEOUT: Duration = Duration::from_secs(365 * 24 * 3600);
+
+/// Formats a duration for messages: `5s`, `2.5s`, `300ms`.
+pub(crate) fn fmt_dur(d: Duration) -> String {
+    if d.subsec_nanos() == 0 {
+        format!("{}s", d.as_secs())
+    } else if d < Duration::from_secs(1) {
+        format!("{}ms", d.as_millis())
+    } else {
+        let s = format!("{:.3}", d.as_secs_f64());
+        format!("{}s", s.trim_end_matches('0').trim_end_matches('.'))
+    }
+}
+
+/// `rank 3`, `ranks 1, 3`, `ranks 0-7, 9` (runs of three or more collapse).
+pub(crate) fn fmt_ranks(ranks: &[u32]) -> String {
+    let mut parts = Vec::new();
+    let mut i = 0;
+    while i < ranks.len() {
+        let mut j = i;
+        while j + 1 < ranks.len() && ranks[j + 1] == ranks[j] + 1 {
+            j += 1;
+        }
+        if j >= i + 2 {
+            parts.push(format!("{}-{}", ranks[i], ranks[j]));
+        } else {
+            for r in &ranks[i..=j] {
+                parts.push(r.to_string());
+            }
+        }
+        i = j + 1;
+    }
+    let word = if ranks.len() == 1 { "rank" } else { "ranks" };
+    format!("{word} {}", parts.join(", "))
+}
+
+/// Time left until `deadline`, `None` once it has passed.
+pub(crate) fn remaining(deadline: Instant) -> Option<Duration> {
+    let r = deadline.saturating_duration_since(Instant::now());
+    (!r.is_zero()).then_some(r)
+}
+
+/// A poll timeout of at least `d` (rounded up to whole milliseconds).
+pub(crate) fn poll_ms(d: Duration) -> PollTimeout {
+    let ms = d.as_millis().saturating_add(1).min(i32::MAX as u128) as i32;
+    PollTimeout::try_from(ms).unwrap_or(PollTimeout::MAX)
+}
+
+/// Extra time a client waits for the root's verdict beyond its own timeout,
+/// so that the root's message (which names the ranks concerned) arrives
+/// before the client gives up with a vaguer one.
+pub(crate) fn grace(timeout: Duration) -> Duration {
+    (timeout / 10).clamp(Duration::from_millis(50), Duration::from_secs(2))
+}
+
+#[cfg(test)]
+mod helper_tests {
+    use super::*;
+
+    #[test]
+    fn formatting_helpers() {
+        assert_eq!(fmt_ranks(&[3]), "rank 3");
+        assert_eq!(fmt_ranks(&[1, 3]), "ranks 1, 3");
+        assert_eq!(fmt_ranks(&[0, 1, 2, 3, 5, 6, 9]), "ranks 0-3, 5, 6, 9");
+        assert_eq!(fmt_dur(Duration::from_secs(5)), "5s");
+        assert_eq!(fmt_dur(Duration::from_millis(2500)), "2.5s");
+        assert_eq!(fmt_dur(Duration::from_millis(300)), "300ms");
+    }
+}

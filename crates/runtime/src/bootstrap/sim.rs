@@ -1,0 +1,716 @@
+//! The root's state machine ([`Rendezvous`]) played in memory, without
+//! sockets or a clock: ranks, strangers, slow senders, floods and failures,
+//! with simulated time.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::time::{Duration, Instant};
+
+use super::rendezvous::{
+    AcceptFailure, ConnId, Level, LogLine, Rendezvous, Settings, ACCEPT_BACKOFF_MAX, EVICT_MIN_AGE,
+    HANDSHAKE_TIMEOUT, MAX_PENDING,
+};
+use super::wire::{
+    client_mac, contrib_header, error_frame, hello_header, parse_challenge, parse_data, root_mac,
+    FrameBuf, HelloFixed, HELLO_PREFIX, K_ACCEPT, K_ERROR, K_HELLO, MAGIC, MAX_FRAME, NONCE_LEN,
+    READ_CHUNK,
+};
+
+const SECRET: [u8; 16] = *b"sim-secret-01234";
+const ROOT: SocketAddr = SocketAddr::new(IpAddr::V4(Ipv4Addr::new(10, 0, 0, 1)), 29500);
+
+/// The machine and everything it asked for, per connection.
+struct Sim {
+    m: Rendezvous,
+    now: Instant,
+    nonces: u64,
+    /// Bytes written to each connection, in order.
+    out: BTreeMap<ConnId, Vec<u8>>,
+    /// Connections the machine closed, and how many bytes had been written
+    /// to them then.
+    closed: BTreeMap<ConnId, usize>,
+    logs: Vec<LogLine>,
+}
+
+impl Sim {
+    fn new(timeout: Duration) -> Sim {
+        Sim::with(Settings::new(ROOT, SECRET, timeout))
+    }
+
+    fn with(cfg: Settings) -> Sim {
+        let now = Instant::now();
+        Sim {
+            m: Rendezvous::new(cfg, now),
+            now,
+            nonces: 0,
+            out: BTreeMap::new(),
+            closed: BTreeMap::new(),
+            logs: Vec::new(),
+        }
+    }
+
+    /// Takes every output of the machine.
+    fn step(&mut self) {
+        while let Some(t) = self.m.poll_transmit() {
+            assert!(
+                !self.closed.contains_key(&t.conn),
+                "bytes for {:?} after it was closed",
+                t.conn
+            );
+            self.out
+                .entry(t.conn)
+                .or_default()
+                .extend_from_slice(&t.bytes);
+        }
+        while let Some(c) = self.m.poll_close() {
+            let n = self.out.get(&c).map_or(0, Vec::len);
+            self.closed.entry(c).or_insert(n);
+        }
+        while let Some(l) = self.m.poll_log() {
+            self.logs.push(l);
+        }
+    }
+
+    fn advance(&mut self, d: Duration) {
+        self.now += d;
+        self.m.handle_timeout(self.now);
+        self.step();
+    }
+
+    fn connect(&mut self) -> ConnId {
+        self.nonces += 1;
+        let mut nonce = [0u8; NONCE_LEN];
+        nonce[..8].copy_from_slice(&self.nonces.to_le_bytes());
+        let peer = SocketAddr::new(
+            IpAddr::V4(Ipv4Addr::new(10, 0, 1, 2)),
+            (self.nonces % 60000) as u16 + 1024,
+        );
+        let c = self.m.handle_connect(self.now, peer, nonce);
+        self.step();
+        c
+    }
+
+    /// Feeds `bytes` as the driver would: at most `read_limit` at a time.
+    fn send(&mut self, c: ConnId, bytes: &[u8]) {
+        let mut at = 0;
+        while at < bytes.len() {
+            let k = self.m.read_limit(c);
+            if k == 0 {
+                break;
+            }
+            let k = k.min(bytes.len() - at);
+            self.m.handle_data(self.now, c, &bytes[at..at + k]);
+            at += k;
+            self.step();
+        }
+    }
+
+    fn hang_up(&mut self, c: ConnId) {
+        self.m.handle_closed(self.now, c, None);
+        self.step();
+    }
+
+    fn frames(&self, c: ConnId) -> Vec<(u8, Vec<u8>)> {
+        let mut fb = FrameBuf {
+            buf: self.out.get(&c).cloned().unwrap_or_default(),
+        };
+        let mut v = Vec::new();
+        while let Some(f) = fb.next_frame().expect("the root writes valid frames") {
+            v.push(f);
+        }
+        assert!(fb.buf.is_empty(), "a partial frame to {c:?}");
+        v
+    }
+
+    fn nonce(&self, c: ConnId) -> [u8; NONCE_LEN] {
+        let f = self.frames(c);
+        parse_challenge(f[0].0, &f[0].1).expect("a challenge first")
+    }
+
+    /// The error messages sent to `c`.
+    fn errors(&self, c: ConnId) -> Vec<String> {
+        self.frames(c)
+            .into_iter()
+            .filter(|f| f.0 == K_ERROR)
+            .map(|f| String::from_utf8_lossy(&f.1).into_owned())
+            .collect()
+    }
+
+    fn warnings(&self) -> Vec<&str> {
+        self.logs
+            .iter()
+            .filter(|l| l.level == Level::Warn)
+            .map(|l| l.msg.as_str())
+            .collect()
+    }
+
+    /// A rank: connects and sends its hello (in one piece).
+    fn join(&mut self, rank: u32, nranks: u32, payload: &[u8]) -> ConnId {
+        let c = self.connect();
+        let h = self.hello(c, &SECRET, rank, nranks, payload);
+        self.send(c, &h);
+        c
+    }
+
+    fn hello(
+        &self,
+        c: ConnId,
+        secret: &[u8; 16],
+        rank: u32,
+        nranks: u32,
+        payload: &[u8],
+    ) -> Vec<u8> {
+        hello_for(&self.nonce(c), secret, rank, nranks, payload)
+    }
+
+    /// The data frames of `round` that `c` got, checked against `nranks`.
+    fn round(&self, c: ConnId, round: u64, nranks: u32) -> Vec<Vec<u8>> {
+        let frames = self.frames(c);
+        let skip = frames
+            .iter()
+            .position(|f| f.0 == K_ACCEPT)
+            .expect("accepted")
+            + 1;
+        let data = &frames[skip + round as usize * nranks as usize..][..nranks as usize];
+        data.iter()
+            .enumerate()
+            .map(|(r, (k, b))| parse_data(*k, b, round, r as u32).unwrap().to_vec())
+            .collect()
+    }
+}
+
+fn cnonce() -> [u8; NONCE_LEN] {
+    [0x5a; NONCE_LEN]
+}
+
+fn hello_for(
+    rnonce: &[u8; NONCE_LEN],
+    secret: &[u8; 16],
+    rank: u32,
+    nranks: u32,
+    payload: &[u8],
+) -> Vec<u8> {
+    let h = HelloFixed {
+        rank,
+        nranks,
+        cnonce: cnonce(),
+        mac: client_mac(secret, rnonce, &cnonce(), rank, nranks),
+    };
+    [&hello_header(payload.len())[..], &h.encode(), payload].concat()
+}
+
+fn contrib(round: u64, data: &[u8]) -> Vec<u8> {
+    [contrib_header(round, data.len()), data.to_vec()].concat()
+}
+
+const T: Duration = Duration::from_secs(30);
+
+#[test]
+fn ranks_rendezvous_run_rounds_and_leave_without_warnings() {
+    let mut s = Sim::new(T);
+    let n = 4;
+    let conns: Vec<ConnId> = (0..n)
+        .map(|r| s.join(r, n, format!("p{r}").as_bytes()))
+        .collect();
+    for (r, &c) in conns.iter().enumerate() {
+        let f = s.frames(c);
+        assert_eq!(f[1].0, K_ACCEPT);
+        let proof = root_mac(&SECRET, &cnonce(), &s.nonce(c), r as u32);
+        assert_eq!(f[1].1, proof);
+        let want: Vec<Vec<u8>> = (0..n).map(|r| format!("p{r}").into_bytes()).collect();
+        assert_eq!(s.round(c, 0, n), want);
+    }
+    for round in 1..=3u64 {
+        for (r, &c) in conns.iter().enumerate() {
+            s.send(c, &contrib(round, &[r as u8, round as u8]));
+        }
+        for &c in &conns {
+            let got = s.round(c, round, n);
+            assert_eq!(
+                got,
+                (0..n)
+                    .map(|r| vec![r as u8, round as u8])
+                    .collect::<Vec<_>>()
+            );
+        }
+    }
+    // Between rounds there is no deadline.
+    assert_eq!(s.m.poll_timeout(), None);
+    s.advance(Duration::from_secs(3600));
+    assert!(s.m.result().is_none());
+    // The end of the job: rank 2 leaves first. Not a failure, no warning;
+    // the others are told, in case they call another round.
+    s.hang_up(conns[2]);
+    assert_eq!(s.m.result(), Some(&Ok(())));
+    assert!(s.warnings().is_empty(), "{:?}", s.warnings());
+    for (r, &c) in conns.iter().enumerate() {
+        if r != 2 {
+            assert_eq!(s.errors(c), ["rank 2 left the bootstrap"]);
+            assert!(s.closed.contains_key(&c));
+        }
+    }
+}
+
+#[test]
+fn the_machine_is_deterministic() {
+    let play = || {
+        let mut s = Sim::new(T);
+        let a = s.join(1, 2, b"one");
+        let stranger = s.connect();
+        s.send(stranger, b"GET / HTTP/1.1\r\n\r\n");
+        s.advance(Duration::from_millis(10));
+        let b = s.join(0, 2, b"zero");
+        s.send(a, &contrib(1, b"x"));
+        s.advance(Duration::from_secs(31));
+        (s.out, s.closed, s.logs, s.m.result().cloned(), b)
+    };
+    let (o1, c1, l1, r1, _) = play();
+    let (o2, c2, l2, r2, _) = play();
+    assert_eq!((o1, c1, l1, r1), (o2, c2, l2, r2));
+}
+
+#[test]
+fn hello_in_pieces_and_slow_senders() {
+    let mut s = Sim::new(T);
+    // Rank 0 sends its hello one byte every 50 ms: slow but within time.
+    let c0 = s.connect();
+    let h = s.hello(c0, &SECRET, 0, 2, &[7; 300]);
+    for b in &h {
+        s.send(c0, std::slice::from_ref(b));
+        s.advance(Duration::from_millis(1));
+    }
+    let c1 = s.join(1, 2, b"");
+    assert_eq!(s.round(c0, 0, 2), vec![vec![7; 300], vec![]]);
+    assert_eq!(s.round(c1, 0, 2), vec![vec![7; 300], vec![]]);
+
+    // A hello that proves the secret but whose payload never completes is
+    // closed at the bootstrap timeout (not the short handshake one).
+    let mut s = Sim::new(T);
+    let c = s.connect();
+    let h = s.hello(c, &SECRET, 0, 2, &[1; 1000]);
+    s.send(c, &h[..h.len() - 10]);
+    assert_eq!(s.m.read_limit(c), READ_CHUNK);
+    s.advance(HANDSHAKE_TIMEOUT + Duration::from_secs(1));
+    assert!(!s.closed.contains_key(&c));
+    s.advance(T - HANDSHAKE_TIMEOUT);
+    assert!(s.closed.contains_key(&c));
+    assert!(s
+        .warnings()
+        .iter()
+        .any(|w| w.contains("did not send its whole hello")));
+}
+
+#[test]
+fn strangers_garbage_wrong_secrets_and_replays_never_count() {
+    let mut s = Sim::new(T);
+    // Before the proof the root reads no more than a hello's fixed part.
+    let c = s.connect();
+    assert_eq!(s.m.read_limit(c), HELLO_PREFIX);
+    s.send(c, &[0; 10]);
+    assert!(s.closed.contains_key(&c), "an empty frame");
+    assert!(s.errors(c).is_empty());
+
+    let http = s.connect();
+    s.send(http, b"GET / HTTP/1.1\r\nHost: x\r\n\r\n");
+    assert!(s.closed.contains_key(&http));
+
+    // An oversized length, a wrong magic, another version, a v1 hello.
+    let big = s.connect();
+    s.send(big, &[0xff, 0xff, 0xff, 0x7f, K_HELLO]);
+    assert!(s.closed.contains_key(&big));
+    let magic = s.connect();
+    let mut h = s.hello(magic, &SECRET, 0, 2, b"");
+    h[5] ^= 1;
+    s.send(magic, &h);
+    assert!(s.closed.contains_key(&magic) && s.errors(magic).is_empty());
+    let v3 = s.connect();
+    let mut h = s.hello(v3, &SECRET, 0, 2, b"");
+    h[5 + 8] = 3;
+    s.send(v3, &h);
+    let e = s.errors(v3);
+    assert!(
+        e[0].contains("version mismatch") && e[0].contains("this rank v3"),
+        "{e:?}"
+    );
+    let v1 = s.connect();
+    let mut old = 93u32.to_be_bytes().to_vec();
+    old.push(K_HELLO);
+    old.extend_from_slice(&MAGIC);
+    old.extend_from_slice(&1u32.to_be_bytes());
+    s.send(v1, &old);
+    let said = &s.out[&v1][49..];
+    assert_eq!(
+        &said[..4],
+        &(said.len() as u32 - 4).to_be_bytes(),
+        "v1 framing"
+    );
+    assert!(String::from_utf8_lossy(&said[5..]).contains("this rank v1"));
+
+    // A wrong secret claiming rank 0 is told so; a proof replayed from
+    // another connection (another nonce) does not prove anything.
+    let wrong = s.connect();
+    let h = s.hello(wrong, &[0; 16], 0, 2, b"evil");
+    s.send(wrong, &h);
+    assert!(s.errors(wrong)[0].contains("secret did not match"));
+    let victim = s.connect();
+    let replayed = s.hello(victim, &SECRET, 1, 2, b"");
+    let thief = s.connect();
+    s.send(thief, &replayed);
+    assert!(s.errors(thief)[0].contains("secret did not match"));
+    // A stranger that announces a 16 MiB hello with a bad proof is refused
+    // after the fixed part, without the root buffering the rest.
+    let liar = s.connect();
+    let mut h = s.hello(liar, &[1; 16], 0, 2, b"");
+    h[..4].copy_from_slice(&(MAX_FRAME as u32).to_le_bytes());
+    s.send(liar, &[h, vec![0; 4096]].concat());
+    assert!(s.errors(liar)[0].contains("secret did not match"));
+    // Data after the hello, before being accepted: refused.
+    let eager = s.connect();
+    let h = s.hello(eager, &SECRET, 0, 2, b"p");
+    s.send(eager, &[h, contrib(1, b"early")].concat());
+    assert!(s.closed.contains_key(&eager));
+
+    // None of them counted: the real ranks (0 and 1 included) join.
+    let r0 = s.join(0, 2, b"a");
+    let r1 = s.join(1, 2, b"b");
+    assert_eq!(s.round(r0, 0, 2), vec![b"a".to_vec(), b"b".to_vec()]);
+    assert_eq!(s.round(r1, 0, 2), vec![b"a".to_vec(), b"b".to_vec()]);
+    // Rejections are warned about at most once per second (with a count).
+    let rejected = s
+        .warnings()
+        .iter()
+        .filter(|w| w.contains("rejected"))
+        .count();
+    assert_eq!(rejected, 1, "{:?}", s.warnings());
+    s.advance(Duration::from_secs(2));
+    let late = s.connect();
+    s.send(late, b"junk-junk-junk-junk");
+    let last = s
+        .warnings()
+        .into_iter()
+        .last()
+        .unwrap_or_default()
+        .to_string();
+    assert!(
+        last.contains("rejected") && last.contains("more like this"),
+        "{last}"
+    );
+    assert!(s.m.result().is_none());
+}
+
+/// Item 1 of the hostile-load review: 1,100 idle connections opened before
+/// the ranks arrive must not lock the ranks out.
+#[test]
+fn idle_strangers_do_not_lock_the_ranks_out() {
+    let mut s = Sim::new(Duration::from_secs(60));
+    let strangers: Vec<ConnId> = (0..1100).map(|_| s.connect()).collect();
+    assert_eq!(s.m.unproven_count(), MAX_PENDING);
+    // Those beyond the limit arrived within EVICT_MIN_AGE of the oldest:
+    // closed at once, before a challenge.
+    let refused: Vec<&ConnId> = strangers
+        .iter()
+        .filter(|c| s.closed.contains_key(c))
+        .collect();
+    assert_eq!(refused.len(), 1100 - MAX_PENDING);
+    assert!(refused.iter().all(|c| !s.out.contains_key(c)));
+    assert!(s.warnings().len() <= 2, "{:?}", s.warnings());
+
+    // The ranks arrive later: the first makes room by closing the oldest
+    // stranger; once it has proven the secret, its place is free for the
+    // next rank.
+    s.advance(Duration::from_secs(1));
+    let ranks: Vec<ConnId> = (0..8).map(|r| s.join(r, 8, &[r as u8])).collect();
+    for &c in &ranks {
+        assert_eq!(s.round(c, 0, 8).len(), 8);
+    }
+    assert!(s.closed.contains_key(&strangers[0]));
+    assert!(!s.closed.contains_key(&strangers[1]));
+    // Ranks that connect at the same time, before proving: each evicts one.
+    let mut s2 = Sim::new(Duration::from_secs(60));
+    let held: Vec<ConnId> = (0..MAX_PENDING).map(|_| s2.connect()).collect();
+    s2.advance(Duration::from_secs(1));
+    let cs: Vec<ConnId> = (0..4).map(|_| s2.connect()).collect();
+    for (r, &c) in cs.iter().enumerate() {
+        let h = s2.hello(c, &SECRET, r as u32, 4, b"");
+        s2.send(c, &h);
+    }
+    assert!(held[..4].iter().all(|c| s2.closed.contains_key(c)));
+    assert_eq!(s2.round(cs[3], 0, 4).len(), 4);
+    assert!(s.m.unproven_count() <= MAX_PENDING);
+
+    // The strangers left are closed once they have had HANDSHAKE_TIMEOUT
+    // to prove the secret.
+    s.advance(HANDSHAKE_TIMEOUT);
+    assert_eq!(s.m.unproven_count(), 0);
+    assert_eq!(s.m.conn_count(), 8);
+    assert!(s.m.result().is_none());
+    let w = s.warnings();
+    assert!(
+        w.iter().any(|w| w.contains("did not prove the secret")),
+        "{w:?}"
+    );
+    assert!(w.len() <= 6, "{w:?}");
+}
+
+/// The handshake deadline is short but never past the bootstrap timeout.
+#[test]
+fn unproven_connections_expire_at_their_own_deadline() {
+    let mut s = Sim::new(Duration::from_secs(3));
+    let c = s.connect();
+    s.advance(Duration::from_millis(2999));
+    assert!(!s.closed.contains_key(&c));
+    // At 3 s the rendezvous itself fails (nobody joined), closing it too.
+    s.advance(Duration::from_millis(1));
+    assert!(s.closed.contains_key(&c));
+    assert!(s
+        .m
+        .result()
+        .unwrap()
+        .as_ref()
+        .unwrap_err()
+        .contains("no rank joined"));
+
+    let mut cfg = Settings::new(ROOT, SECRET, T);
+    cfg.handshake_timeout = Duration::from_secs(1);
+    cfg.max_pending = 2;
+    let mut s = Sim::with(cfg);
+    let a = s.connect();
+    s.advance(Duration::from_millis(600));
+    assert!(!s.closed.contains_key(&a));
+    s.advance(Duration::from_millis(400));
+    assert!(s.closed.contains_key(&a));
+    // Full of young connections: the new one is refused, no eviction.
+    let b = s.connect();
+    let c = s.connect();
+    let d = s.connect();
+    assert!(s.closed.contains_key(&d) && !s.closed.contains_key(&c));
+    // Once the oldest is EVICT_MIN_AGE old, a rank takes its place.
+    s.advance(EVICT_MIN_AGE);
+    let r = s.join(0, 1, b"solo");
+    assert!(s.closed.contains_key(&b));
+    assert_eq!(s.round(r, 0, 1), vec![b"solo".to_vec()]);
+}
+
+/// Item 2: a failing `accept` (EMFILE) backs off and warns at most once a
+/// second, with a count of the others.
+#[test]
+fn failing_accept_backs_off_and_warns_once_a_second() {
+    let mut s = Sim::new(Duration::from_secs(60));
+    let emfile = || AcceptFailure {
+        out_of_fds: true,
+        msg: "Too many open files (os error 24)".into(),
+    };
+    let start = s.now;
+    let mut attempts = 0;
+    while s.now < start + Duration::from_secs(20) {
+        if s.m.accepting(s.now) {
+            // The listener is readable all the time: every turn accepts.
+            attempts += 1;
+            s.m.handle_accept_failed(s.now, emfile());
+            s.step();
+        } else {
+            let next = s.m.poll_timeout().expect("a time to accept again");
+            assert!(next > s.now);
+            s.now = next;
+            s.m.handle_timeout(s.now);
+            s.step();
+        }
+    }
+    // 10 ms, 20 ms, ... up to 1 s between attempts: about 27 in 20 s, not
+    // hundreds of thousands.
+    assert!((15..=40).contains(&attempts), "{attempts} attempts");
+    let w = s.warnings();
+    assert!(w.len() <= 21, "{} warnings", w.len());
+    assert!(
+        w[0].contains("cannot accept") && w[0].contains("ulimit -n"),
+        "{}",
+        w[0]
+    );
+    assert!(w[1].contains("more like this"), "{w:?}");
+
+    // A successful accept resets the pause.
+    s.connect();
+    s.m.handle_accept_failed(s.now, emfile());
+    assert_eq!(s.m.poll_timeout(), Some(s.now + Duration::from_millis(10)));
+    assert!(ACCEPT_BACKOFF_MAX <= Duration::from_secs(1));
+
+    // Out of descriptors with old unproven connections held: the oldest is
+    // closed to make room and accepting resumes at once.
+    let mut s = Sim::new(Duration::from_secs(60));
+    let old = s.connect();
+    s.advance(EVICT_MIN_AGE);
+    s.m.handle_accept_failed(s.now, emfile());
+    s.step();
+    assert!(s.closed.contains_key(&old));
+    assert!(s.m.accepting(s.now));
+}
+
+/// Item 3: on failure, every connected rank (and the rank that caused it)
+/// gets the reason before its connection is closed.
+#[test]
+fn failures_reach_every_rank_before_the_close() {
+    let mut s = Sim::new(T);
+    let r0 = s.join(0, 4, b"");
+    let r1 = s.join(1, 4, b"");
+    // A rank whose hello proved the secret but is still arriving.
+    let r2 = s.connect();
+    let h = s.hello(r2, &SECRET, 2, 4, &[0; 5000]);
+    s.send(r2, &h[..200]);
+    let stranger = s.connect();
+    let r3 = s.join(3, 5, b"");
+    let want = "rank 3 says nranks=5, rank 0 says 4";
+    assert_eq!(s.m.result(), Some(&Err(want.to_string())));
+    for c in [r0, r1, r2, r3] {
+        assert_eq!(s.errors(c), [want], "{c:?}");
+        // The error frame is the last thing written, and the close comes
+        // after it (the driver delivers before closing).
+        let out = &s.out[&c];
+        assert!(out.ends_with(&error_frame(want)));
+        assert_eq!(s.closed[&c], out.len());
+    }
+    assert!(s.closed.contains_key(&stranger) && s.errors(stranger).is_empty());
+    assert_eq!(s.warnings(), [format!("bootstrap failed: {want}")]);
+    // Nothing more happens once finished.
+    s.send(r0, &contrib(1, b"late"));
+    s.advance(T);
+    assert_eq!(s.m.poll_timeout(), None);
+    assert!(!s.m.accepting(s.now));
+}
+
+#[test]
+fn missing_ranks_and_slow_rounds_are_named() {
+    let mut s = Sim::new(Duration::from_millis(1500));
+    let a = s.join(0, 4, b"");
+    let b = s.join(2, 4, b"");
+    s.advance(Duration::from_millis(1499));
+    assert!(s.m.result().is_none());
+    s.advance(Duration::from_millis(1));
+    let want = "ranks 1, 3 did not join within 1.5s (2 of 4 joined)";
+    assert_eq!(s.errors(a), [want]);
+    assert_eq!(s.errors(b), [want]);
+
+    let mut s = Sim::new(Duration::from_secs(1));
+    let c: Vec<ConnId> = (0..3).map(|r| s.join(r, 3, b"")).collect();
+    // Between rounds: no deadline. The round's clock starts with its first
+    // contribution.
+    s.advance(Duration::from_secs(5));
+    s.send(c[0], &contrib(1, b"x"));
+    s.send(c[2], &contrib(1, b"x"));
+    s.advance(Duration::from_millis(999));
+    assert!(s.m.result().is_none());
+    s.advance(Duration::from_millis(1));
+    let want = "rank 1 did not reach bootstrap round 1 within 1s (the other ranks did)";
+    for &x in &c {
+        assert_eq!(s.errors(x), [want]);
+    }
+}
+
+#[test]
+fn departures_duplicates_and_latecomers() {
+    // Leaving before all joined, and mid-round, are failures.
+    let mut s = Sim::new(T);
+    let a = s.join(0, 3, b"");
+    let b = s.join(1, 3, b"");
+    s.m.handle_closed(s.now, b, Some("Connection reset by peer".into()));
+    s.step();
+    let e = &s.errors(a)[0];
+    assert!(
+        e.contains("rank 1 left the bootstrap before all ranks joined"),
+        "{e}"
+    );
+    assert!(e.contains("reset"), "{e}");
+
+    let mut s = Sim::new(T);
+    let c: Vec<ConnId> = (0..3).map(|r| s.join(r, 3, b"")).collect();
+    s.send(c[0], &contrib(1, b"x"));
+    s.hang_up(c[2]);
+    assert_eq!(s.errors(c[0]), ["rank 2 left the bootstrap"]);
+    assert_eq!(
+        s.m.result(),
+        Some(&Err("rank 2 left the bootstrap".to_string()))
+    );
+    assert_eq!(s.warnings().len(), 1);
+
+    // A rank joining twice.
+    let mut s = Sim::new(T);
+    let a = s.join(2, 3, b"");
+    let b = s.join(2, 3, b"");
+    for c in [a, b] {
+        assert!(s.errors(c)[0].starts_with("rank 2 joined twice (from 10.0.1.2:"));
+    }
+
+    // Out of range, and a wrong round / unexpected message from a rank.
+    let mut s = Sim::new(T);
+    let a = s.join(0, 2, b"");
+    let bad = s.join(5, 2, b"");
+    for c in [a, bad] {
+        assert_eq!(
+            s.errors(c),
+            ["rank 5 is out of range: nranks=2, so ranks are 0..=1"]
+        );
+    }
+    let mut s = Sim::new(T);
+    let c: Vec<ConnId> = (0..2).map(|r| s.join(r, 2, b"")).collect();
+    s.send(c[1], &contrib(2, b""));
+    assert!(s.errors(c[0])[0].contains("rank 1 is at bootstrap round 2"));
+
+    // After the rendezvous, a late rank with the secret is told, and the
+    // others carry on.
+    let mut s = Sim::new(T);
+    let c: Vec<ConnId> = (0..2).map(|r| s.join(r, 2, b"")).collect();
+    let late = s.join(1, 2, b"");
+    assert!(s.errors(late)[0].contains("tried to join after all 2 ranks had joined"));
+    assert!(s.m.result().is_none());
+    s.send(c[0], &contrib(1, b"a"));
+    s.send(c[1], &contrib(1, b"b"));
+    assert_eq!(s.round(c[0], 1, 2), vec![b"a".to_vec(), b"b".to_vec()]);
+}
+
+#[test]
+fn shutdown_tells_the_ranks_and_ends_well() {
+    let mut s = Sim::new(T);
+    let a = s.join(0, 2, b"");
+    s.m.handle_shutdown(s.now);
+    s.step();
+    assert_eq!(s.m.result(), Some(&Ok(())));
+    assert_eq!(
+        s.errors(a),
+        ["the bootstrap root at 10.0.0.1:29500 was shut down"]
+    );
+    assert!(s.closed.contains_key(&a));
+    assert!(s.warnings().is_empty());
+    // Connections after the end are closed at once.
+    let late = s.m.handle_connect(s.now, ROOT, [0; NONCE_LEN]);
+    s.step();
+    assert!(s.closed.contains_key(&late) && !s.out.contains_key(&late));
+}
+
+/// Every rank gets the same round bytes, shared rather than copied.
+#[test]
+fn a_round_is_one_shared_buffer() {
+    let s = Sim::new(T);
+    let n = 16;
+    let mut seen = BTreeSet::new();
+    let mut m = Rendezvous::new(Settings::new(ROOT, SECRET, T), s.now);
+    let mut conns = Vec::new();
+    for r in 0..n {
+        let c = m.handle_connect(s.now, ROOT, [r as u8; NONCE_LEN]);
+        conns.push((c, r));
+    }
+    while m.poll_transmit().is_some() {}
+    for &(c, r) in &conns {
+        let h = hello_for(&[r as u8; NONCE_LEN], &SECRET, r, n, b"x");
+        m.handle_data(s.now, c, &h);
+    }
+    let mut bufs = Vec::new();
+    while let Some(t) = m.poll_transmit() {
+        if t.bytes.len() > 100 {
+            seen.insert(t.conn);
+            bufs.push(t.bytes);
+        }
+    }
+    assert_eq!(seen.len(), n as usize);
+    assert!(bufs
+        .windows(2)
+        .all(|w| std::sync::Arc::ptr_eq(&w[0], &w[1])));
+}
