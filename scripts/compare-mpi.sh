@@ -4,11 +4,15 @@
 #
 #   scripts/compare-mpi.sh OUTDIR [NPS] [ITERS]     (ROUNDS=2: alternations)
 #
+# COLLS="all_reduce all_gather" limits the collectives (default: all six);
+# PERF=/path/to/braid-perf runs that binary instead of building this tree's
+# (to compare two builds of braid against Open MPI, one after the other).
+#
 # braid's buffers are 2 MiB-aligned with madvise(MADV_HUGEPAGE) (-H 1), and
 # braid is told so: BRAID_SINGLE_COPY_MIN_BYTES=524288 (unless set), what
 # braid uses by itself where THP is `always` and what a caller with
 # huge-page buffers under THP `madvise` should set (see
-# single_copy_default in crates/runtime/src/comm.rs: on 4 KiB pages
+# single_copy_default in crates/runtime/src/comm/tuning.rs: on 4 KiB pages
 # process_vm_readv is 3x slower, so the default there is 8 MiB). Open MPI
 # runs in its fastest configuration here (../shared/peers/mpi-best.sh:
 # vader BTL, glibc malloc on transparent huge pages). Run it on an
@@ -19,8 +23,13 @@ nps=${2:-2 4}
 iters=${3:-20}
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 peers=${PEERS:-$here/../shared/peers}
-cargo build --release -q -p braid-perf --manifest-path "$here/Cargo.toml"
-perf=$here/target/release/braid-perf
+colls=${COLLS:-all_reduce all_gather reduce_scatter broadcast reduce alltoall}
+if [ -n "${PERF:-}" ]; then
+  perf=$PERF
+else
+  cargo build --release -q -p braid-perf --manifest-path "$here/Cargo.toml"
+  perf=$here/target/release/braid-perf
+fi
 export BRAID_SINGLE_COPY_MIN_BYTES=${BRAID_SINGLE_COPY_MIN_BYTES:-524288}
 # Alternate braid and Open MPI collective by collective (seconds apart: this
 # machine switches between a fast and a slow mode minutes apart), ROUNDS
@@ -33,7 +42,7 @@ for round in $(seq "$rounds"); do
   for np in $nps; do
     mkdir -p "$out/mpi_np$np.r$round"
     rm -f "$out/mpi_np$np.r$round/mpi.csv"
-    for c in all_reduce all_gather reduce_scatter broadcast reduce alltoall; do
+    for c in $colls; do
       # The latency point: 8 bytes, or where the size is the whole array the
       # smallest one braid-perf runs (16 bytes per rank, as nccl-tests
       # rounds; Open MPI's benchmark runs one float per rank there, so those
@@ -121,7 +130,7 @@ PY
 # and rank count (busbw and latency against size).
 for np in $nps; do
   "$perf" import-mpi "$out/mpi_np$np.r$rounds/mpi.csv" --label "Open MPI" -o "$out/mpi_np$np.json" >/dev/null
-  for c in all_reduce all_gather reduce_scatter broadcast reduce alltoall; do
+  for c in $colls; do
     inplace=(); [ "$c" = broadcast ] && inplace=(--in-place)
     # One braid series from 8 bytes up: the 8-byte run's rows join the
     # sweep's, whose 1, 16 and 64 MiB points give way to the table's runs.

@@ -27,7 +27,9 @@ use braid_transport_nvlink::NvlinkTransport;
 use braid_transport_pcie::PcieTransport;
 use braid_transport_shm::{ShmConfig, ShmTransport};
 use braid_transport_socket::{SocketConfig, SocketTransport};
-use tracing::{info, warn};
+use tracing::info;
+#[cfg(not(feature = "ib"))]
+use tracing::warn;
 
 use crate::error::{Error, Result};
 

@@ -15,8 +15,8 @@ use std::time::Instant;
 
 use braid_core::error::Result;
 use braid_core::transport::{
-    DeviceRing, Incoming, PeerDesc, PendingRecv, PendingSend, RecvChannel, SendChannel, SlotBuf,
-    Transport,
+    DeviceRing, DirectRecv, DirectSend, Incoming, PeerDesc, PendingRecv, PendingSend, RecvChannel,
+    SendChannel, SlotBuf, Transport,
 };
 use braid_core::types::MemKind;
 use braid_transport_nvlink::Geometry;
@@ -126,19 +126,8 @@ impl SendChannel for StagedSend {
     fn device_ring(&self) -> Option<DeviceRing> {
         self.0.device_ring()
     }
-    fn can_send_direct(&mut self) -> bool {
-        self.0.can_send_direct()
-    }
-    fn direct_costs_receiver(&mut self) -> bool {
-        self.0.direct_costs_receiver()
-    }
-    unsafe fn commit_direct(&mut self, ptr: *const u8, len: usize) -> Result<()> {
-        // SAFETY: forwarded from this function's contract, which is the
-        // inner channel's.
-        unsafe { self.0.commit_direct(ptr, len) }
-    }
-    fn poll_help(&mut self) -> Result<bool> {
-        self.0.poll_help()
+    fn direct(&mut self) -> Option<&mut dyn DirectSend> {
+        self.0.direct()
     }
 }
 
@@ -176,17 +165,7 @@ impl RecvChannel for StagedRecv {
     fn poll_peek_any(&mut self) -> Result<Option<Incoming>> {
         self.0.poll_peek_any()
     }
-    fn stream_hint(&mut self, streaming: bool) {
-        self.0.stream_hint(streaming)
-    }
-    unsafe fn read_remote(&mut self, dst: *mut u8, len: usize) -> Result<()> {
-        // SAFETY: forwarded from this function's contract, which is the
-        // inner channel's.
-        unsafe { self.0.read_remote(dst, len) }
-    }
-    unsafe fn poll_read_remote(&mut self, dst: *mut u8, len: usize) -> Result<bool> {
-        // SAFETY: forwarded from this function's contract, which is the
-        // inner channel's.
-        unsafe { self.0.poll_read_remote(dst, len) }
+    fn direct(&mut self) -> Option<&mut dyn DirectRecv> {
+        self.0.direct()
     }
 }

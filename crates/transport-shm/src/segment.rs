@@ -660,7 +660,7 @@ impl PeerMap {
     }
 
     /// Copies `len` bytes at offset `off` of the mapping to `dst` — with
-    /// streaming stores when `stream` (see `RecvChannel::stream_hint`) —
+    /// streaming stores when `stream` (see `DirectRecv::stream_hint`) —
     /// or returns false when `off..off+len` is not inside.
     ///
     /// # Safety

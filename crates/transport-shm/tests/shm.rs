@@ -311,10 +311,10 @@ fn direct_transfers_probe_succeeds_between_processes_of_one_user() {
     let mut tx = ptx.connect(&rinfo, deadline).unwrap();
     let _rx = prx.connect(&sinfo, deadline).unwrap();
     if !t1.config().direct() {
-        assert!(!tx.can_send_direct());
+        assert!(tx.direct().is_none());
     } else {
         assert!(
-            tx.can_send_direct(),
+            tx.direct().is_some(),
             "process_vm_readv probe failed on this machine"
         );
     }
@@ -335,7 +335,7 @@ fn read_direct(rx: &mut dyn braid_core::transport::RecvChannel, dst: &mut [u8], 
     wait_for("the read", Duration::from_secs(10), || {
         // SAFETY: `dst` holds at least `len` writable bytes (checked), which
         // we leave alone until this returns true.
-        unsafe { rx.poll_read_remote(dst.as_mut_ptr(), len) }
+        unsafe { rx.direct().unwrap().poll_read_remote(dst.as_mut_ptr(), len) }
             .unwrap()
             .then_some(())
     });
@@ -354,7 +354,7 @@ fn direct_transfers_are_shared_with_the_sender() {
     let _g = lock();
     let t = ShmTransport::with_params(64 * 1024, 4).unwrap();
     let (mut tx, mut rx) = connect_pair(&t, &t, 0, 1);
-    if !tx.can_send_direct() {
+    if tx.direct().is_none() {
         eprintln!("skipped: direct transfers are off (BRAID_SHM_DIRECT=0)");
         return;
     }
@@ -384,7 +384,7 @@ fn direct_transfers_are_shared_with_the_sender() {
             tx.poll_acquire().unwrap()
         });
         // SAFETY: `data` stays alive and unchanged until the drain below.
-        unsafe { tx.commit_direct(data.as_ptr(), len) }.unwrap();
+        unsafe { tx.direct().unwrap().commit_direct(data.as_ptr(), len) }.unwrap();
         let stop = AtomicBool::new(false);
         let helped = AtomicUsize::new(0);
         std::thread::scope(|s| {
@@ -392,7 +392,7 @@ fn direct_transfers_are_shared_with_the_sender() {
             let (stop, helped) = (&stop, &helped);
             s.spawn(move || {
                 while !stop.load(Ordering::Relaxed) {
-                    if tx.poll_help().unwrap() {
+                    if tx.direct().unwrap().poll_help().unwrap() {
                         helped.fetch_add(1, Ordering::Relaxed);
                     }
                 }
@@ -434,7 +434,7 @@ fn finished_shared_transfer_leaves_no_offer() {
     let _g = lock();
     let t = ShmTransport::with_params(64 * 1024, 2).unwrap();
     let (mut tx, mut rx) = connect_pair(&t, &t, 0, 1);
-    if !tx.can_send_direct() {
+    if tx.direct().is_none() {
         eprintln!("skipped: direct transfers are off (BRAID_SHM_DIRECT=0)");
         return;
     }
@@ -453,7 +453,7 @@ fn finished_shared_transfer_leaves_no_offer() {
         tx.poll_acquire().unwrap()
     });
     // SAFETY: `a` outlives the drain below.
-    unsafe { tx.commit_direct(a.as_ptr(), short) }.unwrap();
+    unsafe { tx.direct().unwrap().commit_direct(a.as_ptr(), short) }.unwrap();
     recv(&mut rx, &mut out, short);
     assert!(out[..short] == a[..], "short transfer corrupted");
     // Slot 1: an inline message; slot 0 again: the long transfer.
@@ -465,9 +465,12 @@ fn finished_shared_transfer_leaves_no_offer() {
         tx.poll_acquire().unwrap()
     });
     // SAFETY: `c` outlives the drain below.
-    unsafe { tx.commit_direct(c.as_ptr(), long) }.unwrap();
+    unsafe { tx.direct().unwrap().commit_direct(c.as_ptr(), long) }.unwrap();
     for _ in 0..100 {
-        assert!(!tx.poll_help().unwrap(), "helped a transfer nobody offered");
+        assert!(
+            !tx.direct().unwrap().poll_help().unwrap(),
+            "helped a transfer nobody offered"
+        );
     }
     assert!(
         out[short..].iter().all(|&b| b == 0),

@@ -690,7 +690,11 @@ mod tests {
         let mut done = false;
         for _ in 0..50 {
             // SAFETY: `out` is valid for its length of writes.
-            done = unsafe { rx.poll_read_remote(out.as_mut_ptr(), out.len()) }?;
+            done = unsafe {
+                rx.direct()
+                    .unwrap()
+                    .poll_read_remote(out.as_mut_ptr(), out.len())
+            }?;
             std::thread::sleep(Duration::from_millis(2));
         }
         Ok(done)
@@ -723,8 +727,11 @@ mod tests {
         );
         assert!(rx.release().is_err(), "released a half-read direct slot");
         drop((data, ctrl));
-        // SAFETY: `out` is valid for `total` writes.
-        let e = wait_err(|| unsafe { rx.poll_read_remote(out.as_mut_ptr(), total) }.map(|_| ()));
+        let e = wait_err(|| {
+            let d = rx.direct().unwrap();
+            // SAFETY: `out` is valid for `total` writes.
+            unsafe { d.poll_read_remote(out.as_mut_ptr(), total) }.map(|_| ())
+        });
         assert!(
             matches!(&e, CoreError::Peer { peer: 0, what, .. } if what.contains("connection lost")),
             "{e:?}"
@@ -749,8 +756,11 @@ mod tests {
         ))
         .unwrap();
         drop((data, ctrl));
-        // SAFETY: `out` is valid for `total` writes.
-        let e = wait_err(|| unsafe { rx.poll_read_remote(out.as_mut_ptr(), total) }.map(|_| ()));
+        let e = wait_err(|| {
+            let d = rx.direct().unwrap();
+            // SAFETY: `out` is valid for `total` writes.
+            unsafe { d.poll_read_remote(out.as_mut_ptr(), total) }.map(|_| ())
+        });
         assert!(
             matches!(&e, CoreError::PeerAborted { peer: 0, reason, .. } if reason.contains("NaNs")),
             "{e:?}"
@@ -769,7 +779,11 @@ mod tests {
         assert!(!read_partly(&mut *rx, &mut out).unwrap());
         rx.abort("enough");
         // SAFETY: `out` is valid for `total` writes.
-        let r = unsafe { rx.poll_read_remote(out.as_mut_ptr(), total) };
+        let r = unsafe {
+            rx.direct()
+                .unwrap()
+                .poll_read_remote(out.as_mut_ptr(), total)
+        };
         assert!(matches!(r, Err(CoreError::Aborted(_))), "{r:?}");
         let start = Instant::now();
         drop(rx);

@@ -262,7 +262,11 @@ fn read_direct(rx: &mut dyn RecvChannel, out: &mut [u8]) -> Result<(), CoreError
     loop {
         // SAFETY: `out` is valid for `out.len()` writes and not touched
         // otherwise until this returns.
-        if unsafe { rx.poll_read_remote(out.as_mut_ptr(), out.len()) }? {
+        if unsafe {
+            rx.direct()
+                .unwrap()
+                .poll_read_remote(out.as_mut_ptr(), out.len())
+        }? {
             return Ok(());
         }
         assert!(Instant::now() < end, "timed out reading a direct message");
@@ -279,8 +283,8 @@ fn direct_and_slot_messages_interleave() {
     for nsocks in [1usize, 3, 4] {
         let (t0, t1) = (loopback(SB, 4, nsocks), loopback(SB, 4, nsocks));
         let (mut tx, mut rx) = connect_pair(&t0, &t1, 0, 1);
-        assert!(tx.can_send_direct());
-        assert!(!tx.direct_costs_receiver());
+        assert!(tx.direct().is_some());
+        assert!(!tx.direct().unwrap().costs_receiver());
         let sizes = [
             1usize,
             SB,
@@ -306,7 +310,7 @@ fn direct_and_slot_messages_interleave() {
                     let v: Vec<u8> = (0..len).map(|i| byte(seq, i)).collect();
                     // SAFETY: `v` stays alive and unchanged in `keep` until
                     // poll_drained below.
-                    unsafe { tx.commit_direct(v.as_ptr(), len) }.unwrap();
+                    unsafe { tx.direct().unwrap().commit_direct(v.as_ptr(), len) }.unwrap();
                     keep.push(v);
                 } else {
                     // SAFETY: a host slot of `cap >= len` bytes, ours until commit.
@@ -334,11 +338,18 @@ fn direct_and_slot_messages_interleave() {
                     let mut out = vec![0xAAu8; len];
                     read_direct(&mut *rx, &mut out).unwrap();
                     // SAFETY: as in read_direct; done already.
-                    assert!(unsafe { rx.poll_read_remote(out.as_mut_ptr(), len) }.unwrap());
+                    assert!(unsafe {
+                        rx.direct().unwrap().poll_read_remote(out.as_mut_ptr(), len)
+                    }
+                    .unwrap());
                     let mut other = vec![0u8; len];
                     if len > 0 {
                         // SAFETY: as above.
-                        let r = unsafe { rx.poll_read_remote(other.as_mut_ptr(), len) };
+                        let r = unsafe {
+                            rx.direct()
+                                .unwrap()
+                                .poll_read_remote(other.as_mut_ptr(), len)
+                        };
                         assert!(r.is_err(), "another destination mid-read is refused");
                     }
                     out
@@ -374,11 +385,8 @@ fn direct_can_be_switched_off() {
         SocketTransport::new(cfg).unwrap(),
     );
     let (mut tx, mut rx) = connect_pair(&t0, &t1, 0, 1);
-    assert!(!tx.can_send_direct());
+    assert!(tx.direct().is_none(), "single copy switched off");
     let _ = wait("a credit", || tx.poll_acquire().unwrap());
-    let v = vec![1u8; 100_000];
-    // SAFETY: `v` outlives the call (which fails).
-    assert!(unsafe { tx.commit_direct(v.as_ptr(), v.len()) }.is_err());
     tx.commit(3).unwrap();
     let inc = wait("a message", || rx.poll_peek_any().unwrap());
     assert!(matches!(inc, Incoming::Inline(_, 3)), "{inc:?}");
@@ -398,7 +406,7 @@ fn sender_abort_during_a_direct_transfer() {
         let _ = wait("a credit", || tx.poll_acquire().unwrap());
         // SAFETY: `v` outlives every use: `abort` below waits for the
         // writers to leave it before returning.
-        unsafe { tx.commit_direct(v.as_ptr(), len) }.unwrap();
+        unsafe { tx.direct().unwrap().commit_direct(v.as_ptr(), len) }.unwrap();
         let inc = wait("the direct message", || rx.poll_peek_any().unwrap());
         assert!(matches!(inc, Incoming::Remote(l) if l == len), "{inc:?}");
         std::thread::sleep(Duration::from_millis(50));
@@ -431,11 +439,11 @@ fn receiver_abort_during_a_direct_transfer() {
     let v = vec![9u8; len];
     let _ = wait("a credit", || tx.poll_acquire().unwrap());
     // SAFETY: `v` outlives every use: `abort` below waits for the writers.
-    unsafe { tx.commit_direct(v.as_ptr(), len) }.unwrap();
+    unsafe { tx.direct().unwrap().commit_direct(v.as_ptr(), len) }.unwrap();
     let _ = wait("the direct message", || rx.poll_peek_any().unwrap());
     let mut out = vec![0u8; len];
     // SAFETY: `out` is valid for `len` writes.
-    let _ = unsafe { rx.poll_read_remote(out.as_mut_ptr(), len) }.unwrap();
+    let _ = unsafe { rx.direct().unwrap().poll_read_remote(out.as_mut_ptr(), len) }.unwrap();
     rx.abort("the receiver saw a bad checksum");
     let e = wait("the abort", || match tx.poll_drained() {
         Ok(true) => panic!("drained although the receiver never read it all"),

@@ -20,6 +20,17 @@
 //!
 //! All data-path calls are non-blocking polls: the engine owns the waiting
 //! policy (spin, then yield, deadline, abort), so it is written once.
+//!
+//! Every transport implements the core of [`SendChannel`] and
+//! [`RecvChannel`]. What only some links can do is a capability with a
+//! default that is right for every other transport:
+//!
+//! - small messages outside the slots ([`SendChannel::poll_acquire_small`],
+//!   default: an ordinary slot);
+//! - single-copy transfers ([`DirectSend`] / [`DirectRecv`], reached through
+//!   `direct()`, default `None`): shared memory and sockets;
+//! - the link as a ring in GPU memory driven from a CUDA stream
+//!   ([`SendChannel::device_ring`], default `None`): nvlink and pcie P2P.
 
 mod kind;
 
@@ -74,7 +85,7 @@ pub enum Incoming {
     /// `len` bytes of payload in the slot itself.
     Inline(SlotBuf, usize),
     /// A reference to `len` bytes in the sender's memory: copy them out with
-    /// [`RecvChannel::read_remote`] (single-copy transfer).
+    /// [`DirectRecv::read_remote`] (single-copy transfer).
     Remote(usize),
 }
 
@@ -220,48 +231,11 @@ pub trait SendChannel: Send {
     fn device_ring(&self) -> Option<DeviceRing> {
         None
     }
-    /// Whether [`SendChannel::commit_direct`] may be used: the receiver can
-    /// copy straight out of this process's memory.
-    fn can_send_direct(&mut self) -> bool {
-        false
-    }
-    /// Whether the receiver pays for a direct slot: true where the receiver
-    /// copies the bytes out of this process itself (shared memory), so a
-    /// reference only moves a copy from the sender to the receiver; false
-    /// where the transport moves the bytes anyway (a socket's helpers write
-    /// them from the caller's memory instead of from a slot) and a direct
-    /// slot saves the sender a copy at no cost to the receiver. The engine
-    /// sends data the receiver reduces by reference only when this is false.
-    fn direct_costs_receiver(&mut self) -> bool {
-        true
-    }
-    /// Publish the slot last returned by `poll_acquire` as a reference to
-    /// `len` bytes at `ptr` in this process's memory instead of a copy: the
-    /// receiver copies them out itself, so the data moves once instead of
-    /// twice. `len` may exceed `slot_bytes`.
-    ///
-    /// # Safety
-    ///
-    /// `ptr` must be valid for reads of `len` bytes, and the memory must stay
-    /// allocated and unchanged until [`SendChannel::poll_drained`] returns
-    /// true (the receiver reads it at a time of its choosing).
-    unsafe fn commit_direct(&mut self, ptr: *const u8, len: usize) -> Result<()> {
-        let _ = (ptr, len);
-        Err(crate::error::CoreError::Unavailable {
-            transport: self.transport(),
-            reason: "direct (single-copy) transfers are not supported".into(),
-        })
-    }
-    /// Non-blocking, called by an engine that waits (for a slot, or for its
-    /// direct slots to drain) while it has direct slots outstanding on this
-    /// channel: take a share of the
-    /// receiver's copy of one of them (the shm transport writes a chunk of
-    /// the referenced bytes into the receiver's destination, so two cores
-    /// move the data of one transfer). True if it did some work. The
-    /// memory of the direct slots is already pinned by
-    /// [`SendChannel::commit_direct`]'s contract.
-    fn poll_help(&mut self) -> Result<bool> {
-        Ok(false)
+    /// The single-copy capability of this end, where the link has it now
+    /// (see [`DirectSend`]); `None` (the default) where it does not, or not
+    /// yet (shm: until the receiver's probe found it can read this process).
+    fn direct(&mut self) -> Option<&mut dyn DirectSend> {
+        None
     }
 }
 
@@ -285,7 +259,7 @@ pub trait RecvChannel: Send {
     /// Tell the peer that this side gave up (best effort). It does not
     /// wait for the peer, with one exception: a peer that may still be
     /// writing into memory this side lent it (the shm transport's shared
-    /// reads, [`SendChannel::poll_help`]) is given up to a second to finish
+    /// reads, [`DirectSend::poll_help`]) is given up to a second to finish
     /// that write, so nothing lands in the caller's buffer afterwards.
     fn abort(&mut self, reason: &str);
     /// The link as a device ring, where it is one (see [`DeviceRing`]).
@@ -293,46 +267,95 @@ pub trait RecvChannel: Send {
         None
     }
     /// Like `poll_peek`, but also reports slots published with
-    /// [`SendChannel::commit_direct`]. Transports without direct transfers
+    /// [`DirectSend::commit_direct`]. Transports without direct transfers
     /// keep this default.
     fn poll_peek_any(&mut self) -> Result<Option<Incoming>> {
         Ok(self.poll_peek()?.map(|(s, l)| Incoming::Inline(s, l)))
     }
-    /// Whether the copies this channel makes itself for direct reads should
-    /// use streaming stores (the operation's buffers exceed the cache, so
-    /// the destination would only evict what is cached) or ordinary ones
-    /// (the data is used again while cached). The engine says so before
-    /// each direct read; transports whose reads are not CPU copies keep
-    /// this default, which ignores it.
+    /// The single-copy capability of this end (see [`DirectRecv`]): a
+    /// transport whose [`RecvChannel::poll_peek_any`] may return
+    /// [`Incoming::Remote`] must return it. `None` by default.
+    fn direct(&mut self) -> Option<&mut dyn DirectRecv> {
+        None
+    }
+}
+
+/// Single-copy sending, a capability of some links (shared memory, where
+/// the receiver reads this process's memory; sockets, whose helper threads
+/// write the bytes from it): the sender publishes a reference to its own
+/// memory instead of a copy in a slot. Reached through
+/// [`SendChannel::direct`].
+pub trait DirectSend {
+    /// Whether the receiver pays for a reference: true where the receiver
+    /// copies the bytes out of this process itself (shared memory), so a
+    /// reference only moves a copy from the sender to the receiver; false
+    /// where the transport moves the bytes anyway (a socket's helpers write
+    /// them from the caller's memory instead of from a slot), so a reference
+    /// saves the sender a copy at no cost to the receiver. The engine sends
+    /// data the receiver reduces by reference only when this is false.
+    fn costs_receiver(&self) -> bool {
+        true
+    }
+
+    /// Publish the slot last returned by [`SendChannel::poll_acquire`] as a
+    /// reference to `len` bytes at `ptr` in this process's memory instead of
+    /// a copy: the data moves once instead of twice. `len` may exceed the
+    /// slot size.
+    ///
+    /// # Safety
+    ///
+    /// `ptr` must be valid for reads of `len` bytes, and the memory must stay
+    /// allocated and unchanged until [`SendChannel::poll_drained`] returns
+    /// true (the receiver reads it at a time of its choosing).
+    unsafe fn commit_direct(&mut self, ptr: *const u8, len: usize) -> Result<()>;
+
+    /// Non-blocking, called by an engine that waits (for a slot, or for its
+    /// direct slots to drain) while it has direct slots outstanding on this
+    /// channel: take a share of the receiver's copy of one of them (the shm
+    /// transport writes a chunk of the referenced bytes into the receiver's
+    /// destination, so two cores move the data of one transfer). True if it
+    /// did some work. The memory is already pinned by
+    /// [`DirectSend::commit_direct`]'s contract. Links whose receivers copy
+    /// alone keep the default.
+    fn poll_help(&mut self) -> Result<bool> {
+        Ok(false)
+    }
+}
+
+/// Single-copy receiving, the other end of [`DirectSend`]: reading the
+/// bytes a [`Incoming::Remote`] slot refers to. Reached through
+/// [`RecvChannel::direct`].
+pub trait DirectRecv {
+    /// Whether the copies this end makes itself should use streaming stores
+    /// (the operation's buffers exceed the cache, so the destination would
+    /// only evict what is cached) or ordinary ones (the data is used again
+    /// while cached). The engine says so before each read; links whose
+    /// reads are not CPU copies keep the default, which ignores it.
     fn stream_hint(&mut self, streaming: bool) {
         let _ = streaming;
     }
+
     /// Copy the payload of the current [`Incoming::Remote`] slot (all `len`
     /// bytes) to `dst`, before `release`.
     ///
     /// # Safety
     ///
     /// `dst` must be valid for writes of `len` bytes of host memory.
-    unsafe fn read_remote(&mut self, dst: *mut u8, len: usize) -> Result<()> {
-        let _ = (dst, len);
-        Err(crate::error::CoreError::Unavailable {
-            transport: self.transport(),
-            reason: "direct (single-copy) transfers are not supported".into(),
-        })
-    }
-    /// Non-blocking form of [`RecvChannel::read_remote`]: moves what it can
-    /// of the current [`Incoming::Remote`] slot to `dst` and returns true
-    /// once all `len` bytes are there. Calls after a `false` must pass the
-    /// same `dst` and `len` and continue the same slot; the engine calls it
-    /// again (waiting with its own deadline, abort and liveness checks) until
-    /// it returns true, then `release`s. The default does the whole
-    /// [`RecvChannel::read_remote`] at once.
+    unsafe fn read_remote(&mut self, dst: *mut u8, len: usize) -> Result<()>;
+
+    /// Non-blocking form of [`DirectRecv::read_remote`]: moves what it can of
+    /// the current [`Incoming::Remote`] slot to `dst` and returns true once
+    /// all `len` bytes are there. Calls after a `false` must pass the same
+    /// `dst` and `len` and continue the same slot; the engine calls it again
+    /// (waiting with its own deadline, abort and liveness checks) until it
+    /// returns true, then `release`s. The default does the whole read at
+    /// once.
     ///
     /// # Safety
     ///
     /// `dst` must be valid for writes of `len` bytes of host memory, and
     /// nothing else may access it until this returns true or an error. The
-    /// transport (or the sender, helping: [`SendChannel::poll_help`]) writes
+    /// transport (or the sender, helping: [`DirectSend::poll_help`]) writes
     /// `dst` until then, and not after: an error, or the channel's `abort`
     /// or drop, first makes sure no write is still under way.
     unsafe fn poll_read_remote(&mut self, dst: *mut u8, len: usize) -> Result<bool> {

@@ -173,7 +173,11 @@ impl Communicator {
         let slot_mode = slot_stores::Mode::parse(std::env::var(slot_stores::ENV).ok().as_deref())
             .map_err(Error::Env)?;
         let local_piece = chans.min_slot_bytes().unwrap_or(usize::MAX) as u64;
-        let local_direct = chans.send.iter_mut().flatten().all(|c| c.can_send_direct());
+        let local_direct = chans
+            .send
+            .iter_mut()
+            .flatten()
+            .all(|c| c.direct().is_some());
         // With them, the CPUs this rank may run on (a hex mask; empty when
         // unknown), for the oversubscription test.
         let mut mine = local_piece.to_le_bytes().to_vec();

@@ -598,12 +598,18 @@ impl HostRun<'_> {
         // through slots against 330-400 µs by reference).
         let fresh = len <= slot.cap
             && matches!(op, Op::RecvCopySend { .. } | Op::RecvReduceCopySend { .. });
-        let direct_ok = len >= ex.direct_min
+        // The link's single-copy capability, and whether the receiver pays
+        // for a reference (None: no single copy on this link now).
+        let costs_receiver = if len >= ex.direct_min {
+            ch.direct().map(|d| d.costs_receiver())
+        } else {
+            None
+        };
+        let direct_ok = costs_receiver.is_some()
             && !matches!(op, Op::RecvReduceSend { .. })
-            && ch.can_send_direct()
             && (self.prog.red_op.is_none()
                 || !matches!(op, Op::Send { .. })
-                || !ch.direct_costs_receiver())
+                || costs_receiver == Some(false))
             && !(fresh && ex.slot_stores.is_some_and(|s| s.streaming(to)));
         let mut extra = 0;
         if let Some(hb) = self.hdr.unsent(to) {
@@ -673,6 +679,13 @@ impl HostRun<'_> {
             }
         };
         let rx = chans.receiver(from)?;
+        let transport = rx.transport();
+        let rx = rx.direct().ok_or_else(|| CoreError::Protocol {
+            peer: from,
+            detail: format!(
+                "the {transport} link from rank {from} announced a single-copy piece but has no single-copy reads"
+            ),
+        })?;
         rx.stream_hint(self.ex.stream_copies);
         // SAFETY: `dest` is a region pointer valid for `len` bytes (caller's
         // contract) or the scratch buffer of at least `len` bytes, which
@@ -790,10 +803,16 @@ impl HostRun<'_> {
         let (ex, len) = (self.ex, io.len);
         match io.output {
             Some((to, Output::Direct)) => {
+                let tx = chans.sender(to)?;
+                let transport = tx.transport();
+                let tx = tx.direct().ok_or_else(|| CoreError::Unavailable {
+                    transport,
+                    reason: format!("the link to rank {to} lost its single-copy capability"),
+                })?;
                 // SAFETY: `p` points into the caller's buffers, which stay
                 // valid and unmodified (plans never rewrite a region they
                 // sent) until `execute` has waited for the peer to drain.
-                unsafe { chans.sender(to)?.commit_direct(p, len)? };
+                unsafe { tx.commit_direct(p, len)? };
                 if !self.direct.contains(&to) {
                     self.direct.push(to);
                 }

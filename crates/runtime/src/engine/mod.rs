@@ -190,7 +190,7 @@ impl<'a> Waiter<'a> {
 
     /// Called when nothing could move. `blocked` names what we wait for;
     /// `helping` are the peers this operation sent direct slots to, whose
-    /// copies we take a share of meanwhile ([`SendChannel::poll_help`]) —
+    /// copies we take a share of meanwhile ([`DirectSend::poll_help`]) —
     /// unless we wait for data: then we have work of our own coming, and
     /// side by side (AllGather on 2 ranks, 16 MiB) helping there made the
     /// operation 12% slower, while helping from slot and drain waits made
@@ -203,8 +203,10 @@ impl<'a> Waiter<'a> {
     ) -> Result<(), CoreError> {
         if !helping.is_empty() && blocked.1 != WAIT_DATA {
             for &peer in helping {
-                if chans.sender(peer)?.poll_help()? {
-                    return Ok(());
+                if let Some(d) = chans.sender(peer)?.direct() {
+                    if d.poll_help()? {
+                        return Ok(());
+                    }
                 }
             }
         }
@@ -316,7 +318,7 @@ pub(crate) trait OpRunner {
     /// must wait, having changed nothing visible (its retry starts over).
     fn try_op(&mut self, op: &Op, chans: &mut Channels) -> Result<Option<Blocked>, CoreError>;
     /// Peers whose single-copy reads of our buffers this operation may help
-    /// with while it waits ([`SendChannel::poll_help`]).
+    /// with while it waits ([`DirectSend::poll_help`]).
     fn helping(&self) -> &[u32] {
         &[]
     }

@@ -3,7 +3,7 @@
 use std::sync::atomic::Ordering;
 
 use braid_core::error::{CoreError, Result};
-use braid_core::transport::{Incoming, RecvChannel, SlotBuf};
+use braid_core::transport::{DirectRecv, Incoming, RecvChannel, SlotBuf};
 use braid_core::types::MemKind;
 
 use super::{
@@ -40,7 +40,7 @@ pub(crate) struct ShmRecv {
     remote_region: Option<host::Region>,
     /// Peer host buffers mapped here.
     files: host::PeerFiles,
-    /// Copies from them use streaming stores (`RecvChannel::stream_hint`).
+    /// Copies from them use streaming stores (`DirectRecv::stream_hint`).
     stream: bool,
     /// Set by our own `abort`.
     aborted: Option<String>,
@@ -452,58 +452,6 @@ impl RecvChannel for ShmRecv {
         Ok(Some(Incoming::Inline(slot, word as usize)))
     }
 
-    fn stream_hint(&mut self, streaming: bool) {
-        self.stream = streaming;
-    }
-
-    unsafe fn read_remote(&mut self, dst: *mut u8, len: usize) -> Result<()> {
-        let addr = self.direct_slot(len)?;
-        // SAFETY: forwarded from this function's contract.
-        if unsafe { self.read_mapped(addr, dst, len) } {
-            return Ok(());
-        }
-        // SAFETY: `dst` is valid for `len` bytes (this method's contract).
-        unsafe { segment::read_process(self.peer_pid, addr, dst, len) }
-            .map_err(|e| self.read_error(e))
-    }
-
-    /// Like `read_remote`, but a transfer of at least [`HELP_CHUNKS_MIN`]
-    /// chunks is shared
-    /// with the sender: both sides claim chunks from the segment's claim
-    /// word; we read ours, the sender (in `poll_help`, while its engine
-    /// waits) writes its own into `dst`. Returns false while chunks the
-    /// sender claimed are still being written.
-    unsafe fn poll_read_remote(&mut self, dst: *mut u8, len: usize) -> Result<bool> {
-        let addr = self.direct_slot(len)?;
-        if self.sharing.is_none() {
-            // SAFETY: forwarded from this function's contract.
-            if unsafe { self.read_mapped(addr, dst, len) } {
-                return Ok(true);
-            }
-            let split = self.help_chunk.map(|min| help_split(len, min));
-            let Some((chunk, chunks)) = split.filter(|&(_, n)| n >= HELP_CHUNKS_MIN) else {
-                // SAFETY: forwarded from this function's contract.
-                unsafe { self.read_remote(dst, len)? };
-                return Ok(true);
-            };
-            self.offer(dst, len, chunk, chunks);
-        } else if self
-            .sharing
-            .as_ref()
-            .is_some_and(|s| s.dst != dst as usize || s.len != len)
-        {
-            return Err(CoreError::InvalidArgument(
-                "shm poll_read_remote called for another destination before the last finished"
-                    .into(),
-            ));
-        }
-        let res = self.step_shared(addr);
-        if res.is_err() {
-            self.withdraw();
-        }
-        res
-    }
-
     fn release(&mut self) -> Result<()> {
         if let Some(r) = &self.aborted {
             return Err(CoreError::Aborted(r.clone()));
@@ -556,6 +504,64 @@ impl RecvChannel for ShmRecv {
         }
         self.withdraw();
         publish_abort(&self.seg.header().receiver.0, reason);
+    }
+
+    fn direct(&mut self) -> Option<&mut dyn DirectRecv> {
+        Some(self)
+    }
+}
+
+impl DirectRecv for ShmRecv {
+    fn stream_hint(&mut self, streaming: bool) {
+        self.stream = streaming;
+    }
+
+    unsafe fn read_remote(&mut self, dst: *mut u8, len: usize) -> Result<()> {
+        let addr = self.direct_slot(len)?;
+        // SAFETY: forwarded from this function's contract.
+        if unsafe { self.read_mapped(addr, dst, len) } {
+            return Ok(());
+        }
+        // SAFETY: `dst` is valid for `len` bytes (this method's contract).
+        unsafe { segment::read_process(self.peer_pid, addr, dst, len) }
+            .map_err(|e| self.read_error(e))
+    }
+
+    /// Like `read_remote`, but a transfer of at least [`HELP_CHUNKS_MIN`]
+    /// chunks is shared
+    /// with the sender: both sides claim chunks from the segment's claim
+    /// word; we read ours, the sender (in `poll_help`, while its engine
+    /// waits) writes its own into `dst`. Returns false while chunks the
+    /// sender claimed are still being written.
+    unsafe fn poll_read_remote(&mut self, dst: *mut u8, len: usize) -> Result<bool> {
+        let addr = self.direct_slot(len)?;
+        if self.sharing.is_none() {
+            // SAFETY: forwarded from this function's contract.
+            if unsafe { self.read_mapped(addr, dst, len) } {
+                return Ok(true);
+            }
+            let split = self.help_chunk.map(|min| help_split(len, min));
+            let Some((chunk, chunks)) = split.filter(|&(_, n)| n >= HELP_CHUNKS_MIN) else {
+                // SAFETY: forwarded from this function's contract.
+                unsafe { self.read_remote(dst, len)? };
+                return Ok(true);
+            };
+            self.offer(dst, len, chunk, chunks);
+        } else if self
+            .sharing
+            .as_ref()
+            .is_some_and(|s| s.dst != dst as usize || s.len != len)
+        {
+            return Err(CoreError::InvalidArgument(
+                "shm poll_read_remote called for another destination before the last finished"
+                    .into(),
+            ));
+        }
+        let res = self.step_shared(addr);
+        if res.is_err() {
+            self.withdraw();
+        }
+        res
     }
 }
 

@@ -3,7 +3,7 @@
 use std::sync::atomic::Ordering;
 
 use braid_core::error::{CoreError, Result};
-use braid_core::transport::{SendChannel, SlotBuf};
+use braid_core::transport::{DirectSend, SendChannel, SlotBuf};
 use braid_core::types::MemKind;
 
 use super::{
@@ -127,6 +127,22 @@ impl ShmSend {
         self.tail_cache = t;
         Ok(t)
     }
+
+    /// Whether the receiver can read this process (its probe said so).
+    fn can_send_direct(&mut self) -> bool {
+        if !self.direct {
+            // Acquire: pairs with the receiver's Release after its probe.
+            self.direct = self
+                .seg
+                .header()
+                .receiver
+                .0
+                .direct_ok
+                .load(Ordering::Acquire)
+                != 0;
+        }
+        self.direct
+    }
 }
 
 impl SendChannel for ShmSend {
@@ -208,21 +224,46 @@ impl SendChannel for ShmSend {
         self.publish(len as u64)
     }
 
-    fn can_send_direct(&mut self) -> bool {
-        if !self.direct {
-            // Acquire: pairs with the receiver's Release after its probe.
-            self.direct = self
-                .seg
-                .header()
-                .receiver
-                .0
-                .direct_ok
-                .load(Ordering::Acquire)
-                != 0;
-        }
-        self.direct
+    fn poll_drained(&mut self) -> Result<bool> {
+        self.not_aborted()?;
+        Ok(self.load_tail()? == self.head)
     }
 
+    fn check_peer(&mut self) -> Result<()> {
+        let hdr = self.seg.header();
+        let recv = &hdr.receiver.0;
+        check_abort_and_process(recv, self.peer, self.peer_pid)?;
+        if recv.closed.load(Ordering::Acquire) != 0 {
+            // A peer that aborted and then exited published its reason
+            // before it closed (Acquire above pairs with its Release): the
+            // check before the `closed` load may have run just before that.
+            let reason = abort_reason(recv).unwrap_or_else(|| "the receiver closed its end".into());
+            return Err(CoreError::PeerAborted {
+                transport: NAME,
+                peer: self.peer,
+                reason,
+            });
+        }
+        Ok(())
+    }
+
+    fn abort(&mut self, reason: &str) {
+        if self.aborted.is_none() {
+            self.aborted = Some(reason.to_owned());
+        }
+        publish_abort(&self.seg.header().sender.0, reason);
+    }
+
+    fn direct(&mut self) -> Option<&mut dyn DirectSend> {
+        if self.can_send_direct() {
+            Some(self)
+        } else {
+            None
+        }
+    }
+}
+
+impl DirectSend for ShmSend {
     unsafe fn commit_direct(&mut self, ptr: *const u8, len: usize) -> Result<()> {
         if !self.can_send_direct() {
             return Err(CoreError::Unavailable {
@@ -252,11 +293,6 @@ impl SendChannel for ShmSend {
                 .store(w, Ordering::Relaxed);
         }
         self.publish(len as u64 | DIRECT_FLAG)
-    }
-
-    fn poll_drained(&mut self) -> Result<bool> {
-        self.not_aborted()?;
-        Ok(self.load_tail()? == self.head)
     }
 
     /// Writes one chunk of the direct transfer the receiver offered to share
@@ -340,31 +376,6 @@ impl SendChannel for ShmSend {
         // receiver's Acquire load that sees this count.
         h.done.fetch_add(1, Ordering::Release);
         Ok(true)
-    }
-
-    fn check_peer(&mut self) -> Result<()> {
-        let hdr = self.seg.header();
-        let recv = &hdr.receiver.0;
-        check_abort_and_process(recv, self.peer, self.peer_pid)?;
-        if recv.closed.load(Ordering::Acquire) != 0 {
-            // A peer that aborted and then exited published its reason
-            // before it closed (Acquire above pairs with its Release): the
-            // check before the `closed` load may have run just before that.
-            let reason = abort_reason(recv).unwrap_or_else(|| "the receiver closed its end".into());
-            return Err(CoreError::PeerAborted {
-                transport: NAME,
-                peer: self.peer,
-                reason,
-            });
-        }
-        Ok(())
-    }
-
-    fn abort(&mut self, reason: &str) {
-        if self.aborted.is_none() {
-            self.aborted = Some(reason.to_owned());
-        }
-        publish_abort(&self.seg.header().sender.0, reason);
     }
 }
 

@@ -9,7 +9,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use braid_core::error::{CoreError, Result};
-use braid_core::transport::{Incoming, RecvChannel, SlotBuf};
+use braid_core::transport::{DirectRecv, Incoming, RecvChannel, SlotBuf};
 use braid_core::types::MemKind;
 
 use super::ctrl::{ctrl_reader, CtrlOut};
@@ -414,7 +414,7 @@ impl SocketRecv {
     ///
     /// # Safety
     ///
-    /// As for [`RecvChannel::poll_read_remote`].
+    /// As for [`DirectRecv::poll_read_remote`].
     unsafe fn pump(&mut self, dst: *mut u8, len: usize) -> Result<Option<bool>> {
         if let Some(r) = &self.aborted {
             return Err(CoreError::Aborted(r.clone()));
@@ -597,34 +597,6 @@ impl RecvChannel for SocketRecv {
         Ok(None)
     }
 
-    unsafe fn poll_read_remote(&mut self, dst: *mut u8, len: usize) -> Result<bool> {
-        // SAFETY: forwarded from this function's contract.
-        Ok(unsafe { self.pump(dst, len)? }.is_none())
-    }
-
-    unsafe fn read_remote(&mut self, dst: *mut u8, len: usize) -> Result<()> {
-        let mut last = Instant::now();
-        loop {
-            // SAFETY: forwarded from this function's contract.
-            match unsafe { self.pump(dst, len)? } {
-                None => return Ok(()),
-                Some(true) => last = Instant::now(),
-                Some(false) => {
-                    self.check_live()?;
-                    if last.elapsed() >= REMOTE_STALL {
-                        return Err(CoreError::Timeout {
-                            transport: NAME,
-                            peer: self.peer,
-                            waiting_for: "the rest of a direct message",
-                            after: last.elapsed(),
-                        });
-                    }
-                    self.wait_readable(Duration::from_millis(10));
-                }
-            }
-        }
-    }
-
     fn release(&mut self) -> Result<()> {
         if let Some(r) = &self.aborted {
             return Err(CoreError::Aborted(r.clone()));
@@ -677,6 +649,40 @@ impl RecvChannel for SocketRecv {
             shut(&self.ctrl.sock);
             self.wake_hands();
         }
+    }
+
+    fn direct(&mut self) -> Option<&mut dyn DirectRecv> {
+        Some(self)
+    }
+}
+
+impl DirectRecv for SocketRecv {
+    unsafe fn read_remote(&mut self, dst: *mut u8, len: usize) -> Result<()> {
+        let mut last = Instant::now();
+        loop {
+            // SAFETY: forwarded from this function's contract.
+            match unsafe { self.pump(dst, len)? } {
+                None => return Ok(()),
+                Some(true) => last = Instant::now(),
+                Some(false) => {
+                    self.check_live()?;
+                    if last.elapsed() >= REMOTE_STALL {
+                        return Err(CoreError::Timeout {
+                            transport: NAME,
+                            peer: self.peer,
+                            waiting_for: "the rest of a direct message",
+                            after: last.elapsed(),
+                        });
+                    }
+                    self.wait_readable(Duration::from_millis(10));
+                }
+            }
+        }
+    }
+
+    unsafe fn poll_read_remote(&mut self, dst: *mut u8, len: usize) -> Result<bool> {
+        // SAFETY: forwarded from this function's contract.
+        Ok(unsafe { self.pump(dst, len)? }.is_none())
     }
 }
 

@@ -10,7 +10,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use braid_core::error::{CoreError, Result};
-use braid_core::transport::{SendChannel, SlotBuf};
+use braid_core::transport::{DirectSend, SendChannel, SlotBuf};
 use braid_core::types::MemKind;
 
 use super::ctrl::{check_credit, ctrl_reader, CtrlOut};
@@ -425,32 +425,6 @@ impl SendChannel for SocketSend {
         self.publish(len, None)
     }
 
-    fn can_send_direct(&mut self) -> bool {
-        self.direct
-    }
-
-    fn direct_costs_receiver(&mut self) -> bool {
-        // The helpers write from the caller's memory instead of a slot; the
-        // receiver reads the same bytes from its sockets either way.
-        false
-    }
-
-    unsafe fn commit_direct(&mut self, ptr: *const u8, len: usize) -> Result<()> {
-        self.check()?;
-        if !self.direct {
-            return Err(CoreError::Unavailable {
-                transport: NAME,
-                reason: format!("direct sends are switched off ({})", crate::ENV_DIRECT),
-            });
-        }
-        if len > MAX_DIRECT {
-            return Err(CoreError::InvalidArgument(format!(
-                "direct commit of {len} bytes: at most {MAX_DIRECT} per message"
-            )));
-        }
-        self.publish(len, Some(ptr))
-    }
-
     fn poll_drained(&mut self) -> Result<bool> {
         if let Some(r) = &self.aborted {
             return Err(CoreError::Aborted(r.clone()));
@@ -474,6 +448,38 @@ impl SendChannel for SocketSend {
             self.aborted = Some(reason.to_owned());
             self.stop(Some((CtrlKind::Abort, reason)));
         }
+    }
+
+    fn direct(&mut self) -> Option<&mut dyn DirectSend> {
+        if self.direct {
+            Some(self)
+        } else {
+            None
+        }
+    }
+}
+
+impl DirectSend for SocketSend {
+    fn costs_receiver(&self) -> bool {
+        // The helpers write from the caller's memory instead of a slot; the
+        // receiver reads the same bytes from its sockets either way.
+        false
+    }
+
+    unsafe fn commit_direct(&mut self, ptr: *const u8, len: usize) -> Result<()> {
+        self.check()?;
+        if !self.direct {
+            return Err(CoreError::Unavailable {
+                transport: NAME,
+                reason: format!("direct sends are switched off ({})", crate::ENV_DIRECT),
+            });
+        }
+        if len > MAX_DIRECT {
+            return Err(CoreError::InvalidArgument(format!(
+                "direct commit of {len} bytes: at most {MAX_DIRECT} per message"
+            )));
+        }
+        self.publish(len, Some(ptr))
     }
 }
 
