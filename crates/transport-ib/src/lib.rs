@@ -224,33 +224,42 @@ impl IbConfig {
 
     /// Like [`IbConfig::from_env`] with a custom lookup (tests).
     pub fn from_lookup(get: impl Fn(&str) -> Option<String>) -> Result<IbConfig> {
-        let var = |k: &str| {
-            get(k)
-                .map(|s| s.trim().to_owned())
-                .filter(|s| !s.is_empty())
+        use braid_core::config;
+        let env: &dyn Fn(&str) -> Option<String> = &get;
+        let num = |k: &str, d| -> Result<u32> {
+            config::number::<u32>(env, k)
+                .map(|v| v.unwrap_or(d))
+                .map_err(|e| CoreError::InvalidArgument(e.to_string()))
         };
-        fn num<T: std::str::FromStr>(k: &str, v: Option<String>, d: T) -> Result<T> {
-            match v {
-                None => Ok(d),
-                Some(s) => s.parse().map_err(|_| {
-                    CoreError::InvalidArgument(format!("{k}={s:?} is not a valid number"))
-                }),
-            }
-        }
+        let bytes = |k: &str, d| -> Result<usize> {
+            config::number::<usize>(env, k)
+                .map(|v| v.unwrap_or(d))
+                .map_err(|e| CoreError::InvalidArgument(e.to_string()))
+        };
         let d = IbConfig::default();
         let c = IbConfig {
-            hca: var(ENV_HCA),
-            gid_index: match var(ENV_GID_INDEX) {
-                None => None,
-                Some(s) => Some(num(ENV_GID_INDEX, Some(s), 0u32)?),
-            },
-            qps: num(ENV_QPS, var(ENV_QPS), d.qps)?,
-            timeout: num(ENV_TIMEOUT, var(ENV_TIMEOUT), d.timeout)?,
-            retry_cnt: num(ENV_RETRY_CNT, var(ENV_RETRY_CNT), d.retry_cnt)?,
-            sl: num(ENV_SL, var(ENV_SL), d.sl)?,
-            tc: num(ENV_TC, var(ENV_TC), d.tc)?,
-            slot_bytes: num(ENV_SLOT_BYTES, var(ENV_SLOT_BYTES), d.slot_bytes)?,
-            slots: num(ENV_SLOTS, var(ENV_SLOTS), d.slots)?,
+            hca: config::value(env, ENV_HCA),
+            gid_index: config::number::<u32>(env, ENV_GID_INDEX)
+                .map_err(|e| CoreError::InvalidArgument(e.to_string()))?,
+            qps: bytes(ENV_QPS, d.qps)?,
+            timeout: num(ENV_TIMEOUT, d.timeout.into())?
+                .try_into()
+                .map_err(|_| {
+                    CoreError::InvalidArgument(format!("{ENV_TIMEOUT}: must be 1 to 31"))
+                })?,
+            retry_cnt: num(ENV_RETRY_CNT, d.retry_cnt.into())?
+                .try_into()
+                .map_err(|_| {
+                    CoreError::InvalidArgument(format!("{ENV_RETRY_CNT}: must be 0 to 7"))
+                })?,
+            sl: num(ENV_SL, d.sl.into())?
+                .try_into()
+                .map_err(|_| CoreError::InvalidArgument(format!("{ENV_SL}: must be 0 to 15")))?,
+            tc: num(ENV_TC, d.tc.into())?
+                .try_into()
+                .map_err(|_| CoreError::InvalidArgument(format!("{ENV_TC}: must be 0 to 255")))?,
+            slot_bytes: bytes(ENV_SLOT_BYTES, d.slot_bytes)?,
+            slots: bytes(ENV_SLOTS, d.slots)?,
             nearest: Vec::new(),
         };
         c.validate()?;
