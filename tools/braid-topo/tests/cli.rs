@@ -79,10 +79,7 @@ fn clear_errors() {
     assert!(err.contains(&format!("{}:4:", bad.display())), "{err}");
     let (rc, _, err) = run(&["--sysfs-root", "/nonexistent/root"]);
     assert_eq!(rc, 1);
-    assert!(
-        err.contains("/nonexistent/root/sys/bus/pci/devices"),
-        "{err}"
-    );
+    assert!(err.contains("/nonexistent/root/sys"), "{err}");
     let (rc, _, err) = run(&["--bogus"]);
     assert_eq!(rc, 2);
     assert!(err.contains("unknown argument"), "{err}");
