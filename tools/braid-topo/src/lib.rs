@@ -229,20 +229,17 @@ pub fn run(args: &[String], env: &dyn Fn(&str) -> Option<String>) -> Result<Stri
                             dir.display()
                         ));
                     }
-                    let mut notes = d.notes;
-                    notes.insert(0, format!("GPUs: {}", provider.name()));
-                    (d.system, notes, format!("sysfs under {}", root.display()))
+                    (d.system, d.notes, format!("sysfs under {}", root.display()))
                 }
                 (Some(f), Ok((_, d))) => {
                     let (sys, mut notes) = merge::merge(&f, &d.system);
                     notes.splice(0..0, d.notes);
-                    notes.insert(0, format!("GPUs: {}", provider.name()));
                     let name = topo_file.as_deref().unwrap_or(Path::new("")).display();
                     (
                         sys,
                         notes,
                         format!(
-                            "file {name} merged with sysfs under {} (--file-only: the file alone)",
+                            "file {name} merged with detection under {} (--file-only: the file alone)",
                             root.display()
                         ),
                     )

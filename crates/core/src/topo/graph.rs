@@ -552,9 +552,9 @@ impl Topology {
     /// (`rdma`) or the kernel interfaces (not `rdma`; RDMA ports when there
     /// are none).
     pub fn nearest_net(&self, from: usize, rdma: bool) -> Option<usize> {
-        let ports =
-            self.ports(Some(rdma))
-                .or_else(|| if rdma { None } else { self.ports(None) })?;
+        let ports = self
+            .ports(Some(rdma))
+            .or_else(|| if rdma { None } else { self.ports(None) })?;
         self.local_nets(from, &ports).first().copied()
     }
 

@@ -547,6 +547,12 @@ impl System {
         all.len()
     }
 
+    /// The NUMA nodes proper (not NCCL's node -1 of CPUs whose node is
+    /// unknown or offline).
+    pub fn numa_nodes(&self) -> usize {
+        self.cpus.iter().filter(|c| c.numaid >= 0).count()
+    }
+
     /// NUMA nodes with CPUs (memory-only nodes, such as CXL or HBM
     /// expanders, have none and get no ranks). A node whose CPUs are not
     /// known counts as having some.

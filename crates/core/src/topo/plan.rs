@@ -980,11 +980,13 @@ fn make_ring(
 }
 
 /// Score of an ordering: narrowest GB/s (the hop to the port the path
-/// leaves by included), worst path class, total GB/s, and how the last rank
-/// reaches that port (0: next to it, 1: through a relay, 2: otherwise).
+/// leaves by included), GB/s of that hop, worst path class, total GB/s,
+/// and how the last rank reaches that port (0: next to it, 1: through a
+/// relay, 2: otherwise).
 #[derive(Clone, Copy, PartialEq)]
 struct Score {
     min_bw: f64,
+    exit_bw: f64,
     worst: PathType,
     sum_bw: f64,
     exit: u8,
@@ -995,6 +997,9 @@ impl Score {
         const EPS: f64 = 1e-9;
         if (self.min_bw - o.min_bw).abs() > EPS {
             return self.min_bw > o.min_bw;
+        }
+        if (self.exit_bw - o.exit_bw).abs() > EPS {
+            return self.exit_bw > o.exit_bw;
         }
         if self.worst != o.worst {
             return self.worst < o.worst;
@@ -1027,6 +1032,7 @@ fn best_order(
         let (exit_bw, exit_class) = exit(*order.last().unwrap_or(&first));
         let mut s = Score {
             min_bw: exit_bw,
+            exit_bw,
             worst: PathType::Loc,
             sum_bw: 0.0,
             exit: exit_class,

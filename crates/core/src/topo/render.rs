@@ -50,7 +50,7 @@ pub fn summary(t: &Topology, notes: &[String]) -> String {
         o,
         "CPUs: {} in {} NUMA node(s){}",
         s.cpu_count(),
-        s.cpus.len(),
+        s.numa_nodes(),
         c0.map_or(String::new(), |c| {
             let mut d = Vec::new();
             d.extend(c.vendor.clone());
@@ -74,9 +74,13 @@ pub fn summary(t: &Topology, notes: &[String]) -> String {
             .attrs
             .get("gpu_memory")
             .map_or(String::new(), |g| format!(" (memory of GPU {g})"));
-        let _ = writeln!(o, "  NUMA {}: cpus {cpus}{gpu_mem}", c.numaid);
+        if c.numaid < 0 {
+            let _ = writeln!(o, "  no NUMA node: cpus {cpus}");
+        } else {
+            let _ = writeln!(o, "  NUMA {}: cpus {cpus}{gpu_mem}", c.numaid);
+        }
     }
-    if s.cpus.len() > 1 {
+    if s.numa_nodes() > 1 {
         if let (Some(&a), Some(&b)) = (t.cpus.first(), t.cpus.get(1)) {
             if let Some(p) = t.path(a, b) {
                 let _ = writeln!(o, "  inter-socket link: {} GB/s", gbps(p.bw));

@@ -123,7 +123,11 @@ impl RecordedGpus {
 
 impl GpuProvider for RecordedGpus {
     fn name(&self) -> String {
-        format!("recorded ({})", self.file.display())
+        let name = self.file.file_name().map_or_else(
+            || self.file.display().to_string(),
+            |n| n.to_string_lossy().into_owned(),
+        );
+        format!("recorded ({name})")
     }
     fn gpus(&self) -> Result<Vec<DetectedGpu>, TopoError> {
         let f = self.file.display().to_string();
@@ -459,6 +463,31 @@ pub fn detect(reader: &SysfsReader, gpus: &dyn GpuProvider) -> Result<Detected, 
             ..Default::default()
         });
     }
+    // Online CPUs that no node lists (their node is offline): hwloc keeps
+    // them, outside any NUMA node; braid puts them in NCCL's "unknown"
+    // node, -1.
+    if let (Some(on), false) = (&online, sys.cpus.is_empty()) {
+        let loose: Vec<u32> = on.0.iter().copied().filter(|c| !seen.contains(c)).collect();
+        if !loose.is_empty() {
+            let loose = CpuSet(loose);
+            notes.push(format!(
+                "CPUs {} are online but in no NUMA node (their node is offline): kept as node -1",
+                loose.to_list()
+            ));
+            let mut attrs = super::model::Attrs::new();
+            attrs.insert("no_numa_node".into(), "1".into());
+            sys.cpus.push(Cpu {
+                numaid: -1,
+                affinity: Some(loose),
+                arch: arch.clone(),
+                vendor: vendor.clone(),
+                familyid: family,
+                modelid: model,
+                attrs,
+                ..Default::default()
+            });
+        }
+    }
     if sys.cpus.is_empty() {
         notes.push("no NUMA nodes under sys/devices/system/node: assuming one node".into());
         sys.cpus.push(Cpu {
@@ -482,6 +511,12 @@ pub fn detect(reader: &SysfsReader, gpus: &dyn GpuProvider) -> Result<Detected, 
     let provided = gpus.gpus()?;
     if provided.is_empty() {
         notes.push(format!("GPU provider {}: no GPUs", gpus.name()));
+    } else {
+        notes.push(format!(
+            "GPU provider {}: {} GPU(s)",
+            gpus.name(),
+            provided.len()
+        ));
     }
     for mut g in provided {
         // What an NVLink leads to: the class of the peer's PCI function, or
@@ -1131,6 +1166,8 @@ fn write_net_to(
             )?;
         }
         let pb = format!("{base}/ports/{port}");
+        // The port directory exists even when nothing is known about it.
+        put(&format!("{pb}/.keep"), "")?;
         if let Some(s) = &n.state {
             let code = match s.as_str() {
                 "ACTIVE" => 4,
