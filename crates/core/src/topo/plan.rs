@@ -1028,6 +1028,14 @@ fn best_order(
     }
     let edge = |a: usize, b: usize| cx.link(a, b, transports[a][b].unwrap_or(TransportKind::Shm));
     let first = start.unwrap_or(rs[0]);
+    // The exit rating depends on the last rank only: once per rank.
+    let exits: Vec<(usize, (f64, u8))> = rs.iter().map(|&r| (r, exit(r))).collect();
+    let exit = |r: usize| {
+        exits
+            .iter()
+            .find(|x| x.0 == r)
+            .map_or((f64::INFINITY, 2), |x| x.1)
+    };
     let score = |order: &[usize]| {
         let (exit_bw, exit_class) = exit(*order.last().unwrap_or(&first));
         let mut s = Score {
