@@ -1,28 +1,38 @@
 //! Detection from sysfs under an injected root, recording of what was read,
 //! and writing a sysfs tree for a model (hand-built fixtures).
 //!
-//! The root is a directory that holds `sys/` (and optionally `proc/cpuinfo`
-//! and `proc/sys/kernel/hostname`); on a live machine it is `/`. Detection
-//! reads:
+//! The root is a directory that holds `sys/` (and optionally `proc/cpuinfo`,
+//! `proc/sys/kernel/hostname` and `proc/driver/nvidia/gpus`); on a live
+//! machine it is `/`. Detection reads what hwloc reads for the host and
+//! NCCL for the devices:
 //!
-//! - `sys/devices/system/node/node<N>/cpumap` (or `cpulist`): NUMA nodes;
-//!   without them, one node with `sys/devices/system/cpu/online`.
+//! - `sys/devices/system/node/node<N>/cpumap` (or `cpulist`), restricted to
+//!   `sys/devices/system/cpu/online`: NUMA nodes. As hwloc: a node whose
+//!   CPUs overlap an earlier node's is dropped (buggy firmware); a node
+//!   without CPUs is kept as memory only (no rank is placed there); NVIDIA
+//!   GPU memory shown as a node (`proc/driver/nvidia/gpus/*/numa_status`)
+//!   is dropped on POWER; online CPUs of an offline node are kept as node
+//!   -1. Without node directories, one node with the online CPUs. Trailing
+//!   NUL bytes (some ARM kernels) are ignored.
 //! - `sys/bus/pci/devices/<bdf>` → its real path gives the PCI ancestry; each
 //!   level's `class`, `vendor`, `device`, `subsystem_*`, `max_link_speed`,
-//!   `max_link_width`, `numa_node`. As NCCL does, the walk up skips one level
-//!   at a time (the downstream port of a switch, or the root port), so a
-//!   PCIe switch is one node.
+//!   `max_link_width`, `numa_node` (else `local_cpus`, as hwloc). As NCCL
+//!   does, the walk up skips one level at a time (the downstream port of a
+//!   switch, or the root port), so a PCIe switch is one node. The list may
+//!   be missing (CPU-only captures): no PCI device is placed then.
 //! - `sys/class/infiniband/<dev>/{device,node_guid,ports/<p>/{state,rate,link_layer}}`:
 //!   RDMA ports (InfiniBand or RoCE).
 //! - `sys/class/net/<if>/{device,speed,operstate,type}`: kernel interfaces
-//!   with a device behind them (virtual ones like `lo` are skipped).
+//!   with a device behind them (virtual ones like `lo` are skipped; type 32
+//!   is IPoIB). The functions of one adapter are one NIC (function 0).
 //! - `sys/module/nvidia_peermem` (or `sys/kernel/mm/memory_peers/nv_mem`): GPUDirect RDMA.
 //!
-//! GPUs do not come from sysfs but from a [`GpuProvider`]: braid does not link
-//! CUDA or NVML here. [`NoGpus`] reports none (not an error);
+//! GPUs do not come from sysfs but from a [`GpuProvider`]: braid-core does
+//! not link CUDA or NVML. [`NoGpus`] reports none (not an error);
 //! [`RecordedGpus`] reads `<gpus><gpu busid=.. dev=.. sm=..><nvlink .../></gpu></gpus>`
-//! (the answers NVML would give, recorded in a fixture as `nvml-gpus.xml`). An
-//! NVML/CUDA provider loaded at run time plugs in through the same trait.
+//! (the answers NVML would give, recorded in a fixture as `nvml-gpus.xml`);
+//! [`super::nvml::NvmlGpus`] asks NVML (recorded answers, or `braid-cuda`'s
+//! run-time loaded library) as NCCL does.
 
 use std::cell::RefCell;
 use std::collections::BTreeMap;
