@@ -663,12 +663,18 @@ pub fn plan(c: &Cluster, policy: &TransportPolicy) -> Result<Plan, TopoError> {
             }
         }
     }
-    // Ports per rank: RDMA ports where it talks ib, kernel interfaces
-    // otherwise (RDMA ports when the host has no other).
+    // Ports per rank: the RDMA ports where it talks ib to another host (or,
+    // with no other host, where it would: its host has an RDMA port up and
+    // the policy allows ib), kernel interfaces otherwise (RDMA ports when
+    // the host has no other).
+    let ib_allowed = !policy.disabled.contains(&TransportKind::Ib)
+        && policy.forced.is_none_or(|f| f == TransportKind::Ib);
     let kind_ports: Vec<Vec<usize>> = (0..n)
         .map(|r| {
             let t = cx.topo(r);
-            let ib = transports[r].contains(&Some(TransportKind::Ib));
+            let remote = (0..n).any(|b| c.ranks[b].host != c.ranks[r].host);
+            let ib = transports[r].contains(&Some(TransportKind::Ib))
+                || (!remote && ib_allowed && cx.host_has_rdma(r));
             let ports = if ib {
                 t.ports(Some(true))
             } else {
