@@ -168,11 +168,14 @@ fn point_to_point_and_groups() {
     assert_all_ok("p2p with 3 ranks, single copy", &res);
 }
 
-/// `BRAID_TOPO_FILE` replaces detection: with the 8-GPU server's file the
-/// planner sees that host's InfiniBand ports (this VM has none), and the
-/// collectives still run over shm.
+/// `BRAID_TOPO_FILE` is read by every rank and merged with detection, as
+/// NCCL merges `NCCL_TOPO_FILE`: with the 8-GPU server's file the
+/// collectives still run over shm, and the file's InfiniBand ports, which
+/// detection does not find on this VM, are dropped (the ring leaves through
+/// a detected port, never `mlx5_*`). A file that cannot be parsed is an
+/// error on every rank naming the file: the ranks read it.
 #[test]
-fn topology_file_replaces_detection() {
+fn topology_file_is_merged_with_detection() {
     let _g = serial();
     let file = concat!(
         env!("CARGO_MANIFEST_DIR"),
@@ -187,22 +190,40 @@ fn topology_file_replaces_detection() {
     );
     assert_all_ok("3 ranks with BRAID_TOPO_FILE", &res);
     for (r, (_, out)) in res.iter().enumerate() {
+        assert!(out.contains("nic: "), "{out}");
         assert!(
-            out.contains("nic: mlx5_"),
-            "rank {r} did not use the file:\n{out}"
+            !out.contains("nic: mlx5_"),
+            "rank {r} planned over a port detection did not find:\n{out}"
         );
-        assert!(out.contains("transports: "), "{out}");
         let line = out
             .lines()
             .find(|l| l.contains("transports: "))
             .unwrap_or("");
-        assert!(!line.contains("socket"), "rank {r}: {line}");
+        assert!(
+            line.contains("shm") && !line.contains("socket"),
+            "rank {r}: {line}"
+        );
     }
-    // Without the file, this VM's detected model has no RDMA port.
-    let res = run_suite("matrix", 2, &["1"], Duration::from_secs(120));
-    assert_all_ok("2 ranks, detected topology", &res);
-    for (_, out) in &res {
-        assert!(!out.contains("nic: mlx5_"), "{out}");
+    let bad = std::env::temp_dir().join(format!("braid-bad-topo-{}.xml", std::process::id()));
+    std::fs::write(&bad, "<system version=\"1\"><cpu numaid=\"0\"").unwrap();
+    let res = run_suite_env(
+        "matrix",
+        2,
+        &["1"],
+        Duration::from_secs(120),
+        &[("BRAID_TOPO_FILE", bad.to_str().unwrap())],
+    );
+    std::fs::remove_file(&bad).unwrap();
+    for (r, (code, out)) in res.iter().enumerate() {
+        assert_ne!(
+            *code,
+            Some(0),
+            "rank {r} ran with a malformed topology file:\n{out}"
+        );
+        assert!(
+            out.contains("braid-bad-topo-"),
+            "rank {r}'s error does not name the file:\n{out}"
+        );
     }
 }
 

@@ -4,11 +4,14 @@
 //! `braid-transport-pcie` (that ring, or rings staged through shared host
 //! memory), which build on the safe types here.
 //!
-//! - [`driver`]: the only module with `unsafe` code (the crate denies it
-//!   elsewhere): raw FFI (cudarc, loaded at run time) → `Result` wrappers
+//! - [`driver`]: raw FFI (cudarc, loaded at run time) → `Result` wrappers
 //!   → safe types: the probe, [`Device`], [`DeviceBuffer`], [`HostFlag`],
 //!   [`CudaStream`], [`Event`], CUDA IPC ([`DeviceBuffer::ipc_handle`],
 //!   [`IpcMapping`]) and the NVRTC-compiled [`Kernels`].
+//! - [`nvml`]: NVML (`libnvidia-ml.so.1`, loaded at run time): the answers
+//!   braid-core's NVML topology logic asks for (GPUs, NVLinks, NVSwitches).
+//!   With `driver`, the only modules with `unsafe` code (the crate denies it
+//!   elsewhere).
 //! - [`kernels`]: the kernels' CUDA C source, generated from a table (pure).
 //! - [`ipc`]: CUDA IPC memory handles as bytes (pure).
 //! - [`schedule`]: a collective as one in-order list of stream commands
@@ -28,6 +31,8 @@ pub mod driver;
 pub mod error;
 pub mod ipc;
 pub mod kernels;
+#[allow(unsafe_code)]
+pub mod nvml;
 pub mod schedule;
 
 pub use driver::{
@@ -36,23 +41,39 @@ pub use driver::{
 };
 pub use error::{CudaError, Result};
 
-/// GPUs for topology detection, from the CUDA driver (no context is
-/// created): bus id, device ordinal and compute capability. Without CUDA it
-/// reports no GPUs (not an error), as the topology contract asks. NVLinks
-/// need NVML, which braid does not load yet: with this provider GPUs are
-/// joined by their PCIe paths only (a `BRAID_TOPO_FILE` carries NVLinks).
+/// GPUs for topology detection: from NVML where `libnvidia-ml.so.1` loads
+/// (bus id, index, compute capability, NVLinks and what they lead to, as
+/// NCCL reads them), else from the CUDA driver (no context is created: bus
+/// id, ordinal and compute capability; GPUs are then joined by their PCIe
+/// paths only, and a `BRAID_TOPO_FILE` can carry the NVLinks). Without
+/// either, or with `BRAID_CUDA_DISABLE`, it reports no GPUs (not an error),
+/// as the topology contract asks; its name says why.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct CudaGpus;
 
+fn cuda_disabled() -> bool {
+    matches!(probe(), Err(CudaError::Unavailable(e)) if e.contains("BRAID_CUDA_DISABLE"))
+}
+
 impl braid_core::topo::GpuProvider for CudaGpus {
     fn name(&self) -> String {
-        match probe() {
+        if cuda_disabled() {
+            return "CUDA driver (CUDA unavailable: disabled by BRAID_CUDA_DISABLE)".into();
+        }
+        let cuda = match probe() {
             Ok(i) => format!(
-                "CUDA driver {}.{} (no NVML: NVLinks unknown)",
+                "CUDA driver {}.{}",
                 i.driver_version / 1000,
                 i.driver_version % 1000 / 10
             ),
             Err(e) => format!("CUDA driver ({e})"),
+        };
+        match nvml::Nvml::open() {
+            Ok(n) => {
+                use braid_core::topo::nvml::NvmlQueries;
+                n.describe()
+            }
+            Err(e) => format!("{e}; {cuda}: NVLinks unknown"),
         }
     }
 
@@ -60,6 +81,18 @@ impl braid_core::topo::GpuProvider for CudaGpus {
         &self,
     ) -> std::result::Result<Vec<braid_core::topo::sysfs::DetectedGpu>, braid_core::topo::TopoError>
     {
+        if cuda_disabled() {
+            return Ok(Vec::new());
+        }
+        if let Ok(n) = nvml::Nvml::open() {
+            let (gpus, notes) = braid_core::topo::nvml::NvmlGpus { q: n }.read();
+            for note in notes {
+                tracing::info!("braid: topology: {note}");
+            }
+            if !gpus.is_empty() {
+                return Ok(gpus);
+            }
+        }
         let list = match driver::list_gpus() {
             Ok(l) => l,
             Err(CudaError::Unavailable(_)) => return Ok(Vec::new()),

@@ -1,11 +1,12 @@
 //! Topology fusion at communicator creation: every host's model, the
 //! transports per rank pair and the ring, from `braid_core::topo`'s planner.
 //!
-//! 1. Each rank loads its host's topology: the file named by
-//!    `BRAID_TOPO_FILE` when set (an unreadable or malformed file is an
-//!    error: the user asked for it), else sysfs detection under `/` with
-//!    GPUs from the CUDA driver when present (a host
-//!    whose sysfs cannot be read gets a one-NUMA-node model and a warning).
+//! 1. Each rank loads its host's topology: sysfs detection under `/` with
+//!    GPUs and NVLinks from NVML (the CUDA driver where NVML is missing),
+//!    merged with the file named by `BRAID_TOPO_FILE` when set, as NCCL
+//!    merges `NCCL_TOPO_FILE` (an unreadable or malformed file is an error:
+//!    the user asked for it; a host whose sysfs cannot be read gets a
+//!    one-NUMA-node model and a warning).
 //! 2. One bootstrap round carries, per rank, the transports its table holds
 //!    and the NUMA node it is bound to; the first rank of each host adds its
 //!    host's model (NCCL topology XML), so the round's size grows with hosts,
@@ -50,7 +51,18 @@ pub struct Placement {
 fn local_system() -> Result<(System, String)> {
     let env = |k: &str| std::env::var(k).ok();
     match topo::load_host(env, Path::new("/"), &braid_cuda::CudaGpus) {
-        Ok((sys, topo::Source::File(f), _)) => Ok((sys, format!("file {f}"))),
+        Ok((sys, topo::Source::File(f), notes)) => {
+            for n in notes {
+                info!("braid: topology: {n}");
+            }
+            Ok((sys, format!("file {f}")))
+        }
+        Ok((sys, topo::Source::Merged { file, root }, notes)) => {
+            for n in notes {
+                info!("braid: topology: {n}");
+            }
+            Ok((sys, format!("file {file} merged with sysfs under {root}")))
+        }
         Ok((sys, topo::Source::Detected(root), notes)) => {
             for n in notes {
                 info!("braid: topology: {n}");

@@ -5,18 +5,26 @@
 use std::path::{Path, PathBuf};
 
 use braid_core::topo::{
-    self, json, plan, render, sysfs, xml, Cluster, GpuProvider, Topology, TransportPolicy,
+    self, json, merge, nvml, plan, render, sysfs, xml, Cluster, GpuProvider, Topology,
+    TransportPolicy,
 };
 
 pub const USAGE: &str = "\
 usage: braid-topo [SOURCE] [--ranks N [--hosts H]] [--json | --xml] [--paths]
-                  [--record DIR] [--write-sysfs DIR]
+                  [--record DIR] [--record-nvml FILE] [--write-sysfs DIR]
 
-SOURCE (default: detect this machine; BRAID_TOPO_FILE names a file to use instead):
-  --topo-file FILE     NCCL topology XML (NCCL_TOPO_FILE format) or braid JSON
+SOURCE (default: detect this machine, GPUs and NVLinks from NVML, else the
+CUDA driver; BRAID_TOPO_FILE names a file merged with detection, as
+NCCL_TOPO_FILE is):
+  --topo-file FILE     NCCL topology XML (NCCL_TOPO_FILE format) or braid JSON,
+                       merged with detection (of --sysfs-root, or this machine):
+                       the file's attributes win, detected devices fill in
+  --file-only          the file alone, without detection (what-if planning for
+                       a machine you are not on)
   --sysfs-root DIR     detect from a sysfs tree under DIR (DIR/sys/...); GPUs are
-                       read from DIR/nvml-gpus.xml when present
+                       read from DIR/nvml-gpus.xml or DIR/nvml.json when present
   --gpus-file FILE     GPUs as NVML would report them (<gpus><gpu busid=..>..</gpus>)
+  --nvml-file FILE     NVML answers recorded by --record-nvml, replayed
 
 OUTPUT (default: summary and matrix):
   --ranks N            also print the per-pair transports and rings for N ranks
@@ -25,9 +33,12 @@ OUTPUT (default: summary and matrix):
   --json               the full model, graph and paths (and plan) as JSON
   --xml                the model as NCCL topology XML (NCCL_TOPO_DUMP_FILE format)
   --record DIR         copy the sysfs files detection read into DIR (a fixture)
+  --record-nvml FILE   write this machine's NVML answers into FILE (a fixture)
   --write-sysfs DIR    write a sysfs tree for the model into DIR (hand-built fixtures)
 
-Transports honour BRAID_TRANSPORT, BRAID_<NAME>_DISABLE and BRAID_P2P_LEVEL.";
+Transports honour BRAID_TRANSPORT, BRAID_<NAME>_DISABLE and BRAID_P2P_LEVEL;
+hops between hosts BRAID_CROSS_NIC (0: one rail, 1: any port, 2: one rail
+unless slower).";
 
 /// Why the command failed.
 #[derive(Debug)]
@@ -47,8 +58,11 @@ impl From<topo::TopoError> for Failure {
 #[derive(Default)]
 struct Opts {
     topo_file: Option<PathBuf>,
+    file_only: bool,
     sysfs_root: Option<PathBuf>,
     gpus_file: Option<PathBuf>,
+    nvml_file: Option<PathBuf>,
+    record_nvml: Option<PathBuf>,
     ranks: Option<usize>,
     hosts: Option<usize>,
     json: bool,
@@ -82,6 +96,9 @@ fn parse(args: &[String]) -> Result<Opts, Failure> {
             "--topo-file" => o.topo_file = Some(val(flag)?.into()),
             "--sysfs-root" => o.sysfs_root = Some(val(flag)?.into()),
             "--gpus-file" => o.gpus_file = Some(val(flag)?.into()),
+            "--nvml-file" => o.nvml_file = Some(val(flag)?.into()),
+            "--record-nvml" => o.record_nvml = Some(val(flag)?.into()),
+            "--file-only" => o.file_only = true,
             "--ranks" | "-n" => o.ranks = Some(num(flag, val(flag)?)?),
             "--hosts" => o.hosts = Some(num(flag, val(flag)?)?),
             "--record" => o.record = Some(val(flag)?.into()),
@@ -93,9 +110,14 @@ fn parse(args: &[String]) -> Result<Opts, Failure> {
             other => return Err(Failure::Usage(format!("unknown argument '{other}'"))),
         }
     }
-    if o.topo_file.is_some() && o.sysfs_root.is_some() {
+    if o.file_only && (o.sysfs_root.is_some() || o.record.is_some()) {
         return Err(Failure::Usage(
-            "give --topo-file or --sysfs-root, not both".into(),
+            "--file-only uses the file alone: no --sysfs-root or --record".into(),
+        ));
+    }
+    if o.gpus_file.is_some() && o.nvml_file.is_some() {
+        return Err(Failure::Usage(
+            "give --gpus-file or --nvml-file, not both".into(),
         ));
     }
     if o.json && o.xml {
@@ -112,61 +134,134 @@ fn parse(args: &[String]) -> Result<Opts, Failure> {
     Ok(o)
 }
 
+/// The GPU provider for detection: a recording when given (or found in
+/// the sysfs root), else this machine's NVML / CUDA driver when detecting
+/// it, else none.
+fn provider(o: &Opts) -> Result<Box<dyn GpuProvider>, Failure> {
+    if let Some(f) = &o.gpus_file {
+        return Ok(Box::new(sysfs::RecordedGpus { file: f.clone() }));
+    }
+    let nvml_file = o.nvml_file.clone().or_else(|| {
+        o.sysfs_root
+            .as_ref()
+            .map(|r| r.join(nvml::RECORDED_NVML_FILE))
+            .filter(|f| f.is_file())
+    });
+    if let Some(f) = nvml_file {
+        let q = nvml::RecordedNvml::load(&f)?;
+        return Ok(Box::new(nvml::NvmlGpus { q }));
+    }
+    Ok(match o.sysfs_root.as_deref() {
+        Some(r) => match sysfs::RecordedGpus::in_root(r) {
+            Some(p) => Box::new(p),
+            None => Box::new(sysfs::NoGpus),
+        },
+        None => Box::new(braid_cuda::CudaGpus),
+    })
+}
+
 /// Run braid-topo with `args` (without the program name); `env` reads the environment.
 pub fn run(args: &[String], env: &dyn Fn(&str) -> Option<String>) -> Result<String, Failure> {
     let o = parse(args)?;
+    if let Some(f) = &o.record_nvml {
+        let n = braid_cuda::nvml::Nvml::open().map_err(Failure::Error)?;
+        let rec = nvml::record(&n);
+        std::fs::write(f, rec.to_json())
+            .map_err(|e| Failure::Error(format!("{}: {e}", f.display())))?;
+        return Ok(format!(
+            "recorded NVML's answers for {} GPU(s) into {}\n",
+            rec.devices.len(),
+            f.display()
+        ));
+    }
     let topo_file = o.topo_file.clone().or_else(|| {
-        (o.sysfs_root.is_none())
-            .then(|| env(topo::TOPO_FILE_ENV))
-            .flatten()
+        env(topo::TOPO_FILE_ENV)
             .filter(|f| !f.trim().is_empty())
             .map(PathBuf::from)
     });
-    let (system, notes, source) = match &topo_file {
-        Some(f) => (
-            topo::load_file(f)?,
+    if o.file_only && topo_file.is_none() {
+        return Err(Failure::Usage(
+            "--file-only needs --topo-file (or BRAID_TOPO_FILE)".into(),
+        ));
+    }
+    if o.record.is_some() && topo_file.is_some() {
+        return Err(Failure::Usage(
+            "--record copies sysfs; it does not apply to a topology file".into(),
+        ));
+    }
+    let file = match &topo_file {
+        Some(f) => Some(topo::load_file(f)?),
+        None => None,
+    };
+    let (system, notes, source) = match (file, o.file_only) {
+        (Some(sys), true) => (
+            sys,
             Vec::new(),
-            format!("file {}", f.display()),
+            format!(
+                "file {} alone (--file-only)",
+                topo_file.as_deref().unwrap_or(Path::new("")).display()
+            ),
         ),
-        None => {
+        (file, _) => {
             let root = o.sysfs_root.clone().unwrap_or_else(|| PathBuf::from("/"));
             let reader = if o.record.is_some() {
-                sysfs::SysfsReader::recording(&root)?
+                sysfs::SysfsReader::recording(&root)
             } else {
-                sysfs::SysfsReader::new(&root)?
+                sysfs::SysfsReader::new(&root)
             };
-            let provider: Box<dyn GpuProvider> = match (&o.gpus_file, o.sysfs_root.as_deref()) {
-                (Some(f), _) => Box::new(sysfs::RecordedGpus { file: f.clone() }),
-                (None, Some(r)) => match sysfs::RecordedGpus::in_root(r) {
-                    Some(p) => Box::new(p),
-                    None => Box::new(sysfs::NoGpus),
-                },
-                (None, None) => Box::new(sysfs::NoGpus),
-            };
-            let d = sysfs::detect(&reader, provider.as_ref())?;
-            if let Some(dir) = &o.record {
-                let (files, links) = reader.write_recording(dir)?;
-                let gpus = provider.gpus()?;
-                if !gpus.is_empty() {
-                    let p = dir.join(sysfs::RECORDED_GPUS_FILE);
-                    std::fs::write(&p, sysfs::RecordedGpus::render(&gpus))
-                        .map_err(|e| Failure::Error(format!("{}: {e}", p.display())))?;
+            let provider = provider(&o)?;
+            let detected =
+                reader.and_then(|r| sysfs::detect(&r, provider.as_ref()).map(|d| (r, d)));
+            match (file, detected) {
+                (None, Err(e)) => return Err(e.into()),
+                (None, Ok((reader, d))) => {
+                    if let Some(dir) = &o.record {
+                        let (files, links) = reader.write_recording(dir)?;
+                        let gpus = provider.gpus()?;
+                        if !gpus.is_empty() {
+                            let p = dir.join(sysfs::RECORDED_GPUS_FILE);
+                            std::fs::write(&p, sysfs::RecordedGpus::render(&gpus))
+                                .map_err(|e| Failure::Error(format!("{}: {e}", p.display())))?;
+                        }
+                        return Ok(format!(
+                            "recorded {files} files and {links} links read from {} into {}\n",
+                            root.display(),
+                            dir.display()
+                        ));
+                    }
+                    (d.system, d.notes, format!("sysfs under {}", root.display()))
                 }
-                return Ok(format!(
-                    "recorded {files} files and {links} links read from {} into {}\n",
-                    root.display(),
-                    dir.display()
-                ));
+                (Some(f), Ok((_, d))) => {
+                    let (sys, mut notes) = merge::merge(&f, &d.system);
+                    notes.splice(0..0, d.notes);
+                    let name = topo_file.as_deref().unwrap_or(Path::new("")).display();
+                    (
+                        sys,
+                        notes,
+                        format!(
+                            "file {name} merged with detection under {} (--file-only: the file alone)",
+                            root.display()
+                        ),
+                    )
+                }
+                (Some(f), Err(e)) => {
+                    let name = topo_file.as_deref().unwrap_or(Path::new("")).display();
+                    (
+                        f,
+                        vec![format!("detection failed ({e}): the file alone")],
+                        format!("file {name}"),
+                    )
+                }
             }
-            (d.system, d.notes, format!("sysfs under {}", root.display()))
         }
     };
     if let Some(dir) = &o.write_sysfs {
-        sysfs::write_tree(&system, dir)?;
-        return Ok(format!(
-            "wrote a sysfs tree for the model into {}\n",
-            dir.display()
-        ));
+        let unwritten = sysfs::write_tree(&system, dir)?;
+        let mut out = format!("wrote a sysfs tree for the model into {}\n", dir.display());
+        for u in unwritten {
+            out.push_str(&format!("warning: {u}\n"));
+        }
+        return Ok(out);
     }
     if o.xml {
         return Ok(xml::to_xml(&system));
@@ -191,6 +286,10 @@ pub fn run(args: &[String], env: &dyn Fn(&str) -> Option<String>) -> Result<Stri
                 "transports": p.transports,
                 "rings": p.rings,
                 "nearest_nic": p.nearest_nic,
+                "rank_nics": p.rank_nics,
+                "rails": p.rails,
+                "cross_nic": p.cross_nic.value(),
+                "notes": p.notes,
             });
         }
         v["notes"] = serde_json::json!(notes);

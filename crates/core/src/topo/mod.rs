@@ -19,14 +19,22 @@
 //!   transport per rank pair and the ring orders (channels).
 //! - [`render`]: text for people (summary, nvidia-smi-style matrix, plan).
 //! - [`bind`]: which cores a launcher binds its local ranks to.
+//! - [`merge`](mod@merge): a topology file merged with detection, as NCCL
+//!   merges `NCCL_TOPO_FILE`.
+//! - [`nvml`]: GPUs, NVLinks and NVSwitches from NVML queries (the queries
+//!   are a trait: `braid-cuda` answers them from `libnvidia-ml.so.1`, tests
+//!   from recorded answers).
 //!
-//! `BRAID_TOPO_FILE` names a topology file (NCCL XML, or braid JSON) that
-//! replaces detection; see [`load_host`].
+//! `BRAID_TOPO_FILE` names a topology file (NCCL XML, or braid JSON) that is
+//! merged with detection; see [`load_host`]. `docs/topology.md` says where
+//! braid concludes differently from NCCL and hwloc, and why.
 
 pub mod bind;
 pub mod graph;
 pub mod json;
+pub mod merge;
 pub mod model;
+pub mod nvml;
 pub mod plan;
 pub mod render;
 pub mod sysfs;
@@ -37,7 +45,7 @@ use std::path::Path;
 pub use crate::transport::TransportKind;
 pub use graph::{PathType, Topology};
 pub use model::{Cpu, CpuSet, Gpu, Net, Nic, NicKind, NvLink, Pci, System};
-pub use plan::{plan, Cluster, GpuLink, Plan, RankPlace, TransportPolicy};
+pub use plan::{plan, Cluster, CrossNic, GpuLink, Plan, RankPlace, TransportPolicy};
 pub use sysfs::{detect, Detected, GpuProvider, NoGpus, RecordedGpus, SysfsReader};
 
 /// Errors of topology detection and files. Each names the file (and line).
@@ -59,7 +67,7 @@ pub enum TopoError {
     Invalid(String),
 }
 
-/// Environment variable naming a topology file that replaces detection.
+/// Environment variable naming a topology file merged with detection.
 pub const TOPO_FILE_ENV: &str = "BRAID_TOPO_FILE";
 
 /// Read a topology file: NCCL XML, or braid JSON (`.json`, or text starting with `{`).
@@ -84,23 +92,40 @@ pub fn parse_text(name: &str, text: &str) -> Result<System, TopoError> {
 /// Where a host's topology came from.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Source {
-    /// A file named by `BRAID_TOPO_FILE`.
+    /// A file named by `BRAID_TOPO_FILE`, alone (detection could not run).
     File(String),
     /// Detection under this root.
     Detected(String),
+    /// A file named by `BRAID_TOPO_FILE` merged with detection under a root.
+    Merged { file: String, root: String },
 }
 
-/// The topology of this host as the runtime should use it: the file named by
-/// `BRAID_TOPO_FILE` (looked up through `env`) if set, else detection under
-/// `root` with GPUs from `gpus`. Returns the model, its source and notes.
+/// The topology of this host as the runtime should use it: the file named
+/// by `BRAID_TOPO_FILE` (looked up through `env`) merged with detection
+/// under `root` with GPUs from `gpus` ([`merge::merge`], as NCCL merges
+/// `NCCL_TOPO_FILE`; the file alone, with a note, where detection cannot
+/// run), else detection. Returns the model, its source and notes. An
+/// unreadable or malformed file is an error.
 pub fn load_host(
     env: impl Fn(&str) -> Option<String>,
     root: &Path,
     gpus: &dyn GpuProvider,
 ) -> Result<(System, Source, Vec<String>), TopoError> {
     if let Some(f) = env(TOPO_FILE_ENV).filter(|f| !f.trim().is_empty()) {
-        let sys = load_file(Path::new(&f))?;
-        return Ok((sys, Source::File(f), Vec::new()));
+        let file = load_file(Path::new(&f))?;
+        let detected = SysfsReader::new(root).and_then(|r| detect(&r, gpus));
+        return Ok(match detected {
+            Ok(d) => {
+                let (sys, mut notes) = merge::merge(&file, &d.system);
+                notes.splice(0..0, d.notes);
+                let root = root.display().to_string();
+                (sys, Source::Merged { file: f, root }, notes)
+            }
+            Err(e) => {
+                let note = format!("detection failed ({e}): the file {f} alone");
+                (file, Source::File(f), vec![note])
+            }
+        });
     }
     let reader = SysfsReader::new(root)?;
     let d = detect(&reader, gpus)?;

@@ -92,6 +92,11 @@ pub struct Pci {
     /// Devices below this one (when it is a bridge or switch).
     pub children: Vec<Pci>,
     pub gpu: Option<Gpu>,
+    /// Further `gpu` elements of this PCI device: NCCL's layout for several
+    /// ranks on one GPU (each with its own `rank`). They are the same
+    /// physical GPU as [`Pci::gpu`]: counted once, kept for export.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub extra_gpus: Vec<Gpu>,
     pub nic: Option<Nic>,
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub attrs: Attrs,
@@ -107,8 +112,29 @@ pub struct Gpu {
     pub rank: Option<u32>,
     pub gdr: Option<bool>,
     pub nvlinks: Vec<NvLink>,
+    /// NVLink-C2C links to the CPU (Grace Hopper/Blackwell; NCCL's `c2c`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub c2c: Vec<C2c>,
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub attrs: Attrs,
+}
+
+/// NVLink-C2C links from a GPU to its CPU (NCCL's `c2c` element).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct C2c {
+    /// Bandwidth of one link, MB/s (NVML's C2C max bandwidth).
+    pub bw: u32,
+    /// Number of active links.
+    pub count: u32,
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub attrs: Attrs,
+}
+
+impl C2c {
+    /// GB/s of all the links together (`bw × count / 1000`, NCCL's rule).
+    pub fn total_bw(&self) -> f64 {
+        self.bw as f64 * self.count as f64 / 1000.0
+    }
 }
 
 /// NVLinks from a GPU to one peer.
@@ -160,6 +186,8 @@ pub enum NicKind {
     InfiniBand,
     RoCE,
     Ethernet,
+    /// A kernel interface over InfiniBand (IPoIB, `ib0`): sockets, not verbs.
+    IpOverIb,
 }
 
 impl std::fmt::Display for NicKind {
@@ -168,31 +196,54 @@ impl std::fmt::Display for NicKind {
             NicKind::InfiniBand => "InfiniBand",
             NicKind::RoCE => "RoCE",
             NicKind::Ethernet => "Ethernet",
+            NicKind::IpOverIb => "IPoIB",
         })
     }
 }
 
 impl Net {
-    /// Whether the port is an RDMA device: the `rdma` attribute, or, in NCCL
-    /// files that lack it, a verbs-style name or a GUID.
+    /// Whether the port is an RDMA (verbs) device rather than a kernel
+    /// interface driven through sockets. The `rdma` attribute decides when
+    /// present (braid writes it). NCCL's files lack it; there NCCL's own
+    /// conventions decide: its socket transport writes `port="0"` (and a
+    /// `guid` that is just the device index, `0x0` for the first), its IB
+    /// transport ports count from 1. So: port 0 → socket; a verbs device
+    /// name (`mlx5_0`, `efa_0`, `irdma0`, ...) → RDMA; otherwise a port of
+    /// 1 or more, or a GUID other than 0, → RDMA; anything else → socket.
     pub fn is_rdma(&self) -> bool {
         if let Some(r) = self.rdma {
             return r;
         }
-        const VERBS: [&str; 8] = ["mlx", "ib", "bnxt_re", "irdma", "efa", "rxe", "siw", "qedr"];
-        self.guid.is_some() || VERBS.iter().any(|p| self.name.starts_with(p))
+        if self.port == Some(0) {
+            return false;
+        }
+        const VERBS: [&str; 14] = [
+            "mlx4_", "mlx5_", "bnxt_re", "irdma", "efa_", "rxe", "siw", "qedr", "qib", "hfi1_",
+            "cxgb4_", "hns_", "erdma_", "ionic_",
+        ];
+        if VERBS.iter().any(|p| self.name.starts_with(p)) {
+            return true;
+        }
+        if self.port.is_some_and(|p| p >= 1) {
+            return true;
+        }
+        self.guid.as_deref().is_some_and(|g| {
+            let h = g.trim().trim_start_matches("0x").trim_start_matches("0X");
+            u64::from_str_radix(h, 16).is_ok_and(|v| v != 0)
+        })
     }
 
-    /// InfiniBand, RoCE (RDMA over Ethernet) or plain Ethernet.
+    /// InfiniBand, RoCE (RDMA over Ethernet), IPoIB (a kernel interface on
+    /// InfiniBand) or plain Ethernet.
     pub fn kind(&self) -> NicKind {
-        let eth = self
-            .link_layer
-            .as_deref()
-            .is_some_and(|l| l.eq_ignore_ascii_case("ethernet"));
-        match (self.is_rdma(), eth) {
-            (true, false) => NicKind::InfiniBand,
-            (true, true) => NicKind::RoCE,
-            (false, _) => NicKind::Ethernet,
+        let ll = self.link_layer.as_deref().unwrap_or("");
+        let eth = ll.eq_ignore_ascii_case("ethernet");
+        let ib = ll.eq_ignore_ascii_case("infiniband");
+        match (self.is_rdma(), eth, ib) {
+            (true, true, _) => NicKind::RoCE,
+            (true, false, _) => NicKind::InfiniBand,
+            (false, _, true) => NicKind::IpOverIb,
+            (false, _, false) => NicKind::Ethernet,
         }
     }
 
@@ -231,11 +282,34 @@ impl Pci {
         self.class == Some(0x068000)
     }
     /// Link bandwidth in GB/s from `link_speed` × `link_width` (NCCL's rule:
-    /// width × per-lane rate / 80, per-lane in units of 100 Mbit/s), if known.
+    /// width × per-lane rate / 80, per-lane in units of 100 Mbit/s), if both
+    /// are known. A width of 0 is 16 lanes, as NCCL reads it ("speed not
+    /// indicated in /sys").
     pub fn link_bw(&self) -> Option<f64> {
         let per_lane = pcie_per_lane(self.link_speed.as_deref()?)?;
-        let width = self.link_width.filter(|&w| w > 0)?;
+        let width = self.link_width.map(|w| if w == 0 { 16 } else { w })?;
         Some(width as f64 * per_lane / 80.0)
+    }
+
+    /// The bandwidth NCCL gives this link, GB/s: [`Pci::link_bw`], with a
+    /// missing or 0 width taken as 16 lanes and an unknown speed as NCCL's
+    /// fallback of 6 Gbit/s a lane (PCIe Gen3): 12 GB/s when nothing is known.
+    pub fn nccl_link_bw(&self) -> f64 {
+        let per_lane = self
+            .link_speed
+            .as_deref()
+            .and_then(pcie_per_lane)
+            .unwrap_or(60.0);
+        let width = match self.link_width {
+            None | Some(0) => 16,
+            Some(w) => w,
+        };
+        width as f64 * per_lane / 80.0
+    }
+
+    /// Every `gpu` element of this device ([`Pci::gpu`] then [`Pci::extra_gpus`]).
+    pub fn all_gpus(&self) -> impl Iterator<Item = &Gpu> {
+        self.gpu.iter().chain(self.extra_gpus.iter())
     }
     /// Visit this device and every device below it.
     pub fn walk<'a>(&'a self, f: &mut impl FnMut(&'a Pci)) {
@@ -459,11 +533,48 @@ impl System {
         found
     }
 
-    /// Total number of CPUs over all NUMA nodes.
+    /// Number of distinct CPUs over all NUMA nodes (a CPU listed by two
+    /// nodes counts once).
     pub fn cpu_count(&self) -> usize {
+        let mut all: Vec<u32> = self
+            .cpus
+            .iter()
+            .filter_map(|c| c.affinity.as_ref())
+            .flat_map(|a| a.0.iter().copied())
+            .collect();
+        all.sort_unstable();
+        all.dedup();
+        all.len()
+    }
+
+    /// The NUMA nodes proper (not NCCL's node -1 of CPUs whose node is
+    /// unknown or offline).
+    pub fn numa_nodes(&self) -> usize {
+        self.cpus.iter().filter(|c| c.numaid >= 0).count()
+    }
+
+    /// NUMA nodes with CPUs (memory-only nodes, such as CXL or HBM
+    /// expanders, have none and get no ranks). A node whose CPUs are not
+    /// known counts as having some.
+    pub fn cpu_nodes(&self) -> impl Iterator<Item = &Cpu> {
         self.cpus
             .iter()
-            .map(|c| c.affinity.as_ref().map_or(0, |a| a.len()))
-            .sum()
+            .filter(|c| c.affinity.as_ref().is_none_or(|a| !a.is_empty()))
+    }
+
+    /// The distinct NVSwitches the GPUs' NVLinks lead to (`tclass`
+    /// 0x068000), by bus id, sorted.
+    pub fn nvswitches(&self) -> Vec<String> {
+        let mut v: Vec<String> = self
+            .gpus()
+            .iter()
+            .filter_map(|g| g.pci.gpu.as_ref())
+            .flat_map(|g| g.nvlinks.iter())
+            .filter(|l| l.tclass == Some(0x068000))
+            .map(|l| l.target.clone())
+            .collect();
+        v.sort();
+        v.dedup();
+        v
     }
 }

@@ -50,7 +50,7 @@ pub fn summary(t: &Topology, notes: &[String]) -> String {
         o,
         "CPUs: {} in {} NUMA node(s){}",
         s.cpu_count(),
-        s.cpus.len(),
+        s.numa_nodes(),
         c0.map_or(String::new(), |c| {
             let mut d = Vec::new();
             d.extend(c.vendor.clone());
@@ -65,16 +65,22 @@ pub fn summary(t: &Topology, notes: &[String]) -> String {
         })
     );
     for c in &s.cpus {
-        let _ = writeln!(
-            o,
-            "  NUMA {}: cpus {}",
-            c.numaid,
-            c.affinity
-                .as_ref()
-                .map_or("unknown".to_string(), |a| a.to_list())
-        );
+        let cpus = match c.affinity.as_ref() {
+            None => "unknown".to_string(),
+            Some(a) if a.is_empty() => "none (memory only)".to_string(),
+            Some(a) => a.to_list(),
+        };
+        let gpu_mem = c
+            .attrs
+            .get("gpu_memory")
+            .map_or(String::new(), |g| format!(" (memory of GPU {g})"));
+        if c.numaid < 0 {
+            let _ = writeln!(o, "  no NUMA node: cpus {cpus}");
+        } else {
+            let _ = writeln!(o, "  NUMA {}: cpus {cpus}{gpu_mem}", c.numaid);
+        }
     }
-    if s.cpus.len() > 1 {
+    if s.numa_nodes() > 1 {
         if let (Some(&a), Some(&b)) = (t.cpus.first(), t.cpus.get(1)) {
             if let Some(p) = t.path(a, b) {
                 let _ = writeln!(o, "  inter-socket link: {} GB/s", gbps(p.bw));
@@ -85,7 +91,17 @@ pub fn summary(t: &Topology, notes: &[String]) -> String {
     if gpus.is_empty() {
         let _ = writeln!(o, "GPUs: none");
     } else {
-        let _ = writeln!(o, "GPUs: {}", gpus.len());
+        let nvs = s.nvswitches();
+        let _ = writeln!(
+            o,
+            "GPUs: {}{}",
+            gpus.len(),
+            if nvs.is_empty() {
+                String::new()
+            } else {
+                format!(", NVSwitches: {} ({})", nvs.len(), nvs.join(" "))
+            }
+        );
     }
     for (i, g) in gpus.iter().enumerate() {
         let mut line = format!("  GPU{i} {} NUMA {}", g.pci.busid, g.numaid);
@@ -97,11 +113,25 @@ pub fn summary(t: &Topology, notes: &[String]) -> String {
             if links > 0 {
                 let _ = write!(line, " NVLink x{links}");
             }
+            let c2c: u32 = gi.c2c.iter().map(|c| c.count).sum();
+            if c2c > 0 {
+                let bw: f64 = gi.c2c.iter().map(|c| c.total_bw()).sum();
+                let _ = write!(line, " C2C x{c2c} {} GB/s", gbps(bw));
+            }
+            let ranks = 1 + g.pci.extra_gpus.len();
+            if ranks > 1 {
+                let _ = write!(line, " ({ranks} gpu elements: one GPU, {ranks} ranks)");
+            }
         } else {
             line.push_str(" (PCI placement only)");
         }
         if let (Some(sp), Some(w)) = (&g.pci.link_speed, g.pci.link_width) {
-            let _ = write!(line, " PCIe {sp} x{w}");
+            let sp = sp.trim_end_matches(" PCIe");
+            if w == 0 {
+                let _ = write!(line, " PCIe {sp} x0 (read as x16)");
+            } else {
+                let _ = write!(line, " PCIe {sp} x{w}");
+            }
         }
         let _ = writeln!(o, "{line}");
     }
@@ -133,7 +163,13 @@ pub fn summary(t: &Topology, notes: &[String]) -> String {
         );
     }
     for (numa, p) in &bare {
-        let _ = writeln!(o, "  {} (PCI placement only) NUMA {numa}", p.busid);
+        let ph = super::graph::placeholder_net(p);
+        let _ = writeln!(
+            o,
+            "  {} (PCI placement only; planned as an {} placeholder port) NUMA {numa}",
+            p.busid,
+            ph.kind()
+        );
     }
     for n in notes {
         let _ = writeln!(o, "note: {n}");
@@ -156,11 +192,28 @@ pub fn matrix(t: &Topology) -> String {
         .unwrap_or(4)
         .max(5)
         + 2;
+    let affinity = |node: usize| {
+        let numa = t.nodes[node].numaid;
+        t.system
+            .cpus
+            .iter()
+            .find(|c| c.numaid == numa)
+            .and_then(|c| c.affinity.as_ref())
+            .map_or("N/A".to_string(), |a| a.to_list())
+    };
+    // The CPU column is as wide as its longest list (and its title).
+    let aw = eps
+        .iter()
+        .map(|(_, a, _)| affinity(*a).len())
+        .max()
+        .unwrap_or(0)
+        .max("CPU Affinity".len())
+        + 2;
     let _ = write!(o, "{:w$}", "");
     for (l, _, _) in &eps {
         let _ = write!(o, "{l:<w$}");
     }
-    let _ = writeln!(o, "CPU Affinity    NUMA Affinity");
+    let _ = writeln!(o, "{:<aw$}NUMA Affinity", "CPU Affinity");
     for (l, a, _) in &eps {
         let _ = write!(o, "{l:<w$}");
         for (lb, b, _) in &eps {
@@ -172,14 +225,7 @@ pub fn matrix(t: &Topology) -> String {
             let _ = write!(o, "{label:<w$}");
         }
         let numa = t.nodes[*a].numaid;
-        let aff = t
-            .system
-            .cpus
-            .iter()
-            .find(|c| c.numaid == numa)
-            .and_then(|c| c.affinity.as_ref())
-            .map_or("N/A".to_string(), |a| a.to_list());
-        let _ = writeln!(o, "{aff:<16}{numa}");
+        let _ = writeln!(o, "{:<aw$}{numa}", affinity(*a));
     }
     let _ = writeln!(o);
     let _ = writeln!(o, "Legend:");
@@ -206,37 +252,54 @@ pub fn matrix(t: &Topology) -> String {
     o
 }
 
-/// Paths between GPUs (and GPU → nearest NIC) with NCCL's classes and GB/s.
+/// Paths between GPUs, GPUs and NICs (GPU first, with NCCL's PXN and P2C
+/// relays) and NICs, with NCCL's classes and GB/s.
 pub fn paths(t: &Topology) -> String {
     let mut o = String::new();
     let eps = endpoints(t);
-    for (la, a, _) in &eps {
-        for (lb, b, _) in &eps {
-            if a < b {
-                if let Some(p) = t.path(*a, *b) {
-                    let _ = writeln!(o, "  {la} -> {lb}: {} {} GB/s", p.kind, gbps(p.bw));
-                }
+    for (i, (la, a, _)) in eps.iter().enumerate() {
+        for (lb, b, _) in eps.iter().skip(i + 1) {
+            if a == b {
+                continue;
+            }
+            let (ka, kb) = (t.nodes[*a].kind, t.nodes[*b].kind);
+            let p = match (ka, kb) {
+                (NodeKind::Gpu, NodeKind::Nic) => t.gpu_nic_path(*a, *b),
+                (NodeKind::Nic, NodeKind::Gpu) => t.gpu_nic_path(*b, *a),
+                _ => t.path(*a, *b).cloned(),
+            };
+            let (la, lb) = if (ka, kb) == (NodeKind::Nic, NodeKind::Gpu) {
+                (lb, la)
+            } else {
+                (la, lb)
+            };
+            if let Some(p) = p {
+                let _ = writeln!(o, "  {la} -> {lb}: {} {} GB/s", p.kind, gbps(p.bw));
             }
         }
     }
     o
 }
 
-/// The plan: ranks, the transport matrix and the rings.
+/// The plan: ranks, the transport matrix, the rails and the rings.
 pub fn plan(c: &Cluster, p: &Plan) -> String {
     let mut o = String::new();
     let n = c.ranks.len();
     let _ = writeln!(o, "ranks: {n} on {} host(s)", c.hosts.len());
     for (r, place) in c.ranks.iter().enumerate() {
+        let nics = p
+            .rank_nics
+            .get(r)
+            .filter(|v| !v.is_empty())
+            .map_or("-".to_string(), |v| v.join(","));
         let _ = writeln!(
             o,
-            "  rank {r:<3} host {:<12} {:<14} nic {}",
+            "  rank {r:<3} host {:<12} {:<14} nic {nics}",
             c.hosts[place.host].name,
             place.gpu.as_deref().map_or(
                 format!("cpu numa {}", place.numa.unwrap_or(0)),
                 |g| format!("gpu {g}")
             ),
-            p.nearest_nic[r].as_deref().unwrap_or("-")
         );
     }
     let _ = writeln!(o, "transports:");
@@ -251,6 +314,32 @@ pub fn plan(c: &Cluster, p: &Plan) -> String {
             let _ = write!(o, "{:>8}", t.map_or("-", |t| t.name()));
         }
         let _ = writeln!(o);
+    }
+    if c.hosts.len() > 1 {
+        let hops: Vec<&super::plan::Hop> = p
+            .rings
+            .iter()
+            .flat_map(|r| r.hops.iter())
+            .filter(|h| h.nic_out.is_some() || h.nic_in.is_some())
+            .collect();
+        let same = hops.iter().filter(|h| h.same_rail() == Some(true)).count();
+        let _ = writeln!(
+            o,
+            "rails: {} (BRAID_CROSS_NIC={}); hops between hosts: {}, on one rail: {}",
+            p.rails.len(),
+            p.cross_nic.value(),
+            hops.len(),
+            same
+        );
+        for rail in &p.rails {
+            let mut names: Vec<String> = rail
+                .ports
+                .iter()
+                .map(|x| x.clone().unwrap_or_else(|| "-".into()))
+                .collect();
+            names.dedup();
+            let _ = writeln!(o, "  rail {}: {}", rail.id, names.join(" "));
+        }
     }
     let _ = writeln!(o, "rings: {} channel(s)", p.rings.len());
     let mut i = 0;
@@ -269,7 +358,24 @@ pub fn plan(c: &Cluster, p: &Plan) -> String {
         let _ = writeln!(o, "  channel {chans}: {}", order.join(" "));
         for h in &ring.hops {
             let via = match (&h.nic_out, &h.nic_in) {
-                (Some(a), Some(b)) => format!(" via {a} -> {b}"),
+                (Some(a), Some(b)) => {
+                    let rail = |r: Option<u32>| r.map_or("?".to_string(), |r| r.to_string());
+                    let class = |k: Option<super::graph::PathType>| {
+                        k.map_or("?".to_string(), |k| k.to_string())
+                    };
+                    let same = match h.same_rail() {
+                        Some(true) => format!("rail {}", rail(h.rail_out)),
+                        Some(false) => {
+                            format!("crosses rails {} -> {}", rail(h.rail_out), rail(h.rail_in))
+                        }
+                        None => "rail unknown".to_string(),
+                    };
+                    format!(
+                        " via {a} -> {b} ({same}; {} out, {} in)",
+                        class(h.path_out),
+                        class(h.path_in)
+                    )
+                }
                 _ => String::new(),
             };
             let _ = writeln!(
@@ -283,6 +389,9 @@ pub fn plan(c: &Cluster, p: &Plan) -> String {
             );
         }
         i = j + 1;
+    }
+    for note in &p.notes {
+        let _ = writeln!(o, "note: {note}");
     }
     o
 }

@@ -1,28 +1,38 @@
 //! Detection from sysfs under an injected root, recording of what was read,
 //! and writing a sysfs tree for a model (hand-built fixtures).
 //!
-//! The root is a directory that holds `sys/` (and optionally `proc/cpuinfo`
-//! and `proc/sys/kernel/hostname`); on a live machine it is `/`. Detection
-//! reads:
+//! The root is a directory that holds `sys/` (and optionally `proc/cpuinfo`,
+//! `proc/sys/kernel/hostname` and `proc/driver/nvidia/gpus`); on a live
+//! machine it is `/`. Detection reads what hwloc reads for the host and
+//! NCCL for the devices:
 //!
-//! - `sys/devices/system/node/node<N>/cpumap` (or `cpulist`): NUMA nodes;
-//!   without them, one node with `sys/devices/system/cpu/online`.
+//! - `sys/devices/system/node/node<N>/cpumap` (or `cpulist`), restricted to
+//!   `sys/devices/system/cpu/online`: NUMA nodes. As hwloc: a node whose
+//!   CPUs overlap an earlier node's is dropped (buggy firmware); a node
+//!   without CPUs is kept as memory only (no rank is placed there); NVIDIA
+//!   GPU memory shown as a node (`proc/driver/nvidia/gpus/*/numa_status`)
+//!   is dropped on POWER; online CPUs of an offline node are kept as node
+//!   -1. Without node directories, one node with the online CPUs. Trailing
+//!   NUL bytes (some ARM kernels) are ignored.
 //! - `sys/bus/pci/devices/<bdf>` → its real path gives the PCI ancestry; each
 //!   level's `class`, `vendor`, `device`, `subsystem_*`, `max_link_speed`,
-//!   `max_link_width`, `numa_node`. As NCCL does, the walk up skips one level
-//!   at a time (the downstream port of a switch, or the root port), so a
-//!   PCIe switch is one node.
+//!   `max_link_width`, `numa_node` (else `local_cpus`, as hwloc). As NCCL
+//!   does, the walk up skips one level at a time (the downstream port of a
+//!   switch, or the root port), so a PCIe switch is one node. The list may
+//!   be missing (CPU-only captures): no PCI device is placed then.
 //! - `sys/class/infiniband/<dev>/{device,node_guid,ports/<p>/{state,rate,link_layer}}`:
 //!   RDMA ports (InfiniBand or RoCE).
 //! - `sys/class/net/<if>/{device,speed,operstate,type}`: kernel interfaces
-//!   with a device behind them (virtual ones like `lo` are skipped).
+//!   with a device behind them (virtual ones like `lo` are skipped; type 32
+//!   is IPoIB). The functions of one adapter are one NIC (function 0).
 //! - `sys/module/nvidia_peermem` (or `sys/kernel/mm/memory_peers/nv_mem`): GPUDirect RDMA.
 //!
-//! GPUs do not come from sysfs but from a [`GpuProvider`]: braid does not link
-//! CUDA or NVML here. [`NoGpus`] reports none (not an error);
+//! GPUs do not come from sysfs but from a [`GpuProvider`]: braid-core does
+//! not link CUDA or NVML. [`NoGpus`] reports none (not an error);
 //! [`RecordedGpus`] reads `<gpus><gpu busid=.. dev=.. sm=..><nvlink .../></gpu></gpus>`
-//! (the answers NVML would give, recorded in a fixture as `nvml-gpus.xml`). An
-//! NVML/CUDA provider loaded at run time plugs in through the same trait.
+//! (the answers NVML would give, recorded in a fixture as `nvml-gpus.xml`);
+//! [`super::nvml::NvmlGpus`] asks NVML (recorded answers, or `braid-cuda`'s
+//! run-time loaded library) as NCCL does.
 
 use std::cell::RefCell;
 use std::collections::BTreeMap;
@@ -123,7 +133,11 @@ impl RecordedGpus {
 
 impl GpuProvider for RecordedGpus {
     fn name(&self) -> String {
-        format!("recorded ({})", self.file.display())
+        let name = self.file.file_name().map_or_else(
+            || self.file.display().to_string(),
+            |n| n.to_string_lossy().into_owned(),
+        );
+        format!("recorded ({name})")
     }
     fn gpus(&self) -> Result<Vec<DetectedGpu>, TopoError> {
         let f = self.file.display().to_string();
@@ -159,7 +173,9 @@ pub struct SysfsReader {
 
 impl SysfsReader {
     /// A reader for `root` (the directory holding `sys/`). A directory that
-    /// is itself a sysfs (holds `bus/` and `devices/`) is accepted too.
+    /// is itself a sysfs (holds `bus/` and `devices/`) is accepted too. The
+    /// PCI device list (`sys/bus/pci/devices`) may be missing: detection
+    /// then finds no PCI devices and says so.
     pub fn new(root: impl Into<PathBuf>) -> Result<SysfsReader, TopoError> {
         let root: PathBuf = root.into();
         let root = if !root.join("sys").is_dir() && root.join("bus").is_dir() {
@@ -176,11 +192,14 @@ impl SysfsReader {
         } else {
             root
         };
-        let pci = root.join("sys/bus/pci/devices");
-        if let Err(e) = fs::read_dir(&pci) {
+        // A tree without the PCI device list (many captures of CPU-only
+        // machines) still has NUMA nodes and CPUs: detection says so in a
+        // note. Only a root without sys/ is refused.
+        let sys = root.join("sys");
+        if let Err(e) = fs::read_dir(&sys) {
             return Err(TopoError::Io {
-                path: pci.display().to_string(),
-                msg: format!("cannot read the PCI device list ({e}); is the root a sysfs tree (it must hold sys/bus/pci/devices)?"),
+                path: sys.display().to_string(),
+                msg: format!("cannot read the sysfs tree ({e}); is the root a sysfs tree (it must hold sys/)?"),
             });
         }
         Ok(SysfsReader { root, rec: None })
@@ -237,14 +256,20 @@ impl SysfsReader {
         cur
     }
 
-    /// Read a small text file (trimmed); None if absent or unreadable.
+    /// Read a small text file, trimmed of white space and of the NUL bytes
+    /// some kernels leave at the end of sysfs files (an ARM Kunpeng 920's
+    /// node `cpumap` ends in `\n\0`); None if absent or unreadable.
     pub fn read(&self, rel: impl AsRef<Path>) -> Option<String> {
         let r = self.resolve(rel.as_ref());
         let bytes = fs::read(self.root.join(&r)).ok()?;
         if let Some(rec) = &self.rec {
             rec.borrow_mut().files.insert(r, bytes.clone());
         }
-        Some(String::from_utf8_lossy(&bytes).trim().to_string())
+        Some(
+            String::from_utf8_lossy(&bytes)
+                .trim_matches(|c: char| c == '\0' || c.is_whitespace())
+                .to_string(),
+        )
     }
 
     /// The resolved (real) root-relative path.
@@ -346,16 +371,31 @@ fn natural(s: &str) -> (String, u64, String) {
     (head.to_string(), n, rest[end..].to_string())
 }
 
-/// Whether `s` looks like a PCI address `DDDD:BB:DD.F`.
+/// Whether `s` looks like a PCI address `DDDD:BB:DD.F` (the domain may
+/// have up to 8 hex digits: Linux prints 32-bit domains such as `10000` in
+/// full).
 pub fn is_bdf(s: &str) -> bool {
-    let b = s.as_bytes();
-    b.len() == 12
-        && b[4] == b':'
-        && b[7] == b':'
-        && b[10] == b'.'
-        && s.chars()
+    let Some((dom, rest)) = s.split_once(':') else {
+        return false;
+    };
+    let b = rest.as_bytes();
+    (4..=8).contains(&dom.len())
+        && dom.chars().all(|c| c.is_ascii_hexdigit())
+        && b.len() == 7
+        && b[2] == b':'
+        && b[5] == b'.'
+        && rest
+            .chars()
             .enumerate()
-            .all(|(i, c)| matches!(i, 4 | 7 | 10) || c.is_ascii_hexdigit())
+            .all(|(i, c)| matches!(i, 2 | 5) || c.is_ascii_hexdigit())
+}
+
+/// `DDDD:BB:DD.0` for `DDDD:BB:DD.F`: function 0 of the same device.
+fn function_zero(busid: &str) -> String {
+    match busid.rsplit_once('.') {
+        Some((dev, _)) => format!("{dev}.0"),
+        None => busid.to_string(),
+    }
 }
 
 fn hex_u32(s: &str) -> Option<u32> {
@@ -369,14 +409,24 @@ pub fn detect(reader: &SysfsReader, gpus: &dyn GpuProvider) -> Result<Detected, 
         name: reader.read("proc/sys/kernel/hostname"),
         ..Default::default()
     };
-    // NUMA nodes.
+    // NUMA nodes, as hwloc reads them: the node's cpumap (its cpulist
+    // when there is none), restricted to the online CPUs; a node whose CPUs
+    // overlap an earlier node's is a firmware error and is dropped; nodes
+    // without CPUs are memory-only (kept, but no rank goes there); NVIDIA
+    // GPU memory shown as NUMA nodes (POWER9 with NVLink to the CPU) is
+    // dropped on POWER, as hwloc hides it there.
     let (arch, vendor, family, model) = cpuinfo(reader);
+    let online = reader
+        .read("sys/devices/system/cpu/online")
+        .and_then(|l| CpuSet::from_list(&l));
+    let gpu_nodes = nvidia_gpu_numa_nodes(reader);
+    let mut seen: Vec<u32> = Vec::new();
     for n in reader.list("sys/devices/system/node") {
         let Some(id) = n.strip_prefix("node").and_then(|i| i.parse::<i32>().ok()) else {
             continue;
         };
         let base = format!("sys/devices/system/node/{n}");
-        let aff = reader
+        let mut aff = reader
             .read(format!("{base}/cpumap"))
             .and_then(|m| CpuSet::from_mask(&m))
             .or_else(|| {
@@ -384,6 +434,34 @@ pub fn detect(reader: &SysfsReader, gpus: &dyn GpuProvider) -> Result<Detected, 
                     .read(format!("{base}/cpulist"))
                     .and_then(|l| CpuSet::from_list(&l))
             });
+        if let (Some(a), Some(on)) = (&mut aff, &online) {
+            a.0.retain(|c| on.0.contains(c));
+        }
+        if let Some(a) = &aff {
+            if a.0.iter().any(|c| seen.contains(c)) {
+                notes.push(format!(
+                    "NUMA node {id}: its CPUs ({}) overlap an earlier node's (a firmware error): node ignored, as hwloc does",
+                    a.to_list()
+                ));
+                continue;
+            }
+            seen.extend(a.0.iter().copied());
+        }
+        let mut attrs = super::model::Attrs::new();
+        if let Some(gpu) = gpu_nodes.iter().find(|(node, _)| *node == id).map(|x| &x.1) {
+            if arch.as_deref().is_some_and(|a| a.starts_with("ppc")) {
+                notes.push(format!(
+                    "NUMA node {id} is the memory of GPU {gpu}: ignored on POWER, as hwloc does"
+                ));
+                continue;
+            }
+            attrs.insert("gpu_memory".into(), gpu.clone());
+        }
+        if aff.as_ref().is_some_and(CpuSet::is_empty) {
+            notes.push(format!(
+                "NUMA node {id} has no CPUs (memory only): no ranks are placed there"
+            ));
+        }
         sys.cpus.push(Cpu {
             numaid: id,
             affinity: aff,
@@ -391,16 +469,40 @@ pub fn detect(reader: &SysfsReader, gpus: &dyn GpuProvider) -> Result<Detected, 
             vendor: vendor.clone(),
             familyid: family,
             modelid: model,
+            attrs,
             ..Default::default()
         });
+    }
+    // Online CPUs that no node lists (their node is offline): hwloc keeps
+    // them, outside any NUMA node; braid puts them in NCCL's "unknown"
+    // node, -1.
+    if let (Some(on), false) = (&online, sys.cpus.is_empty()) {
+        let loose: Vec<u32> = on.0.iter().copied().filter(|c| !seen.contains(c)).collect();
+        if !loose.is_empty() {
+            let loose = CpuSet(loose);
+            notes.push(format!(
+                "CPUs {} are online but in no NUMA node (their node is offline): kept as node -1",
+                loose.to_list()
+            ));
+            let mut attrs = super::model::Attrs::new();
+            attrs.insert("no_numa_node".into(), "1".into());
+            sys.cpus.push(Cpu {
+                numaid: -1,
+                affinity: Some(loose),
+                arch: arch.clone(),
+                vendor: vendor.clone(),
+                familyid: family,
+                modelid: model,
+                attrs,
+                ..Default::default()
+            });
+        }
     }
     if sys.cpus.is_empty() {
         notes.push("no NUMA nodes under sys/devices/system/node: assuming one node".into());
         sys.cpus.push(Cpu {
             numaid: 0,
-            affinity: reader
-                .read("sys/devices/system/cpu/online")
-                .and_then(|l| CpuSet::from_list(&l)),
+            affinity: online.clone(),
             arch,
             vendor,
             familyid: family,
@@ -408,13 +510,33 @@ pub fn detect(reader: &SysfsReader, gpus: &dyn GpuProvider) -> Result<Detected, 
             ..Default::default()
         });
     }
+    if reader.list("sys/bus/pci/devices").is_empty() {
+        notes.push(
+            "no PCI devices (sys/bus/pci/devices is empty or absent): no GPU or NIC can be placed"
+                .into(),
+        );
+    }
 
     // GPUs.
     let provided = gpus.gpus()?;
     if provided.is_empty() {
         notes.push(format!("GPU provider {}: no GPUs", gpus.name()));
+    } else {
+        notes.push(format!(
+            "GPU provider {}: {} GPU(s)",
+            gpus.name(),
+            provided.len()
+        ));
     }
-    for g in provided {
+    for mut g in provided {
+        // What an NVLink leads to: the class of the peer's PCI function, or
+        // an NVSwitch where the peer is not visible (VMs), as NCCL does.
+        for l in g.gpu.nvlinks.iter_mut().filter(|l| l.tclass.is_none()) {
+            let class = reader
+                .read(format!("sys/bus/pci/devices/{}/class", l.target))
+                .and_then(|c| hex_u32(&c));
+            l.tclass = Some(class.unwrap_or(0x068000));
+        }
         let pci = insert_pci(reader, &mut sys, &g.busid, &mut notes);
         pci.gpu = Some(g.gpu);
     }
@@ -568,22 +690,72 @@ fn attach_nets(
         .map(str::to_string);
     match bdf {
         Some(b) => {
+            // The functions of one adapter (02:00.0 and 02:00.1: two ports
+            // of one NIC) are one NIC, as NCCL's IB transport merges them
+            // ("merge multi-port NICs into the same PCI device") and as
+            // hwloc shows them side by side under one bridge.
+            let f0 = function_zero(&b);
+            let b = if f0 != b && is_network_function(r, &f0) {
+                notes.push(format!(
+                    "{} is on {b}, a second function of the adapter at {f0}: one NIC",
+                    nets[0].name
+                ));
+                f0
+            } else {
+                b
+            };
             let pci = insert_pci(r, sys, &b, notes);
             pci.nic.get_or_insert_with(Nic::default).nets.extend(nets);
         }
         None => {
+            // Not on PCI (a virtual or platform device): under the NUMA node
+            // the device says, else the first one (NCCL: the first CPU).
+            let numa = r
+                .read(real.join("numa_node"))
+                .and_then(|s| s.parse::<i32>().ok());
+            let ci = numa
+                .and_then(|n| sys.cpus.iter().position(|c| c.numaid == n))
+                .unwrap_or(0);
             notes.push(format!(
                 "{} is not on PCI ({}); placed under NUMA node {}",
                 nets[0].name,
                 real.display(),
-                sys.cpus[0].numaid
+                sys.cpus[ci].numaid
             ));
-            sys.cpus[0].nics.push(Nic {
+            sys.cpus[ci].nics.push(Nic {
                 nets,
                 attrs: Default::default(),
             });
         }
     }
+}
+
+/// Whether the PCI function `busid` exists and is a network or InfiniBand
+/// controller (class 0x02xxxx or 0x0c06xx).
+fn is_network_function(r: &SysfsReader, busid: &str) -> bool {
+    r.read(format!("sys/bus/pci/devices/{busid}/class"))
+        .and_then(|c| hex_u32(&c))
+        .is_some_and(|c| c >> 16 == 0x02 || c >> 8 == 0x0c06)
+}
+
+/// NUMA nodes that are NVIDIA GPU memory, from
+/// `proc/driver/nvidia/gpus/<busid>/numa_status` ("Node: N"), with the GPU.
+fn nvidia_gpu_numa_nodes(r: &SysfsReader) -> Vec<(i32, String)> {
+    let mut out = Vec::new();
+    for gpu in r.list("proc/driver/nvidia/gpus") {
+        let Some(text) = r.read(format!("proc/driver/nvidia/gpus/{gpu}/numa_status")) else {
+            continue;
+        };
+        let node = text.lines().find_map(|l| {
+            l.trim()
+                .strip_prefix("Node:")
+                .and_then(|v| v.trim().parse::<i32>().ok())
+        });
+        if let Some(n) = node.filter(|&n| n >= 0) {
+            out.push((n, gpu.to_ascii_lowercase()));
+        }
+    }
+    out
 }
 
 fn pci_attrs(r: &SysfsReader, dir: &Path, parent_port: Option<&Path>, busid: &str) -> Pci {
@@ -639,18 +811,31 @@ fn insert_pci<'s>(
         .components()
         .filter_map(|c| c.as_os_str().to_str().map(str::to_string))
         .collect();
-    // Levels: everything from the host bridge (pciDDDD:BB) down.
-    let hb_idx = comps
+    // Levels: everything from the host bridge (sys/devices/pciDDDD:BB) down.
+    // A device listed as a plain directory under sys/bus/pci/devices (some
+    // captures) has no known ancestry.
+    let under_devices = comps
         .iter()
-        .rposition(|c| c.starts_with("pci") && !is_bdf(c));
-    let found = r.root().join(&real).is_dir() && comps.last().is_some_and(|c| c == &busid);
-    let (hostbridge, bdfs): (Option<String>, Vec<usize>) = match (found, hb_idx) {
+        .position(|c| c == "devices")
+        .filter(|&i| i >= 1 && comps[i - 1] == "sys" && !(i >= 2 && comps[i - 2] == "pci"));
+    let hb_idx = under_devices.and_then(|d| {
+        comps
+            .iter()
+            .enumerate()
+            .skip(d + 1)
+            .filter(|(_, c)| c.starts_with("pci") && !is_bdf(c))
+            .map(|(i, _)| i)
+            .next_back()
+    });
+    let present = r.root().join(&real).is_dir() && comps.last().is_some_and(|c| c == &busid);
+    let (hostbridge, bdfs): (Option<String>, Vec<usize>) = match (present, hb_idx) {
         (true, Some(h)) => (
             Some(comps[h].clone()),
             (h + 1..comps.len())
                 .filter(|&i| is_bdf(&comps[i]))
                 .collect(),
         ),
+        (true, None) => (None, vec![comps.len() - 1]),
         _ => {
             notes.push(format!(
                 "{busid} is not in sys/bus/pci/devices: placed directly under the first NUMA node"
@@ -658,6 +843,7 @@ fn insert_pci<'s>(
             (None, Vec::new())
         }
     };
+    let found = present;
     // Chain from the top: the endpoint, then every second level up (NCCL's walk).
     let mut chain: Vec<Pci> = Vec::new();
     if bdfs.is_empty() {
@@ -677,20 +863,33 @@ fn insert_pci<'s>(
         }
     }
     chain.reverse();
+    // NUMA node: the device's numa_node when it names a node with CPUs,
+    // else the node its local_cpus cover most (hwloc's rule), else the
+    // first node with CPUs.
     let numa = {
-        let ep = comps.clone();
-        let n = if found {
-            r.read(ep.iter().collect::<PathBuf>().join("numa_node"))
-                .and_then(|s| s.parse::<i32>().ok())
-                .unwrap_or(-1)
-        } else {
-            -1
+        let dir: PathBuf = comps.iter().collect();
+        let by_numa = found
+            .then(|| r.read(dir.join("numa_node")))
+            .flatten()
+            .and_then(|s| s.parse::<i32>().ok())
+            .filter(|&n| sys.cpu_nodes().any(|c| c.numaid == n));
+        let by_cpus = || {
+            let local = r
+                .read(dir.join("local_cpus"))
+                .and_then(|m| CpuSet::from_mask(&m))?;
+            sys.cpu_nodes()
+                .filter_map(|c| {
+                    let a = c.affinity.as_ref()?;
+                    let k = a.0.iter().filter(|x| local.0.contains(x)).count();
+                    (k > 0).then_some((k, c.numaid))
+                })
+                .max_by_key(|&(k, n)| (k, std::cmp::Reverse(n)))
+                .map(|(_, n)| n)
         };
-        if sys.cpus.iter().any(|c| c.numaid == n) {
-            n
-        } else {
-            sys.cpus[0].numaid
-        }
+        by_numa
+            .or_else(|| found.then(by_cpus).flatten())
+            .or_else(|| sys.cpu_nodes().next().map(|c| c.numaid))
+            .unwrap_or(sys.cpus[0].numaid)
     };
     let ci = sys.cpus.iter().position(|c| c.numaid == numa).unwrap_or(0);
     if let Some(top) = chain.first_mut() {
@@ -721,8 +920,14 @@ fn insert_pci<'s>(
 /// Write a sysfs tree (plus `proc/cpuinfo`, hostname and `nvml-gpus.xml`)
 /// that [`detect`] turns back into `sys`. Used to build fixtures by hand from
 /// a topology XML. Switch downstream ports and root ports are synthesised
-/// (bus of the parent + 1, device = child index).
-pub fn write_tree(sys: &System, out: &Path) -> Result<(), TopoError> {
+/// (bus of the parent + 1, device = child index, skipping bus ids the model
+/// uses). Where the model does not name a device's host bridge, each PCI
+/// bus gets its own (`pciDDDD:BB`). NICs outside the PCI tree become
+/// platform devices with the node's `numa_node`. Returns what detection
+/// will not find again (NIC- or GPU-class PCI endpoints without a `nic` or
+/// `gpu` element: they are written as PCI devices, but detection lists NICs
+/// from `sys/class` and GPUs from NVML).
+pub fn write_tree(sys: &System, out: &Path) -> Result<Vec<String>, TopoError> {
     let io = |p: &Path, e: std::io::Error| TopoError::Io {
         path: p.display().to_string(),
         msg: e.to_string(),
@@ -760,6 +965,15 @@ pub fn write_tree(sys: &System, out: &Path) -> Result<(), TopoError> {
     }
     let mut gpus = Vec::new();
     let mut any_gdr = false;
+    let mut unwritten = Vec::new();
+    let mut used: std::collections::BTreeSet<String> = std::collections::BTreeSet::new();
+    for c in &sys.cpus {
+        for p in &c.pci {
+            p.walk(&mut |d| {
+                used.insert(d.busid.clone());
+            });
+        }
+    }
     for c in &sys.cpus {
         let nb = format!("sys/devices/system/node/node{}", c.numaid);
         if let Some(a) = &c.affinity {
@@ -771,13 +985,41 @@ pub fn write_tree(sys: &System, out: &Path) -> Result<(), TopoError> {
             let hb = p
                 .hostbridge
                 .clone()
-                .unwrap_or_else(|| format!("pci{dom}:{:02x}", bus.saturating_sub(1)));
+                .unwrap_or_else(|| format!("pci{dom}:{bus:02x}"));
             let hbus = u32::from_str_radix(hb.rsplit(':').next().unwrap_or("0"), 16).unwrap_or(0);
             // A root port between the host bridge and the device.
-            let rp = format!("{dom}:{hbus:02x}:{:02x}.0", (i + 1) as u32 % 32);
+            let rp = free_busid(&dom, hbus, i + 1, &mut used);
             let rp_dir = format!("sys/devices/{hb}/{rp}");
             write_dev(&put, &link, &rp_dir, &rp, &bridge_like(p), c.numaid)?;
-            write_pci_tree(&put, &link, &rp_dir, p, c.numaid, &mut gpus, &mut any_gdr)?;
+            write_pci_tree(
+                &put,
+                &link,
+                &rp_dir,
+                p,
+                c.numaid,
+                &mut gpus,
+                &mut any_gdr,
+                &mut used,
+            )?;
+            p.walk(&mut |d| {
+                if d.nic.is_none() && d.gpu.is_none() && (d.is_nic() || d.is_gpu()) {
+                    unwritten.push(format!(
+                        "{} (class 0x{:06x}) has no {} element: written as a PCI device only; detection finds NICs in sys/class and GPUs through NVML, so it will not list it",
+                        d.busid,
+                        d.class.unwrap_or(0),
+                        if d.is_nic() { "<nic>" } else { "<gpu>" }
+                    ));
+                }
+            });
+        }
+        // NICs outside the PCI tree: platform devices of this node.
+        for (k, nic) in c.nics.iter().enumerate() {
+            let dev = format!("sys/devices/platform/braid-nic{}.{k}", c.numaid);
+            put(&format!("{dev}/numa_node"), &c.numaid.to_string())?;
+            for n in &nic.nets {
+                any_gdr |= n.gdr == Some(true);
+                write_net_to(&put, &link, &format!("../../../{}", &dev[4..]), n)?;
+            }
         }
     }
     // NICs.
@@ -789,7 +1031,8 @@ pub fn write_tree(sys: &System, out: &Path) -> Result<(), TopoError> {
                     for n in &nic.nets {
                         any_gdr |= n.gdr == Some(true);
                         if err.is_ok() {
-                            err = write_net(&put, &link, &d.busid, n);
+                            let target = format!("../../../bus/pci/devices/{}", d.busid);
+                            err = write_net_to(&put, &link, &target, n);
                         }
                     }
                 }
@@ -804,7 +1047,25 @@ pub fn write_tree(sys: &System, out: &Path) -> Result<(), TopoError> {
         let p = out.join(RECORDED_GPUS_FILE);
         fs::write(&p, RecordedGpus::render(&gpus)).map_err(|e| io(&p, e))?;
     }
-    Ok(())
+    Ok(unwritten)
+}
+
+/// A bus id `DDDD:BB:DD.0` on `bus` that the model does not use, trying
+/// device `first` (mod 32) and up; marked used.
+fn free_busid(
+    dom: &str,
+    bus: u32,
+    first: usize,
+    used: &mut std::collections::BTreeSet<String>,
+) -> String {
+    for k in 0..32 {
+        let b = format!("{dom}:{:02x}:{:02x}.0", bus % 256, (first + k) % 32);
+        if !used.contains(&b) {
+            used.insert(b.clone());
+            return b;
+        }
+    }
+    format!("{dom}:{:02x}:1f.7", bus % 256)
 }
 
 fn split_bus(busid: &str) -> (String, u32) {
@@ -861,6 +1122,7 @@ fn write_dev(
     )
 }
 
+#[allow(clippy::too_many_arguments)]
 fn write_pci_tree(
     put: &impl Fn(&str, &str) -> Result<(), TopoError>,
     link: &impl Fn(&str, &str) -> Result<(), TopoError>,
@@ -869,6 +1131,7 @@ fn write_pci_tree(
     numa: i32,
     gpus: &mut Vec<DetectedGpu>,
     any_gdr: &mut bool,
+    used: &mut std::collections::BTreeSet<String>,
 ) -> Result<(), TopoError> {
     let dir = format!("{parent_dir}/{}", p.busid);
     write_dev(put, link, &dir, &p.busid, p, numa)?;
@@ -881,18 +1144,20 @@ fn write_pci_tree(
     let _ = any_gdr;
     let (dom, bus) = split_bus(&p.busid);
     for (i, c) in p.children.iter().enumerate() {
-        let port = format!("{dom}:{:02x}:{:02x}.0", bus + 1, i as u32 % 32);
+        let port = free_busid(&dom, bus + 1, i, used);
         let pdir = format!("{dir}/{port}");
         write_dev(put, link, &pdir, &port, &bridge_like(c), numa)?;
-        write_pci_tree(put, link, &pdir, c, numa, gpus, any_gdr)?;
+        write_pci_tree(put, link, &pdir, c, numa, gpus, any_gdr, used)?;
     }
     Ok(())
 }
 
-fn write_net(
+/// Write one port whose device is at `target` (a path relative to
+/// `sys/class/<kind>/<name>/`).
+fn write_net_to(
     put: &impl Fn(&str, &str) -> Result<(), TopoError>,
     link: &impl Fn(&str, &str) -> Result<(), TopoError>,
-    busid: &str,
+    target: &str,
     n: &Net,
 ) -> Result<(), TopoError> {
     if n.is_rdma() {
@@ -901,10 +1166,7 @@ fn write_net(
             None => (n.name.clone(), n.port.unwrap_or(1).to_string()),
         };
         let base = format!("sys/class/infiniband/{dev}");
-        link(
-            &format!("{base}/device"),
-            &format!("../../../bus/pci/devices/{busid}"),
-        )?;
+        link(&format!("{base}/device"), target)?;
         if let Some(g) = &n.guid {
             let h = g.trim_start_matches("0x");
             let h = format!("{h:0>16}");
@@ -914,6 +1176,8 @@ fn write_net(
             )?;
         }
         let pb = format!("{base}/ports/{port}");
+        // The port directory exists even when nothing is known about it.
+        put(&format!("{pb}/.keep"), "")?;
         if let Some(s) = &n.state {
             let code = match s.as_str() {
                 "ACTIVE" => 4,
@@ -931,10 +1195,7 @@ fn write_net(
         }
     } else {
         let base = format!("sys/class/net/{}", n.name);
-        link(
-            &format!("{base}/device"),
-            &format!("../../../bus/pci/devices/{busid}"),
-        )?;
+        link(&format!("{base}/device"), target)?;
         put(
             &format!("{base}/speed"),
             &n.speed.map_or("-1".to_string(), |s| s.to_string()),

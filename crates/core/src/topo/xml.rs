@@ -6,7 +6,7 @@
 //! or explicit end tags, and unknown elements (skipped) or attributes (kept).
 //! Every error names the file and the line.
 
-use super::model::{Attrs, Cpu, CpuSet, Gpu, Net, Nic, NvLink, Pci, System};
+use super::model::{Attrs, C2c, Cpu, CpuSet, Gpu, Net, Nic, NvLink, Pci, System};
 use super::TopoError;
 
 /// A parsed XML element.
@@ -411,21 +411,19 @@ fn pci(cx: &Ctx, el: &Element) -> Result<Pci, TopoError> {
         hostbridge: el.attr("hostbridge").map(str::to_string),
         children: Vec::new(),
         gpu: None,
+        extra_gpus: Vec::new(),
         nic: None,
         attrs: extras(el, PCI_ATTRS),
     };
     for ch in &el.children {
         match ch.name.as_str() {
             "pci" => p.children.push(pci(cx, ch)?),
-            "gpu" => {
-                if p.gpu.is_some() {
-                    return Err(cx.err(
-                        ch,
-                        format!("second <gpu> inside <pci busid=\"{}\">", p.busid),
-                    ));
-                }
-                p.gpu = Some(gpu(cx, ch)?)
-            }
+            // Several <gpu> in one <pci>: NCCL's layout for several ranks
+            // on one GPU. One physical GPU; the others are kept for export.
+            "gpu" => match p.gpu {
+                None => p.gpu = Some(gpu(cx, ch)?),
+                Some(_) => p.extra_gpus.push(gpu(cx, ch)?),
+            },
             "nic" => {
                 let n = nic(cx, ch)?;
                 match &mut p.nic {
@@ -446,9 +444,17 @@ fn gpu(cx: &Ctx, el: &Element) -> Result<Gpu, TopoError> {
         rank: cx.int(el, "rank")?,
         gdr: cx.boolean(el, "gdr")?,
         nvlinks: Vec::new(),
+        c2c: Vec::new(),
         attrs: extras(el, GPU_ATTRS),
     };
     for ch in &el.children {
+        if ch.name == "c2c" {
+            g.c2c.push(C2c {
+                bw: cx.int(ch, "bw")?.unwrap_or(0),
+                count: cx.int(ch, "count")?.unwrap_or(1),
+                attrs: extras(ch, &["bw", "count"]),
+            });
+        }
         if ch.name == "nvlink" {
             let target = ch
                 .attr("target")
@@ -542,11 +548,12 @@ fn write_pci(w: &mut Writer, d: usize, p: &Pci) {
     push(&mut a, "link_width", p.link_width);
     push(&mut a, "hostbridge", p.hostbridge.clone());
     let empty = p.children.is_empty() && p.gpu.is_none() && p.nic.is_none();
+    debug_assert!(p.gpu.is_some() || p.extra_gpus.is_empty());
     w.open(d, "pci", &a, &p.attrs, empty);
     if empty {
         return;
     }
-    if let Some(g) = &p.gpu {
+    for g in p.all_gpus() {
         write_gpu(w, d + 1, g, None);
     }
     if let Some(n) = &p.nic {
@@ -565,13 +572,19 @@ fn write_gpu(w: &mut Writer, d: usize, g: &Gpu, busid: Option<&str>) {
     push(&mut a, "sm", g.sm);
     push(&mut a, "rank", g.rank);
     push(&mut a, "gdr", g.gdr.map(u8::from));
-    w.open(d, "gpu", &a, &g.attrs, g.nvlinks.is_empty());
-    if !g.nvlinks.is_empty() {
+    let empty = g.nvlinks.is_empty() && g.c2c.is_empty();
+    w.open(d, "gpu", &a, &g.attrs, empty);
+    if !empty {
         for l in &g.nvlinks {
             let mut a: Vec<(&str, String)> =
                 vec![("target", l.target.clone()), ("count", l.count.to_string())];
             push(&mut a, "tclass", l.tclass.map(|c| format!("0x{c:06x}")));
             w.open(d + 1, "nvlink", &a, &Attrs::new(), true);
+        }
+        for c in &g.c2c {
+            let a: Vec<(&str, String)> =
+                vec![("bw", c.bw.to_string()), ("count", c.count.to_string())];
+            w.open(d + 1, "c2c", &a, &c.attrs, true);
         }
         w.close(d, "gpu");
     }
