@@ -90,9 +90,11 @@ fn signal(c: &Child, sig: nix::sys::signal::Signal) {
     let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(c.id() as i32), sig);
 }
 
-/// Processes still running this test's rank binary.
+/// Processes still running this test's rank binary (this build's: another
+/// checkout's test run on the same machine is not ours to count).
 fn stray_ranks() -> Vec<String> {
     let me = std::process::id().to_string();
+    let bin = std::fs::canonicalize(env!("CARGO_BIN_EXE_braid-testrank")).ok();
     let mut out = Vec::new();
     let Ok(dir) = std::fs::read_dir("/proc") else {
         return out;
@@ -104,7 +106,22 @@ fn stray_ranks() -> Vec<String> {
         }
         let cmdline = std::fs::read(e.path().join("cmdline")).unwrap_or_default();
         let first = cmdline.split(|&b| b == 0).next().unwrap_or_default();
-        if String::from_utf8_lossy(first).ends_with("braid-testrank") {
+        if !String::from_utf8_lossy(first).ends_with("braid-testrank") {
+            continue;
+        }
+        // The executable behind it; one we cannot read (it exited, or it
+        // belongs to another user) counts as ours, to be safe.
+        let exe = std::fs::read_link(e.path().join("exe")).ok();
+        let exe = exe.map(|p| {
+            p.to_string_lossy()
+                .trim_end_matches(" (deleted)")
+                .to_string()
+        });
+        let ours = match (&bin, exe) {
+            (Some(b), Some(x)) => std::path::Path::new(&x) == b.as_path(),
+            _ => true,
+        };
+        if ours {
             out.push(pid);
         }
     }
@@ -151,6 +168,8 @@ fn case(
     let mut kids: Vec<Child> = (0..n)
         .map(|r| spawn(place, &id, r, n, "100000000"))
         .collect();
+    // This case's ranks (on one host, the creators named in segment names).
+    let pids: Vec<u32> = kids.iter().map(|k| k.id()).collect();
     // Wait for "ready" from every rank (bounded).
     let mut outs = Vec::new();
     let start = Instant::now();
@@ -275,7 +294,15 @@ fn case(
     // Leaks: segments on every host, processes.
     std::thread::sleep(Duration::from_millis(100));
     let mut leaked: Vec<String> = match place {
-        Place::Local(_) => segments(place, None),
+        // Only this case's segments: other jobs on the machine (another
+        // test binary, a benchmark) may hold segments of their own.
+        Place::Local(_) => segments(place, None)
+            .into_iter()
+            .filter(|name| {
+                pids.iter()
+                    .any(|p| name.starts_with(&format!("braid-{p}-")))
+            })
+            .collect(),
         Place::Hosts(_, hosts) => {
             let mut v = Vec::new();
             let mut seen = Vec::new();
