@@ -76,8 +76,11 @@ impl Hosts {
     /// Create `n` hosts.
     pub fn new(n: usize) -> Result<Hosts, String> {
         Self::available()?;
+        sweep_dead();
         let pid = std::process::id();
-        let tag = format!("{}", pid % 100_000);
+        // The whole pid (at most 7 digits: interface names stay within 15
+        // bytes), so [`sweep_dead`] can tell whose leftovers a name is.
+        let tag = format!("{pid}");
         // A subnet per test process, so concurrent runs do not collide.
         let subnet = (pid % 200) as u8 + 20;
         let mut hosts = Hosts {
@@ -317,6 +320,38 @@ impl Hosts {
             }
         }
         left
+    }
+}
+
+/// Remove the namespaces, bridge and veth pairs that a test process killed
+/// before its drop ran left behind (named `braid-<pid>-h<n>`, `bb<pid>`,
+/// `bv<pid>h<n>`), when that process no longer exists. Leftovers of live
+/// processes are theirs and stay.
+fn sweep_dead() {
+    let Ok(out) = Command::new("ip").args(["netns", "list"]).output() else {
+        return;
+    };
+    let list = String::from_utf8_lossy(&out.stdout);
+    let mut dead = std::collections::BTreeSet::new();
+    for name in list.lines().filter_map(|l| l.split_whitespace().next()) {
+        let Some((pid, host)) = name
+            .strip_prefix("braid-")
+            .and_then(|rest| rest.split_once("-h"))
+        else {
+            continue;
+        };
+        let (Ok(pid), Ok(_)) = (pid.parse::<u32>(), host.parse::<u32>()) else {
+            continue;
+        };
+        if std::path::Path::new(&format!("/proc/{pid}")).exists() {
+            continue;
+        }
+        let _ = ip(&["link", "del", &format!("bv{pid}h{host}")]);
+        let _ = ip(&["netns", "del", name]);
+        dead.insert(pid);
+    }
+    for pid in dead {
+        let _ = ip(&["link", "del", &format!("bb{pid}")]);
     }
 }
 
