@@ -6,13 +6,19 @@
 #   scripts/netns-bench.sh [SIZE] [ITERS]      (root; default 64M, 20)
 #
 # Raw TCP: iperf3 (installed if missing), one stream and 4 parallel streams.
+# PERF=/path/to/braid-perf runs that binary instead of building this tree's
+# (to compare two builds side by side).
 set -euo pipefail
 size=${1:-64M}
 iters=${2:-20}
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 command -v iperf3 >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq iperf3 >/dev/null; }
-cargo build --release -q -p braid-perf --manifest-path "$here/Cargo.toml"
-perf=$here/target/release/braid-perf
+if [ -n "${PERF:-}" ]; then
+    perf=$PERF
+else
+    cargo build --release -q -p braid-perf --manifest-path "$here/Cargo.toml"
+    perf=$here/target/release/braid-perf
+fi
 tag=$$; br=bnb$tag; net=10.214.$((tag % 200 + 20))
 holders=()
 cleanup() {

@@ -113,6 +113,10 @@ impl Transport for SocketTransport {
         MemKind::Host
     }
 
+    fn recv_slot_bytes(&self) -> Option<usize> {
+        Some(self.cfg.slot_bytes)
+    }
+
     fn can_connect(&self, _me: &PeerDesc, _peer: &PeerDesc) -> bool {
         true
     }

@@ -2,7 +2,7 @@
 //! sockets or a clock: ranks, strangers, slow senders, floods and failures,
 //! with simulated time.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::time::{Duration, Instant};
 
@@ -11,8 +11,8 @@ use super::rendezvous::{
     HANDSHAKE_TIMEOUT, MAX_PENDING,
 };
 use super::wire::{
-    client_mac, contrib_header, error_frame, hello_header, parse_challenge, parse_data, root_mac,
-    FrameBuf, HelloFixed, HELLO_PREFIX, K_ACCEPT, K_ERROR, K_HELLO, MAGIC, MAX_FRAME, NONCE_LEN,
+    client_mac, contrib_header, error_frame, hello_header, parse_challenge, root_mac, FrameBuf,
+    HelloFixed, HELLO_PREFIX, K_ACCEPT, K_ERROR, K_HELLO, K_RING, MAGIC, MAX_FRAME, NONCE_LEN,
     READ_CHUNK,
 };
 
@@ -163,19 +163,19 @@ impl Sim {
         hello_for(&self.nonce(c), secret, rank, nranks, payload)
     }
 
-    /// The data frames of `round` that `c` got, checked against `nranks`.
-    fn round(&self, c: ConnId, round: u64, nranks: u32) -> Vec<Vec<u8>> {
+    /// What `c` got once all ranks joined: its successor's hello payload
+    /// (protocol v3; the rounds go round the ring, not through the root).
+    fn ring(&self, c: ConnId) -> Vec<u8> {
         let frames = self.frames(c);
-        let skip = frames
+        let at = frames
             .iter()
             .position(|f| f.0 == K_ACCEPT)
             .expect("accepted")
             + 1;
-        let data = &frames[skip + round as usize * nranks as usize..][..nranks as usize];
-        data.iter()
-            .enumerate()
-            .map(|(r, (k, b))| parse_data(*k, b, round, r as u32).unwrap().to_vec())
-            .collect()
+        let (k, b) = &frames[at];
+        assert_eq!(*k, K_RING, "the successor's address after the accept");
+        assert_eq!(frames.len(), at + 1, "nothing but the successor's address");
+        b.clone()
     }
 }
 
@@ -217,22 +217,18 @@ fn ranks_rendezvous_run_rounds_and_leave_without_warnings() {
         assert_eq!(f[1].0, K_ACCEPT);
         let proof = root_mac(&SECRET, &cnonce(), &s.nonce(c), r as u32);
         assert_eq!(f[1].1, proof);
-        let want: Vec<Vec<u8>> = (0..n).map(|r| format!("p{r}").into_bytes()).collect();
-        assert_eq!(s.round(c, 0, n), want);
+        // Its successor's payload (its address), nothing more.
+        let next = (r as u32 + 1) % n;
+        assert_eq!(s.ring(c), format!("p{next}").into_bytes());
     }
+    let sent: usize = s.out.values().map(Vec::len).sum();
     for round in 1..=3u64 {
-        for (r, &c) in conns.iter().enumerate() {
-            s.send(c, &contrib(round, &[r as u8, round as u8]));
-        }
         for &c in &conns {
-            let got = s.round(c, round, n);
-            assert_eq!(
-                got,
-                (0..n)
-                    .map(|r| vec![r as u8, round as u8])
-                    .collect::<Vec<_>>()
-            );
+            s.send(c, &contrib(round, &[]));
         }
+        // The rounds' data go round the ring: the root only counts them.
+        assert_eq!(s.out.values().map(Vec::len).sum::<usize>(), sent);
+        assert_eq!(s.m.poll_timeout(), None);
     }
     // Between rounds there is no deadline.
     assert_eq!(s.m.poll_timeout(), None);
@@ -280,8 +276,8 @@ fn hello_in_pieces_and_slow_senders() {
         s.advance(Duration::from_millis(1));
     }
     let c1 = s.join(1, 2, b"");
-    assert_eq!(s.round(c0, 0, 2), vec![vec![7; 300], vec![]]);
-    assert_eq!(s.round(c1, 0, 2), vec![vec![7; 300], vec![]]);
+    assert_eq!(s.ring(c0), Vec::<u8>::new());
+    assert_eq!(s.ring(c1), vec![7; 300]);
 
     // A hello that proves the secret but whose payload never completes is
     // closed at the bootstrap timeout (not the short handshake one).
@@ -323,13 +319,13 @@ fn strangers_garbage_wrong_secrets_and_replays_never_count() {
     h[5] ^= 1;
     s.send(magic, &h);
     assert!(s.closed.contains_key(&magic) && s.errors(magic).is_empty());
-    let v3 = s.connect();
-    let mut h = s.hello(v3, &SECRET, 0, 2, b"");
-    h[5 + 8] = 3;
-    s.send(v3, &h);
-    let e = s.errors(v3);
+    let v4 = s.connect();
+    let mut h = s.hello(v4, &SECRET, 0, 2, b"");
+    h[5 + 8] = 4;
+    s.send(v4, &h);
+    let e = s.errors(v4);
     assert!(
-        e[0].contains("version mismatch") && e[0].contains("this rank v3"),
+        e[0].contains("version mismatch") && e[0].contains("this rank v4"),
         "{e:?}"
     );
     let v1 = s.connect();
@@ -373,8 +369,8 @@ fn strangers_garbage_wrong_secrets_and_replays_never_count() {
     // None of them counted: the real ranks (0 and 1 included) join.
     let r0 = s.join(0, 2, b"a");
     let r1 = s.join(1, 2, b"b");
-    assert_eq!(s.round(r0, 0, 2), vec![b"a".to_vec(), b"b".to_vec()]);
-    assert_eq!(s.round(r1, 0, 2), vec![b"a".to_vec(), b"b".to_vec()]);
+    assert_eq!(s.ring(r0), b"b".to_vec());
+    assert_eq!(s.ring(r1), b"a".to_vec());
     // Rejections are warned about at most once per second (with a count).
     let rejected = s
         .warnings()
@@ -420,8 +416,8 @@ fn idle_strangers_do_not_lock_the_ranks_out() {
     // next rank.
     s.advance(Duration::from_secs(1));
     let ranks: Vec<ConnId> = (0..8).map(|r| s.join(r, 8, &[r as u8])).collect();
-    for &c in &ranks {
-        assert_eq!(s.round(c, 0, 8).len(), 8);
+    for (r, &c) in ranks.iter().enumerate() {
+        assert_eq!(s.ring(c), vec![((r + 1) % 8) as u8]);
     }
     assert!(s.closed.contains_key(&strangers[0]));
     assert!(!s.closed.contains_key(&strangers[1]));
@@ -435,7 +431,7 @@ fn idle_strangers_do_not_lock_the_ranks_out() {
         s2.send(c, &h);
     }
     assert!(held[..4].iter().all(|c| s2.closed.contains_key(c)));
-    assert_eq!(s2.round(cs[3], 0, 4).len(), 4);
+    assert!(s2.ring(cs[3]).is_empty());
     assert!(s.m.unproven_count() <= MAX_PENDING);
 
     // The strangers left are closed once they have had HANDSHAKE_TIMEOUT
@@ -488,7 +484,7 @@ fn unproven_connections_expire_at_their_own_deadline() {
     s.advance(EVICT_MIN_AGE);
     let r = s.join(0, 1, b"solo");
     assert!(s.closed.contains_key(&b));
-    assert_eq!(s.round(r, 0, 1), vec![b"solo".to_vec()]);
+    assert_eq!(s.ring(r), b"solo".to_vec());
 }
 
 /// Item 2: a failing `accept` (EMFILE) backs off and warns at most once a
@@ -661,9 +657,10 @@ fn departures_duplicates_and_latecomers() {
     let late = s.join(1, 2, b"");
     assert!(s.errors(late)[0].contains("tried to join after all 2 ranks had joined"));
     assert!(s.m.result().is_none());
-    s.send(c[0], &contrib(1, b"a"));
-    s.send(c[1], &contrib(1, b"b"));
-    assert_eq!(s.round(c[0], 1, 2), vec![b"a".to_vec(), b"b".to_vec()]);
+    s.send(c[0], &contrib(1, b""));
+    s.send(c[1], &contrib(1, b""));
+    assert!(s.m.result().is_none());
+    assert!(s.errors(c[0]).is_empty() && s.errors(c[1]).is_empty());
 }
 
 #[test]
@@ -685,32 +682,25 @@ fn shutdown_tells_the_ranks_and_ends_well() {
     assert!(s.closed.contains_key(&late) && !s.out.contains_key(&late));
 }
 
-/// Every rank gets the same round bytes, shared rather than copied.
+/// What the root sends grows with p, not p²: a challenge, an accept and
+/// the successor's address per rank, and nothing per round.
 #[test]
-fn a_round_is_one_shared_buffer() {
-    let s = Sim::new(T);
-    let n = 16;
-    let mut seen = BTreeSet::new();
-    let mut m = Rendezvous::new(Settings::new(ROOT, SECRET, T), s.now);
-    let mut conns = Vec::new();
-    for r in 0..n {
-        let c = m.handle_connect(s.now, ROOT, [r as u8; NONCE_LEN]);
-        conns.push((c, r));
-    }
-    while m.poll_transmit().is_some() {}
-    for &(c, r) in &conns {
-        let h = hello_for(&[r as u8; NONCE_LEN], &SECRET, r, n, b"x");
-        m.handle_data(s.now, c, &h);
-    }
-    let mut bufs = Vec::new();
-    while let Some(t) = m.poll_transmit() {
-        if t.bytes.len() > 100 {
-            seen.insert(t.conn);
-            bufs.push(t.bytes);
+fn the_root_sends_o_of_p_bytes() {
+    let mut per_rank = Vec::new();
+    for n in [16u32, 256, 1024] {
+        let mut s = Sim::new(T);
+        let addr = [6u8; 23]; // an IPv6 address as a hello payload
+        let conns: Vec<ConnId> = (0..n).map(|r| s.join(r, n, &addr)).collect();
+        for round in 1..=5 {
+            for &c in &conns {
+                s.send(c, &contrib(round, &[]));
+            }
         }
+        let sent: usize = s.out.values().map(Vec::len).sum();
+        per_rank.push(sent as f64 / n as f64);
+        assert!(s.m.result().is_none());
     }
-    assert_eq!(seen.len(), n as usize);
-    assert!(bufs
-        .windows(2)
-        .all(|w| std::sync::Arc::ptr_eq(&w[0], &w[1])));
+    // The same bytes per rank at every size (challenge, accept, address).
+    assert!(per_rank.windows(2).all(|w| w[0] == w[1]), "{per_rank:?}");
+    assert!(per_rank[0] < 200.0, "{per_rank:?}");
 }
