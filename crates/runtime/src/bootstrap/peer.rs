@@ -494,9 +494,11 @@ impl Peers {
             match flush(&mut sock, &hello, &mut at) {
                 Ok(true) => break,
                 Ok(false) => std::thread::sleep(Duration::from_millis(1)),
-                Err(e) => return Err(Error::Bootstrap(format!(
+                Err(e) => {
+                    return Err(Error::Bootstrap(format!(
                     "rank {next} closed its bootstrap connection while {what} ({e}); did it exit?"
-                ))),
+                )))
+                }
             }
             if remaining(deadline).is_none() {
                 return Err(Error::Bootstrap(format!(
