@@ -779,6 +779,46 @@ impl Peers {
         deadline: Instant,
         abort: Option<&AtomicBool>,
     ) -> std::result::Result<Vec<Vec<u8>>, ExchangeError> {
+        let mut done = vec![false; asks.len()];
+        match self.exchange_inner(asks, deadline, abort, &mut done) {
+            Err(ExchangeError::Peer {
+                peer,
+                mut what,
+                timed_out: None,
+            }) => {
+                // A rank that gave up because a third one is gone exits
+                // and so looks gone itself: name every rank of this
+                // exchange that is gone, so the first cause is among them.
+                let gone: Vec<u32> = asks
+                    .iter()
+                    .zip(&done)
+                    .filter(|(a, d)| !**d && a.peer != peer && self.probe(a.peer).is_err())
+                    .map(|(a, _)| a.peer)
+                    .collect();
+                if !gone.is_empty() {
+                    what += &format!(
+                        "; {} of this exchange {} gone too",
+                        super::fmt_ranks(&gone),
+                        if gone.len() == 1 { "is" } else { "are" }
+                    );
+                }
+                Err(ExchangeError::Peer {
+                    peer,
+                    what,
+                    timed_out: None,
+                })
+            }
+            other => other,
+        }
+    }
+
+    fn exchange_inner(
+        &mut self,
+        asks: &[Ask],
+        deadline: Instant,
+        abort: Option<&AtomicBool>,
+        done: &mut [bool],
+    ) -> std::result::Result<Vec<Vec<u8>>, ExchangeError> {
         enum St {
             /// We asked on `sock`; the answer arrives into `buf`.
             Asked {
@@ -840,7 +880,7 @@ impl Peers {
         loop {
             self.pump();
             let mut all = true;
-            for (a, st) in asks.iter().zip(sts.iter_mut()) {
+            for (i, (a, st)) in asks.iter().zip(sts.iter_mut()).enumerate() {
                 let peer = a.peer;
                 let gone = |e: io::Error| ExchangeError::Peer {
                     peer,
@@ -880,7 +920,8 @@ impl Peers {
                         at,
                         theirs,
                     } => {
-                        if flush(sock, out, at).map_err(gone)? {
+                        let sent = flush(sock, out, at).map_err(gone)?;
+                        if sent {
                             let _ = sock.shutdown(Shutdown::Write);
                             *st = St::Done(std::mem::take(theirs));
                         }
@@ -938,7 +979,8 @@ impl Peers {
                     }
                     _ => {}
                 }
-                all &= matches!(st, St::Done(_));
+                done[i] = matches!(st, St::Done(_));
+                all &= done[i];
             }
             if all {
                 return Ok(sts

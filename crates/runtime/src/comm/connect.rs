@@ -136,7 +136,11 @@ fn take<'a>(b: &'a [u8], at: &mut usize) -> Option<&'a [u8]> {
 /// A peer's connect message: its flags, the connect-info of its sending
 /// end (for our receiving end) and of its receiving end (for our sending
 /// end), as far as it has them.
-pub(crate) fn decode_msg(b: &[u8]) -> Option<(u8, Option<Vec<u8>>, Option<Vec<u8>>)> {
+/// A decoded connect message: flags, the sender's send-side and
+/// receive-side connect-info.
+pub(crate) type ConnectMsg = (u8, Option<Vec<u8>>, Option<Vec<u8>>);
+
+pub(crate) fn decode_msg(b: &[u8]) -> Option<ConnectMsg> {
     let (&v, &flags) = (b.first()?, b.get(1)?);
     if v != MSG_VERSION || flags & !(SENDS | RECEIVES) != 0 {
         return None;
@@ -210,7 +214,43 @@ impl Connector {
     /// concerned swap connect-info through `boot` and connect within
     /// `timeout`. Every rank that shares a missing link with this one must
     /// call this for the same operation.
+    ///
+    /// A peer that fails here may have given up because of a third rank
+    /// (which it then outlives only briefly, or leaves this rank waiting
+    /// for its half of a link): a failure also names the ranks this one has
+    /// links with that are gone, so the first cause is named too.
     pub(crate) fn ensure(
+        &mut self,
+        chans: &mut Channels,
+        need: &LinkSet,
+        boot: &Bootstrap,
+        timeout: Duration,
+    ) -> std::result::Result<(), CoreError> {
+        match self.ensure_inner(chans, need, boot, timeout) {
+            Err(e) if !matches!(e, CoreError::Aborted(_)) => {
+                let gone = dead_links(chans, e.peer());
+                if gone.is_empty() {
+                    return Err(e);
+                }
+                let peer = e.peer().unwrap_or(gone[0].0);
+                Err(CoreError::Peer {
+                    transport: self.transport_name(peer),
+                    peer,
+                    what: format!(
+                        "{e}; and {}",
+                        gone.iter()
+                            .map(|(q, why)| format!("rank {q} is gone too ({why})"))
+                            .collect::<Vec<_>>()
+                            .join(", ")
+                    ),
+                    source: None,
+                })
+            }
+            other => other,
+        }
+    }
+
+    fn ensure_inner(
         &mut self,
         chans: &mut Channels,
         need: &LinkSet,
@@ -343,6 +383,31 @@ impl Connector {
         );
         Ok(())
     }
+}
+
+/// The peers (other than `except`) whose connected links report them dead
+/// or gone, with what the link says.
+fn dead_links(chans: &mut Channels, except: Option<u32>) -> Vec<(u32, String)> {
+    let mut out: Vec<(u32, String)> = Vec::new();
+    let mut note = |q: u32, r: std::result::Result<(), CoreError>| {
+        if let Err(e) = r {
+            if Some(q) != except && !out.iter().any(|x| x.0 == q) {
+                out.push((q, e.to_string()));
+            }
+        }
+    };
+    for (q, c) in chans.send.iter_mut().enumerate() {
+        if let Some(c) = c {
+            note(q as u32, c.check_peer());
+        }
+    }
+    for (q, c) in chans.recv.iter_mut().enumerate() {
+        if let Some(c) = c {
+            note(q as u32, c.check_peer());
+        }
+    }
+    out.sort_unstable();
+    out
 }
 
 /// The slot size every link of this rank will have at least: the smallest
