@@ -9,7 +9,7 @@ use std::io::{self, Read};
 use std::net::TcpStream;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use braid_core::error::{CoreError, Result};
@@ -18,7 +18,7 @@ use braid_core::types::MemKind;
 
 use super::ctrl::{CtrlIn, CtrlOut};
 use super::health::{Fail, Health};
-use super::poller::{poller, Poller, Source};
+use super::poller::{poller, Armer, Poller, Source, IN, OUT};
 use super::{lock, npieces, piece_size, shut, stripes};
 use crate::info::{CtrlKind, FrameHeader};
 use crate::sys::{self, SlotMem};
@@ -95,6 +95,9 @@ impl Default for Rx {
 pub(super) struct DataSock {
     sock: TcpStream,
     rx: Rx,
+    /// The progress thread watches the socket (its reading is between or
+    /// inside slot frames, not waiting for the engine).
+    armed: bool,
 }
 
 #[derive(Debug)]
@@ -128,6 +131,8 @@ pub(super) struct RecvShared {
     /// The data sockets (none in the fuzzing harness).
     pub(super) data: Box<[Mutex<DataSock>]>,
     ctrl: Option<Mutex<CtrlSock>>,
+    /// Set once registered with the progress thread.
+    armer: OnceLock<Armer>,
 }
 
 impl RecvShared {
@@ -155,14 +160,23 @@ impl RecvShared {
             health,
             data: Box::new([]),
             ctrl: None,
+            armer: OnceLock::new(),
         }
     }
 
-    /// Reads what data socket `i` has.
+    /// Reads what data socket `i` has; then has the progress thread watch
+    /// it, unless the engine reads a direct payload from it (or it ended).
     fn pump_data(&self, d: &mut DataSock, i: usize) {
         let sock = &d.sock;
         let mut read = |b: &mut [u8]| (&*sock).read(b);
         d.rx.pump(i, self, &mut read);
+        let wanted = matches!(d.rx.st, RxState::Header | RxState::Payload { .. });
+        if wanted && !d.armed {
+            if let Some(a) = self.armer.get() {
+                a.arm(i, d.sock.as_fd(), IN);
+                d.armed = true;
+            }
+        }
     }
 
     /// Reads the control socket (the sender's abort or close) and sends
@@ -183,10 +197,31 @@ impl Source for RecvShared {
     fn ready(&self, idx: usize) {
         if let Some(d) = self.data.get(idx) {
             let mut d = lock(d);
+            // The event disarmed it.
+            d.armed = false;
             self.pump_data(&mut d, idx);
         } else if let Some(c) = &self.ctrl {
             let mut c = lock(c);
             self.pump_ctrl(&mut c);
+            self.arm_ctrl(&c);
+        }
+    }
+}
+
+impl RecvShared {
+    /// Watches the control socket again (after its event, or when credits
+    /// wait for room).
+    fn arm_ctrl(&self, c: &CtrlSock) {
+        if c.input.done() {
+            return;
+        }
+        if let Some(a) = self.armer.get() {
+            let want = if c.out.pending.is_empty() {
+                IN
+            } else {
+                IN | OUT
+            };
+            a.arm(self.data.len(), c.sock.as_fd(), want);
         }
     }
 }
@@ -556,6 +591,7 @@ impl SocketRecv {
                 Mutex::new(DataSock {
                     sock,
                     rx: Rx::default(),
+                    armed: true,
                 })
             })
             .collect();
@@ -571,7 +607,10 @@ impl SocketRecv {
             let c = shared.ctrl.as_ref().map(lock);
             let mut fds: Vec<BorrowedFd<'_>> = guards.iter().map(|g| g.sock.as_fd()).collect();
             fds.extend(c.as_ref().map(|c| c.sock.as_fd()));
-            poller.register(shared.clone(), &fds)?
+            let want = vec![IN; fds.len()];
+            let id = poller.register(shared.clone(), &fds, &want)?;
+            let _ = shared.armer.set(poller.armer(id));
+            id
         };
         Ok(SocketRecv {
             peer,
@@ -618,6 +657,9 @@ impl SocketRecv {
                 self.shared.pump_data(&mut d, i);
             }
         }
+        // And whatever else the progress thread has pending (this rank's
+        // queued sends above all): the engine waits, so it moves the bytes.
+        self.poller.help();
     }
 
     /// Moves what has arrived of the head's direct message into `dst`:
@@ -740,6 +782,9 @@ impl SocketRecv {
                 if let Some(e) = self.shared.health.error() {
                     return Err(e);
                 }
+                // While the payload is on its way, keep this process's
+                // other sockets moving (our own sends to the peer above all).
+                self.poller.help();
             }
             return Ok(Some(progressed));
         }
@@ -885,11 +930,16 @@ impl RecvChannel for SocketRecv {
         if let Some(c) = &self.shared.ctrl {
             let mut c = lock(c);
             let c = &mut *c;
-            if let Err(e) = c.out.credit(&c.sock, self.head) {
+            match c.out.credit(&c.sock, self.head) {
+                // The socket is full: the progress thread sends the rest.
+                Ok(()) if !c.out.pending.is_empty() => self.shared.arm_ctrl(c),
+                Ok(()) => {}
                 // As in `check_live`: a normal close may still be on its way.
-                self.shared
-                    .health
-                    .lost_later("sending a credit", e.kind(), &e.to_string());
+                Err(e) => {
+                    self.shared
+                        .health
+                        .lost_later("sending a credit", e.kind(), &e.to_string())
+                }
             }
         }
         Ok(())

@@ -9,7 +9,7 @@ use std::io::{self, Read};
 use std::net::TcpStream;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use braid_core::error::{CoreError, Result};
@@ -18,7 +18,7 @@ use braid_core::types::MemKind;
 
 use super::ctrl::{check_credit, CtrlIn, CtrlOut};
 use super::health::Health;
-use super::poller::{poller, Poller, Source};
+use super::poller::{poller, Armer, Poller, Source, IN, OUT};
 use super::{lock, npieces, shut, stripes};
 use crate::info::{CtrlKind, FrameHeader};
 use crate::sys::{self, SlotMem};
@@ -53,6 +53,9 @@ struct TxSock {
     /// This end is stopping: nothing more is written (queued direct pieces
     /// point into the caller's memory, which is the caller's again).
     closing: bool,
+    /// The progress thread watches the socket for room (the queue is not
+    /// empty).
+    armed: bool,
 }
 
 /// The control socket of a sending end: credits and the peer's abort or
@@ -75,6 +78,8 @@ struct SendShared {
     health: Arc<Health>,
     data: Box<[Mutex<TxSock>]>,
     ctrl: Mutex<CtrlSock>,
+    /// Set once registered with the progress thread.
+    armer: OnceLock<Armer>,
 }
 
 /// Writes one piece (resuming at `p.sent`), never blocking.
@@ -114,10 +119,25 @@ fn piece_bytes(p: &Piece) -> usize {
 }
 
 impl SendShared {
-    /// Writes the queued pieces of data socket `i` until the socket is full.
-    fn flush_data(&self, i: usize) {
+    /// Has the progress thread write socket `i`'s queue when it has room.
+    fn arm_out(&self, i: usize, tx: &mut TxSock) {
+        if !tx.armed && !tx.items.is_empty() && !tx.closing {
+            if let Some(a) = self.armer.get() {
+                a.arm(i, tx.sock.as_fd(), OUT);
+                tx.armed = true;
+            }
+        }
+    }
+
+    /// Writes the queued pieces of data socket `i` until the socket is full
+    /// (then the progress thread is asked to go on when it has room).
+    /// `event`: called for the progress thread's event (which disarmed it).
+    fn flush_data(&self, i: usize, event: bool) {
         let mut guard = lock(&self.data[i]);
         let tx = &mut *guard;
+        if event {
+            tx.armed = false;
+        }
         while !tx.closing {
             let Some(p) = tx.items.front_mut() else { break };
             match write_piece(&tx.sock, p) {
@@ -143,6 +163,7 @@ impl SendShared {
                 }
             }
         }
+        self.arm_out(i, tx);
     }
 
     /// Reads what the control socket has (credits, the peer's abort or
@@ -165,15 +186,39 @@ impl SendShared {
             let _ = c.out.flush(&c.sock);
         }
     }
+
+    /// Watches the control socket again (after its event).
+    fn arm_ctrl(&self, c: &CtrlSock) {
+        if c.input.done() {
+            return;
+        }
+        if let Some(a) = self.armer.get() {
+            let want = if c.out.pending.is_empty() {
+                IN
+            } else {
+                IN | OUT
+            };
+            a.arm(self.data.len(), c.sock.as_fd(), want);
+        }
+    }
 }
 
 impl Source for SendShared {
+    fn poke(&self) {
+        for (i, d) in self.data.iter().enumerate() {
+            if d.try_lock().is_ok_and(|tx| !tx.items.is_empty()) {
+                self.flush_data(i, false);
+            }
+        }
+    }
+
     fn ready(&self, idx: usize) {
         if idx < self.data.len() {
-            self.flush_data(idx);
+            self.flush_data(idx, true);
         } else {
             let mut c = lock(&self.ctrl);
             self.pump_ctrl(&mut c);
+            self.arm_ctrl(&c);
         }
     }
 }
@@ -248,6 +293,7 @@ impl SocketSend {
                         sock,
                         items: VecDeque::new(),
                         closing: false,
+                        armed: false,
                     })
                 })
                 .collect(),
@@ -256,6 +302,7 @@ impl SocketSend {
                 input: CtrlIn::default(),
                 out: CtrlOut::new(),
             }),
+            armer: OnceLock::new(),
         });
         let poller = poller()?;
         let id = {
@@ -263,9 +310,13 @@ impl SocketSend {
             let c = lock(&shared.ctrl);
             let mut fds: Vec<BorrowedFd<'_>> = guards.iter().map(|g| g.sock.as_fd()).collect();
             fds.push(c.sock.as_fd());
-            // Register while holding the sockets: an edge that arrives now
-            // waits for these locks.
-            poller.register(shared.clone(), &fds)?
+            // The data sockets are watched once pieces wait in their queues;
+            // the control socket always (credits, the peer's abort).
+            let mut want = vec![nix::sys::epoll::EpollFlags::empty(); guards.len()];
+            want.push(IN);
+            let id = poller.register(shared.clone(), &fds, &want)?;
+            let _ = shared.armer.set(poller.armer(id));
+            id
         };
         Ok(SocketSend {
             peer,
@@ -300,11 +351,15 @@ impl SocketSend {
                 == 0
     }
 
-    /// Reads credits inline (unless the progress thread is at it).
+    /// Reads credits and writes queued pieces inline, as far as the
+    /// sockets allow, and does what else the progress thread has pending
+    /// (the engine waits on this end: it makes progress itself).
     fn pump_ctrl(&self) {
         if let Ok(mut c) = self.shared.ctrl.try_lock() {
             self.shared.pump_ctrl(&mut c);
         }
+        // Our queues, and every other link's of this process.
+        self.poller.help();
     }
 
     /// Queues piece `p` on socket `s`; on an idle socket it is written
@@ -325,8 +380,10 @@ impl SocketSend {
                 sh.inflight[p.slot].fetch_sub(1, Ordering::Release);
             }
             Ok(n) => {
+                // The rest when the socket has room.
                 p.sent = n;
                 tx.items.push_back(p);
+                sh.arm_out(s, &mut tx);
             }
             Err(e) => {
                 tx.closing = true;
