@@ -704,3 +704,341 @@ fn the_root_sends_o_of_p_bytes() {
     assert!(per_rank.windows(2).all(|w| w[0] == w[1]), "{per_rank:?}");
     assert!(per_rank[0] < 200.0, "{per_rank:?}");
 }
+
+// ---------------------------------------------------------------------------
+// A whole job's bootstrap over a simulated network
+
+/// The simulated network: every message costs its sender's link `bytes /
+/// bandwidth` (one message at a time per sender), then `latency` on the
+/// wire, then `per_message` of its receiver's time (one at a time per
+/// receiver). The root is the real [`Rendezvous`] machine, fed the real
+/// frames at the simulated times.
+#[derive(Clone, Copy, Debug)]
+struct Network {
+    latency: Duration,
+    bytes_per_s: f64,
+    per_message: Duration,
+}
+
+impl Network {
+    fn wire(&self, bytes: usize) -> Duration {
+        Duration::from_secs_f64(bytes as f64 / self.bytes_per_s)
+    }
+}
+
+/// What a job's creation sends through the bootstrap after the rendezvous:
+/// the all-gathers of a communicator's creation (peer descriptions with
+/// the addresses, the topology round, the piece summary, the barrier, the
+/// single-copy agreement), as bytes per rank.
+const INIT_ROUNDS: [usize; 5] = [120, 300, 24, 0, 1];
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+enum JobEv {
+    /// `bytes` of a frame reach the root on `conn` (index into `conns`).
+    AtRoot { conn: usize, frame: usize },
+    /// The root's bytes `[from, to)` of its output to `rank` arrive.
+    FromRoot { rank: usize, len: usize },
+    /// Round `round`'s contribution of rank `src` arrives at `rank`.
+    Item {
+        rank: usize,
+        round: usize,
+        src: usize,
+    },
+}
+
+/// The outcome of a simulated bootstrap of `p` ranks.
+#[derive(Debug)]
+struct JobOutcome {
+    /// Until every rank finished the last round.
+    elapsed: Duration,
+    root_sent: usize,
+    root_received: usize,
+}
+
+/// Plays the bootstrap of a `p`-rank communicator (protocol v3): every rank
+/// connects to the root at once, proves the secret and sends its address;
+/// the root hands each its successor's; then the rounds of
+/// [`INIT_ROUNDS`] go round the ring, each announced to the root.
+fn simulate_job(p: usize, net: Network) -> JobOutcome {
+    use std::cmp::Reverse;
+    use std::collections::BinaryHeap;
+    let t0 = Instant::now();
+    let mut m = Rendezvous::new(Settings::new(ROOT, SECRET, Duration::from_secs(3600)), t0);
+    let mut q: BinaryHeap<Reverse<(Duration, u64, JobEv)>> = BinaryHeap::new();
+    let mut seq = 0u64;
+    let mut push = |q: &mut BinaryHeap<_>, at: Duration, ev: JobEv| {
+        seq += 1;
+        q.push(Reverse((at, seq, ev)));
+    };
+    // Connections: rank r's is conns[r]; frames waiting to reach the root.
+    let mut conns: Vec<ConnId> = Vec::with_capacity(p);
+    let mut frames: Vec<Vec<u8>> = Vec::new();
+    let mut root_busy = Duration::ZERO;
+    let mut root_link = Duration::ZERO;
+    let mut rank_link = vec![Duration::ZERO; p];
+    let mut rank_busy = vec![Duration::ZERO; p];
+    let (mut root_sent, mut root_received) = (0usize, 0usize);
+    let mut got_from_root: Vec<Vec<u8>> = vec![Vec::new(); p];
+    let mut hello_sent = vec![false; p];
+    let mut ring_at: Vec<Option<Duration>> = vec![None; p];
+    // Per rank: the round it is in, items of each round received, and
+    // when it finished the last round.
+    let rounds = INIT_ROUNDS.len();
+    let mut items: Vec<Vec<usize>> = vec![vec![0; rounds]; p];
+    let mut round_of = vec![0usize; p];
+    let mut early: Vec<Vec<(usize, usize)>> = vec![Vec::new(); p];
+    let mut done_at = vec![Duration::ZERO; p];
+    // Every rank connects at 0 (a round trip), the root challenges it.
+    for r in 0..p {
+        let mut nonce = [0u8; NONCE_LEN];
+        nonce[..8].copy_from_slice(&(r as u64).to_le_bytes());
+        let c = m.handle_connect(t0 + 2 * net.latency, ROOT, nonce);
+        conns.push(c);
+    }
+    let conn_rank: BTreeMap<ConnId, usize> =
+        conns.iter().enumerate().map(|(r, &c)| (c, r)).collect();
+    // Sends what the root queued, over its link.
+    macro_rules! root_out {
+        ($now:expr) => {{
+            while let Some(t) = m.poll_transmit() {
+                let Some(&r) = conn_rank.get(&t.conn) else {
+                    continue;
+                };
+                root_link = root_link.max($now) + net.wire(t.bytes.len());
+                root_sent += t.bytes.len();
+                got_from_root[r].extend_from_slice(&t.bytes);
+                let len = got_from_root[r].len();
+                push(
+                    &mut q,
+                    root_link + net.latency,
+                    JobEv::FromRoot { rank: r, len },
+                );
+            }
+            while m.poll_close().is_some() {}
+            while m.poll_log().is_some() {}
+        }};
+    }
+    root_out!(2 * net.latency);
+    // A rank starts round `k` at `at`: it tells the root and sends its
+    // contribution to its successor.
+    macro_rules! start_round {
+        ($r:expr, $k:expr, $at:expr) => {{
+            let (r, k, at): (usize, usize, Duration) = ($r, $k, $at);
+            round_of[r] = k;
+            if k > 0 {
+                let f = contrib(k as u64, &[]);
+                rank_link[r] = rank_link[r].max(at) + net.wire(f.len());
+                frames.push(f);
+                push(
+                    &mut q,
+                    rank_link[r] + net.latency,
+                    JobEv::AtRoot {
+                        conn: r,
+                        frame: frames.len() - 1,
+                    },
+                );
+            }
+            let next = (r + 1) % p;
+            rank_link[r] = rank_link[r].max(at) + net.wire(INIT_ROUNDS[k] + 17);
+            push(
+                &mut q,
+                rank_link[r] + net.latency,
+                JobEv::Item {
+                    rank: next,
+                    round: k,
+                    src: r,
+                },
+            );
+            let held = std::mem::take(&mut early[r]);
+            for (round, src) in held {
+                push(
+                    &mut q,
+                    at,
+                    JobEv::Item {
+                        rank: r,
+                        round,
+                        src,
+                    },
+                );
+            }
+        }};
+    }
+    let mut finished = 0;
+    while let Some(Reverse((at, _, ev))) = q.pop() {
+        match ev {
+            JobEv::AtRoot { conn, frame } => {
+                root_busy = root_busy.max(at) + net.per_message;
+                let now = root_busy;
+                root_received += frames[frame].len();
+                let f = std::mem::take(&mut frames[frame]);
+                // As the driver reads: at most `read_limit` at a time.
+                let mut off = 0;
+                while off < f.len() {
+                    let k = m.read_limit(conns[conn]).min(f.len() - off);
+                    if k == 0 {
+                        break;
+                    }
+                    m.handle_data(t0 + now, conns[conn], &f[off..off + k]);
+                    off += k;
+                }
+                root_out!(now);
+            }
+            JobEv::FromRoot { rank: r, len } => {
+                rank_busy[r] = rank_busy[r].max(at) + net.per_message;
+                let now = rank_busy[r];
+                let mut fb = FrameBuf {
+                    buf: got_from_root[r][..len].to_vec(),
+                };
+                let mut kinds = Vec::new();
+                while let Ok(Some((k, b))) = fb.next_frame() {
+                    kinds.push((k, b));
+                }
+                if !hello_sent[r] {
+                    if let Some(rnonce) =
+                        kinds.first().and_then(|(k, b)| parse_challenge(*k, b).ok())
+                    {
+                        hello_sent[r] = true;
+                        let h = hello_for(&rnonce, &SECRET, r as u32, p as u32, &[6u8; 23]);
+                        rank_link[r] = rank_link[r].max(now) + net.wire(h.len());
+                        frames.push(h);
+                        push(
+                            &mut q,
+                            rank_link[r] + net.latency,
+                            JobEv::AtRoot {
+                                conn: r,
+                                frame: frames.len() - 1,
+                            },
+                        );
+                    }
+                }
+                if ring_at[r].is_none() && kinds.iter().any(|(k, _)| *k == K_RING) {
+                    // Connect to the successor (a round trip), then round 0.
+                    let start = now + 2 * net.latency;
+                    ring_at[r] = Some(start);
+                    start_round!(r, 0, start);
+                }
+            }
+            JobEv::Item {
+                rank: r,
+                round: k,
+                src,
+            } => {
+                if ring_at[r].is_none() || k > round_of[r] {
+                    early[r].push((k, src));
+                    continue;
+                }
+                rank_busy[r] = rank_busy[r].max(at) + net.per_message;
+                let now = rank_busy[r];
+                let next = (r + 1) % p;
+                if next != src {
+                    rank_link[r] = rank_link[r].max(now) + net.wire(INIT_ROUNDS[k] + 17);
+                    push(
+                        &mut q,
+                        rank_link[r] + net.latency,
+                        JobEv::Item {
+                            rank: next,
+                            round: k,
+                            src,
+                        },
+                    );
+                }
+                items[r][k] += 1;
+                if items[r][k] == p - 1 {
+                    let end = now.max(rank_link[r]);
+                    if k + 1 < rounds {
+                        start_round!(r, k + 1, end);
+                    } else {
+                        done_at[r] = end;
+                        finished += 1;
+                    }
+                }
+            }
+        }
+    }
+    assert_eq!(finished, p, "every rank finished");
+    assert!(m.result().is_none(), "{:?}", m.result());
+    JobOutcome {
+        elapsed: done_at.iter().copied().max().unwrap_or_default(),
+        root_sent,
+        root_received,
+    }
+}
+
+/// A datacenter network: 25 µs one way, 10 Gb/s, 5 µs per message.
+const DC: Network = Network {
+    latency: Duration::from_micros(25),
+    bytes_per_s: 1.25e9,
+    per_message: Duration::from_micros(5),
+};
+
+/// What the root sent for the same rounds when every round went through it
+/// (protocol v2): every rank got every contribution of every round.
+fn star_root_bytes(p: usize) -> usize {
+    let per_rank_hello = 45 + 37;
+    let rounds: usize = std::iter::once(120)
+        .chain(INIT_ROUNDS.iter().skip(1).copied())
+        .map(|s| p * p * (s + 17))
+        .sum();
+    p * per_rank_hello + rounds
+}
+
+/// Issue 23: the bootstrap of 1,024 ranks over a simulated network. The
+/// root sends O(p) bytes (a constant per rank; the old star sent every
+/// contribution to every rank, O(p²)) and receives O(p) (the hellos and
+/// one small frame per rank and round); creation time grows linearly (the
+/// rounds go round the ring). Prints the curve.
+#[test]
+fn a_1024_rank_bootstrap_over_a_simulated_network() {
+    let mut rows = Vec::new();
+    for p in [2usize, 8, 32, 128, 512, 1024] {
+        let o = simulate_job(p, DC);
+        println!(
+            "bootstrap sim p={p:5}: {:8.2} ms, root sent {:9} B ({:.0} per rank; star would send {}), received {:9} B",
+            o.elapsed.as_secs_f64() * 1e3,
+            o.root_sent,
+            o.root_sent as f64 / p as f64,
+            star_root_bytes(p),
+            o.root_received
+        );
+        rows.push((p, o));
+    }
+    let per_rank: Vec<f64> = rows
+        .iter()
+        .map(|(p, o)| o.root_sent as f64 / *p as f64)
+        .collect();
+    assert!(per_rank.windows(2).all(|w| w[0] == w[1]), "{per_rank:?}");
+    for (p, o) in &rows {
+        assert!(
+            o.root_received < p * 400,
+            "p={p}: root received {}",
+            o.root_received
+        );
+    }
+    // Linear, not quadratic: 1024 ranks take about twice as long as 512.
+    let t = |p: usize| {
+        rows.iter()
+            .find(|r| r.0 == p)
+            .map(|r| r.1.elapsed.as_secs_f64())
+            .unwrap_or(0.0)
+    };
+    let ratio = t(1024) / t(512);
+    assert!((1.5..2.5).contains(&ratio), "t(1024)/t(512) = {ratio}");
+}
+
+/// The same curve up to 4,096 ranks (a minute: `cargo test -p braid --lib
+/// bootstrap_curve -- --ignored --nocapture`).
+#[test]
+#[ignore]
+fn bootstrap_curve_to_4096_ranks() {
+    for p in [2048usize, 4096] {
+        let o = simulate_job(p, DC);
+        println!(
+            "bootstrap sim p={p:5}: {:8.2} ms, root sent {:9} B ({:.0} per rank; star would send {}), received {:9} B",
+            o.elapsed.as_secs_f64() * 1e3,
+            o.root_sent,
+            o.root_sent as f64 / p as f64,
+            star_root_bytes(p),
+            o.root_received
+        );
+    }
+}
