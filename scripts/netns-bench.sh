@@ -6,13 +6,19 @@
 #   scripts/netns-bench.sh [SIZE] [ITERS]      (root; default 64M, 20)
 #
 # Raw TCP: iperf3 (installed if missing), one stream and 4 parallel streams.
+# PERF=/path/to/braid-perf runs that binary instead of building this tree's
+# (to compare two builds side by side).
 set -euo pipefail
 size=${1:-64M}
 iters=${2:-20}
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 command -v iperf3 >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq iperf3 >/dev/null; }
-cargo build --release -q -p braid-perf --manifest-path "$here/Cargo.toml"
-perf=$here/target/release/braid-perf
+if [ -n "${PERF:-}" ]; then
+    perf=$PERF
+else
+    cargo build --release -q -p braid-perf --manifest-path "$here/Cargo.toml"
+    perf=$here/target/release/braid-perf
+fi
 tag=$$; br=bnb$tag; net=10.214.$((tag % 200 + 20))
 holders=()
 cleanup() {
@@ -55,8 +61,10 @@ for r in 0 1; do
         "$perf" all_reduce -b "$size" -e "$size" -n "$iters" -w 3 -c 1 >"$out.$r" 2>&1 &
     ranks+=($!)
 done
-wait "${ranks[@]}"
+rc=0
+for p in "${ranks[@]}"; do wait "$p" || rc=$?; done
 cat "$out.1" >&2
 cat "$out.0"
+[ "$rc" = 0 ] || { echo "a rank failed (exit $rc)" >&2; exit "$rc"; }
 busbw=$(awk '/^ +[0-9]/ {print $8; exit}' "$out.0")
 python3 -c "b=$busbw; t1=$tcp1; t4=$tcp4; tb=$tcpbi; print(f'braid busbw {b:.3f} GB/s; raw TCP: 1 stream {t1:.3f} GB/s (ratio {b/t1:.2f}), 4 streams {t4:.3f} GB/s (ratio {b/t4:.2f}), bidirectional {tb:.3f} GB/s each way (ratio {b/tb:.2f})')"

@@ -56,7 +56,17 @@ struct Row {
 
 const TIMEOUT_S: u64 = 4;
 
-fn spawn(place: &Place, id: &UniqueId, r: usize, n: usize, iters: &str) -> Child {
+/// The rank binary's workload: `mixed` collectives back to back, or `lazy`
+/// (AllReduces, an idle pause in which the fault strikes, then an AllToAll
+/// whose links connect on first use: the lost rank is named by ranks that
+/// never had a link with it).
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Work {
+    Mixed,
+    Lazy,
+}
+
+fn spawn(place: &Place, id: &UniqueId, r: usize, n: usize, work: Work) -> Child {
     let bin = env!("CARGO_BIN_EXE_braid-testrank");
     let mut cmd = match place {
         Place::Local(env) => {
@@ -70,20 +80,18 @@ fn spawn(place: &Place, id: &UniqueId, r: usize, n: usize, iters: &str) -> Child
             c
         }
     };
-    cmd.args([
-        "mixed",
-        &id.to_string(),
-        &r.to_string(),
-        &n.to_string(),
-        iters,
-    ])
-    .env("BRAID_TIMEOUT", TIMEOUT_S.to_string())
-    .env_remove("BRAID_DEBUG")
-    .stdin(Stdio::null())
-    .stdout(Stdio::piped())
-    .stderr(Stdio::piped())
-    .spawn()
-    .expect("spawn braid-testrank")
+    let (suite, arg) = match work {
+        Work::Mixed => ("mixed", "100000000"),
+        Work::Lazy => ("lazy", "1500"),
+    };
+    cmd.args([suite, &id.to_string(), &r.to_string(), &n.to_string(), arg])
+        .env("BRAID_TIMEOUT", TIMEOUT_S.to_string())
+        .env_remove("BRAID_DEBUG")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn braid-testrank")
 }
 
 fn signal(c: &Child, sig: nix::sys::signal::Signal) {
@@ -157,6 +165,20 @@ fn case(
     victim: usize,
     delay: Duration,
 ) {
+    case_with(row, label, place, n, fault, victim, delay, Work::Mixed)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn case_with(
+    row: &mut Row,
+    label: &str,
+    place: &Place,
+    n: usize,
+    fault: Fault,
+    victim: usize,
+    delay: Duration,
+    work: Work,
+) {
     row.cases += 1;
     let (id, _root): (UniqueId, RootServer) = match place {
         Place::Local(_) => {
@@ -165,9 +187,7 @@ fn case(
         Place::Hosts(h, _) => Communicator::unique_id(SocketAddr::new(h.root_addr(), 0)),
     }
     .expect("root");
-    let mut kids: Vec<Child> = (0..n)
-        .map(|r| spawn(place, &id, r, n, "100000000"))
-        .collect();
+    let mut kids: Vec<Child> = (0..n).map(|r| spawn(place, &id, r, n, work)).collect();
     // This case's ranks (on one host, the creators named in segment names).
     let pids: Vec<u32> = kids.iter().map(|k| k.id()).collect();
     // Wait for "ready" from every rank (bounded).
@@ -383,7 +403,23 @@ fn fault_matrix() {
         let d = delay(&mut rng);
         case(&mut row, label, &shared, 4, fault, v, d);
     }
-    rows.push(("shm (1 host x 4)".into(), row));
+    // A rank killed before its peers' first use of a link with it (5 ranks:
+    // AllReduce connects ring neighbours and recursive-doubling partners
+    // only; the AllToAll after the pause connects the rest): every
+    // survivor still names it.
+    let v = rng.below(5) as usize;
+    let d = delay(&mut rng);
+    case_with(
+        &mut row,
+        "shm kill before a lazy link",
+        &shm,
+        5,
+        Fault::Kill,
+        v,
+        d,
+        Work::Lazy,
+    );
+    rows.push(("shm (1 host x 4, x 5 lazy)".into(), row));
 
     // socket on one host (forced), 3 ranks.
     let mut row = Row::default();
@@ -405,7 +441,19 @@ fn fault_matrix() {
     let v = rng.below(3) as usize;
     let d = delay(&mut rng);
     case(&mut row, "socket stop", &sock, 3, Fault::Stop, v, d);
-    rows.push(("socket (1 host x 3, forced)".into(), row));
+    let v = rng.below(5) as usize;
+    let d = delay(&mut rng);
+    case_with(
+        &mut row,
+        "socket kill before a lazy link",
+        &sock,
+        5,
+        Fault::Kill,
+        v,
+        d,
+        Work::Lazy,
+    );
+    rows.push(("socket (1 host x 3, x 5 lazy, forced)".into(), row));
 
     // Across emulated hosts: shm inside, socket across.
     match Hosts::available() {

@@ -473,3 +473,63 @@ fn mixed_workload_with_shared_copies() {
     let res = run_suite_env("mixed", 4, &["1400"], Duration::from_secs(300), &env);
     assert_all_ok("mixed workload, shared single copies, 4 ranks", &res);
 }
+
+/// The numbers `rank R WHEN: threads=T segments=S` of every rank.
+fn held(res: &[(Option<i32>, String)], when: &str) -> Vec<(u32, u32)> {
+    res.iter()
+        .map(|(code, out)| {
+            assert_eq!(*code, Some(0), "{out}");
+            let line = out
+                .lines()
+                .find(|l| l.contains(&format!(" {when}: threads=")))
+                .unwrap_or_else(|| panic!("no {when} line in {out}"));
+            let num = |k: &str| -> u32 {
+                line.split_whitespace()
+                    .find_map(|w| w.strip_prefix(k))
+                    .and_then(|v| v.parse().ok())
+                    .unwrap_or_else(|| panic!("{k} in {line}"))
+            };
+            (num("threads="), num("segments="))
+        })
+        .collect()
+}
+
+/// What a rank holds grows with the links it uses (issue 23, the small
+/// case of its goals): 8 ranks over shared memory map the segments of the
+/// ring and recursive-doubling links after AllReduces (2 x 4 at most: each
+/// link at both ends), all 2 x 7 once an AllToAll has used every link, and
+/// all of them from the start with `BRAID_CONNECT=eager`; over forced
+/// sockets a rank has as many threads with 6 ranks as with 3 (one progress
+/// thread for all its sockets).
+#[test]
+fn what_a_rank_holds_grows_with_the_links_it_uses() {
+    let _g = serial();
+    let limit = Duration::from_secs(120);
+    let res = run_suite("resources", 8, &[], limit);
+    let lazy = held(&res, "allreduce");
+    let all = held(&res, "alltoall");
+    println!("shm, 8 ranks (threads, segments): after AllReduce {lazy:?}, after AllToAll {all:?}");
+    for (r, (&(_, l), &(_, a))) in lazy.iter().zip(&all).enumerate() {
+        assert!(l <= 8, "rank {r}: {l} segments after AllReduce (lazy)");
+        assert_eq!(a, 14, "rank {r}: every link after AllToAll");
+    }
+    let res = run_suite_env("resources", 8, &[], limit, &[("BRAID_CONNECT", "eager")]);
+    for (r, &(_, s)) in held(&res, "allreduce").iter().enumerate() {
+        assert_eq!(s, 14, "rank {r}: eager connects every pair at creation");
+    }
+    let sock = [("BRAID_TRANSPORT", "socket")];
+    let three = held(
+        &run_suite_env("resources", 3, &[], limit, &sock),
+        "alltoall",
+    );
+    let six = held(
+        &run_suite_env("resources", 6, &[], limit, &sock),
+        "alltoall",
+    );
+    println!("socket, threads per rank: 3 ranks {three:?}, 6 ranks {six:?}");
+    let most = |v: &[(u32, u32)]| v.iter().map(|x| x.0).max().unwrap_or(0);
+    assert!(
+        most(&six) <= most(&three) && most(&six) <= 4,
+        "threads per rank: {three:?} with 3 ranks, {six:?} with 6"
+    );
+}

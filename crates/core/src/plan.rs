@@ -499,6 +499,20 @@ impl Program {
             .map(|o| o.wire_len() as u64)
             .sum()
     }
+
+    /// The links this program uses: the peers it sends to and the peers it
+    /// receives from (each sorted, without repeats). A rank must have these
+    /// connected to run it; the runtime connects what is missing on first
+    /// use, so a new algorithm gets its links by planning its ops.
+    pub fn peers(&self) -> (Vec<u32>, Vec<u32>) {
+        let mut send: Vec<u32> = self.ops.iter().filter_map(Op::send_peer).collect();
+        let mut recv: Vec<u32> = self.ops.iter().filter_map(Op::recv_peer).collect();
+        for v in [&mut send, &mut recv] {
+            v.sort_unstable();
+            v.dedup();
+        }
+        (send, recv)
+    }
 }
 
 /// Plan one rank's part of `coll` on elements of `dtype`.

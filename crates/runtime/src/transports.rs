@@ -71,6 +71,9 @@ impl Transport for AnyTransport {
     fn can_connect(&self, me: &PeerDesc, peer: &PeerDesc) -> bool {
         dispatch!(self, t => t.can_connect(me, peer))
     }
+    fn recv_slot_bytes(&self) -> Option<usize> {
+        dispatch!(self, t => t.recv_slot_bytes())
+    }
     fn listen(
         &self,
         me: &PeerDesc,

@@ -229,6 +229,10 @@ impl Transport for IbTransport {
         Some(self.chosen.fabric.clone())
     }
 
+    fn recv_slot_bytes(&self) -> Option<usize> {
+        Some(self.cfg.slot_bytes)
+    }
+
     fn can_connect(&self, _me: &PeerDesc, peer: &PeerDesc) -> bool {
         peer.fabric(NAME)
             .is_some_and(|f| probe::same_fabric(f, &self.chosen.fabric))

@@ -91,6 +91,10 @@ impl Transport for ShmTransport {
         MemKind::Host
     }
 
+    fn recv_slot_bytes(&self) -> Option<usize> {
+        Some(self.cfg.slot_bytes())
+    }
+
     fn can_connect(&self, me: &PeerDesc, peer: &PeerDesc) -> bool {
         me.host_id == peer.host_id
     }

@@ -34,71 +34,73 @@
 //!   small messages rotate over the sockets. Each piece is a 24-byte header
 //!   (sequence number, message length, offset, piece length, check word)
 //!   followed by the payload, written with one `sendmsg` (header and payload
-//!   as two iovecs). One **helper thread per data socket** writes the queued
-//!   pieces, so striping spreads the copy into the kernel over cores; a
-//!   message of one piece whose socket is idle is written directly by
-//!   `commit` (non-blocking; whatever does not fit the socket buffer is left
-//!   to the helper), so a small message costs one system call on each side
-//!   and no round trip or thread wake-up on the sending side. On the
-//!   receiving end one helper thread per data socket reads headers through
-//!   an 8 KiB buffer and larger payloads straight into the slot; the last
-//!   piece of a message to land publishes the slot (an atomic store), so
-//!   `poll_peek` is a single atomic load. Pieces of one message arrive on
+//!   as two iovecs). `commit` writes a piece on an idle socket itself
+//!   (non-blocking), so a small message costs one system call on each side
+//!   and no round trip or thread wake-up on the sending side; what does not
+//!   fit the socket buffer waits in the socket's queue, which the
+//!   **progress thread** writes when the socket drains. On the receiving end
+//!   each data socket is read by a state machine (headers through an 8 KiB
+//!   buffer, larger payloads straight into the slot), run by the progress
+//!   thread when the socket becomes readable and by the engine inline while
+//!   `poll_peek` finds nothing; the last piece of a message to land
+//!   publishes the slot (an atomic store). Pieces of one message arrive on
 //!   different sockets in any order; the sequence number puts them in their
 //!   slot and `poll_peek` hands slots out strictly in sequence order.
 //! - **Credits.** `release` sends the cumulative number of released slots
 //!   (16 bytes) over the control socket, without blocking (anything the
-//!   socket buffer does not take is retried on the next call); a helper on
-//!   the sender stores it in an atomic. A slot is free for the sender when
+//!   socket buffer does not take goes out with the next call or the next
+//!   writable edge); the sender's progress thread, or `poll_acquire` inline
+//!   when it finds no credit, stores it in an atomic. A slot is free for the sender when
 //!   `committed - released < slots` and its pieces have left the slot
 //!   buffer; `poll_drained` is `released == committed`. So `poll_acquire`,
 //!   `poll_peek` and `poll_drained` are atomic loads, no system call.
 //! - **Striping is validated**: the receiver checks that each piece is
 //!   exactly the one the rule assigns to its socket, within the credit
 //!   window, not yet received; a violation is [`CoreError::Protocol`], and
-//!   no two helpers ever write the same bytes.
+//!   no two pieces are ever written into the same bytes.
 //! - **Failures.** EOF, `ECONNRESET` or any I/O error on any socket of a link
-//!   is recorded by the helper that saw it; `check_peer` and every poll then
-//!   return [`CoreError::Peer`] "connection lost: `<cause>`" (with the I/O
-//!   error as source). `abort(reason)` sends an abort frame with the reason
-//!   over the control socket (best effort, at most ~50 ms) and shuts every
-//!   socket down; the peer reports [`CoreError::PeerAborted`] with that
-//!   reason (a helper that sees a socket fail waits up to 200 ms for the
-//!   control socket to explain, so the peer's reason wins over "connection
-//!   lost"). Dropping an end sends a close frame: the peer's `check_peer`
-//!   reports [`CoreError::PeerAborted`] "closed its end"; a receiver whose
-//!   sender closed keeps delivering the slots that arrived before the close
-//!   and errors only once nothing more can come. Drop shuts the sockets
-//!   down, which wakes every helper blocked in a read or write, then joins
-//!   the helpers (a dropped sender first gives queued pieces up to a second
-//!   to leave). Writes use `MSG_NOSIGNAL`: a dead peer never raises SIGPIPE.
+//!   is recorded by whoever saw it; `check_peer` and every poll then return
+//!   [`CoreError::Peer`] "connection lost: `<cause>`" (with the I/O error as
+//!   source). `abort(reason)` sends an abort frame with the reason over the
+//!   control socket (best effort, at most ~50 ms) and shuts every socket
+//!   down; the peer reports [`CoreError::PeerAborted`] with that reason (a
+//!   data socket's failure counts only once the control socket has had
+//!   200 ms to explain it, so the peer's reason wins over "connection
+//!   lost"; the progress thread never waits for that, it notes the time).
+//!   Dropping an end sends a close frame: the peer's `check_peer` reports
+//!   [`CoreError::PeerAborted`] "closed its end"; a receiver whose sender
+//!   closed keeps delivering the slots that arrived before the close and
+//!   errors only once nothing more can come. Drop empties the queues, shuts
+//!   the sockets down and takes them off the progress thread (a dropped
+//!   sender first gives queued pieces up to a second to leave). Writes use
+//!   `MSG_NOSIGNAL`: a dead peer never raises SIGPIPE.
 //! - **Direct (zero-copy) transfers.** `can_send_direct` is true (unless
 //!   `BRAID_SOCKET_DIRECT` is off) and `direct_costs_receiver` false: the
 //!   receiver reads the same bytes from its sockets either way, so the
 //!   engine also sends data the receiver reduces by reference. A message
 //!   committed with `commit_direct` is striped like any other (it may be
 //!   longer than a slot) and its frames carry a direct bit (the top bit of
-//!   the sequence word); the writers, or `commit` itself, send each piece
-//!   straight from the caller's memory (raw `sendmsg`, no slot copy). It
-//!   still takes a credit and a sequence number. On the receiving end the
-//!   reader of each socket reads the piece's header, hands what it had
-//!   buffered of the payload (under 8 KiB) to the engine and waits; once
-//!   every piece's header is in, `poll_peek_any` reports
+//!   the sequence word); `commit` itself, or the progress thread, sends
+//!   each piece straight from the caller's memory (raw `sendmsg`, no slot
+//!   copy). It still takes a credit and a sequence number. On the receiving
+//!   end the reading of each socket takes the piece's header, hands what it
+//!   had buffered of the payload (under 8 KiB) to the engine and pauses;
+//!   once every piece's header is in, `poll_peek_any` reports
 //!   [`Incoming::Remote`](braid_core::transport::Incoming::Remote) and the
 //!   engine's `poll_read_remote` reads the payloads from the sockets itself
 //!   with non-blocking `recv` into the destination (the user's buffer for a
 //!   plain receive): no slot copy and no thread wake-up on the data path.
 //!   It returns false when the sockets are empty, so every wait stays the
 //!   engine's (deadline, abort flag, liveness); the transport writes the
-//!   destination only inside those calls, so an error or abort leaves no
-//!   helper writing user memory. A socket failure or EOF in the middle of a
-//!   payload is reported like a reader's (the abort reason wins within
+//!   destination only inside those calls, so an error or abort leaves
+//!   nothing writing user memory. A socket failure or EOF in the middle of
+//!   a payload is reported like any other (the abort reason wins within
 //!   200 ms). `release` of a direct slot that was not read is refused (its
 //!   payload is still in the sockets). `abort` and drop on the sending end
-//!   drop queued pieces and wait (at most 2 s; a shut socket ends a blocked
-//!   write at once) for the writers to leave theirs, so the caller's memory
-//!   is not read after the abort returns. The blocking `read_remote` is the
-//!   same loop with a 60 s stall limit.
+//!   empty the queues under the sockets' locks, which every write holds
+//!   (writes never block), so the caller's memory is not read after the
+//!   abort returns. The blocking `read_remote` is the same loop with a 60 s
+//!   stall limit.
 //!
 //! All sockets have `TCP_NODELAY`. Socket buffer sizes are left to Linux's
 //! autotuning (setting `SO_SNDBUF`/`SO_RCVBUF` would switch it off).
@@ -123,15 +125,18 @@
 //! | --- | --- | --- |
 //! | `BRAID_SOCKET_IFNAME` | interfaces to use (NCCL syntax) | route to the root |
 //! | `BRAID_SOCKET_FAMILY` | `4`/`AF_INET` or `6`/`AF_INET6` only | either, IPv4 first |
-//! | `BRAID_SOCKET_NSOCKS` | data sockets (and helper threads per end) per connection, 1–64 | cores / 4, 1 to 4 |
+//! | `BRAID_SOCKET_NSOCKS` | data sockets per connection, 1–64 | cores / 4, 1 to 4 |
 //! | `BRAID_SOCKET_SLOT_BYTES` | bytes per slot, a multiple of 64 | 512 KiB |
 //! | `BRAID_SOCKET_SLOTS` | slots per connection | 8 |
 //! | `BRAID_SOCKET_DIRECT` | off: no direct (zero-copy) sends | on |
 //!
-//! The threads: per connection, `nsocks` writers + 1 control reader on the
-//! sending end, `nsocks` readers + 1 control reader on the receiving end
-//! (NCCL's `NCCL_SOCKET_NTHREADS` × `NCCL_NSOCKS_PERTHREAD` with one socket
-//! per thread). Helpers sleep in blocking socket calls, never spin.
+//! The threads: one per process, whatever the number of links and sockets
+//! (`braid-sock-poll`, `link/poller.rs`): it sleeps in `epoll_wait`
+//! (edge-triggered) and does, without blocking, what its sockets allow. It
+//! starts with the first link and ends when the last one is dropped. Like
+//! NCCL's proxy thread it drives every network link of the process; the
+//! engine does the same work inline while it waits, so a waiting rank does
+//! not need the thread to be scheduled.
 //!
 //! # Files
 //!
@@ -139,7 +144,7 @@
 //! | --- | --- |
 //! | `lib.rs` | this contract, [`SocketConfig`], re-exports |
 //! | `transport.rs` | [`SocketTransport`] (the `Transport` impl): listeners, dialling, hellos |
-//! | `link.rs` | the striping rule; `link/send.rs` the sending end and its writers, `link/recv.rs` the receiving end and its readers, `link/health.rs` a link's liveness, `link/ctrl.rs` the control socket, `link/fuzzing.rs` the readers over plain bytes (feature `fuzzing`) |
+//! | `link.rs` | the striping rule; `link/send.rs` the sending end, `link/recv.rs` the receiving end, `link/poller.rs` the progress thread, `link/health.rs` a link's liveness, `link/ctrl.rs` the control socket, `link/fuzzing.rs` the readers over plain bytes (feature `fuzzing`) |
 //! | `info.rs` | wire formats: connect-info blobs, hellos, frame headers |
 //! | `probe.rs` | what the host offers: interfaces, the route to the root, the choice of address |
 //! | `sys.rs` | the FFI module |
@@ -149,9 +154,9 @@
 //! `sys.rs` holds the slot memory and the system calls on raw memory
 //! (`sendmsg` from a slot or the caller's memory, non-blocking `recv` into
 //! a destination). Outside it only the channel ends have `unsafe` blocks,
-//! each with its `SAFETY:` reason: `link/send.rs` where a writer hands a
-//! piece (slot or memory lent through `commit_direct`) to `sendmsg`, and
-//! `link/recv.rs` where a reader fills its part of a slot and where
+//! each with its `SAFETY:` reason: `link/send.rs` where a piece (slot or
+//! memory lent through `commit_direct`) goes to `sendmsg`, and
+//! `link/recv.rs` where a socket's reading fills its part of a slot and where
 //! `read_remote` / `poll_read_remote` write the engine's destination (and,
 //! with the `fuzzing` feature, `link/fuzzing.rs`, which reads the slots its
 //! readers filled). `transport.rs` has `unsafe` in its tests only.
@@ -250,10 +255,10 @@ impl SocketConfig {
     pub const DEFAULT_NSOCKS: usize = 4;
 
     /// Default data sockets per connection: one per 4 cores, 1 to
-    /// [`SocketConfig::DEFAULT_NSOCKS`]. Every socket is a helper thread at
-    /// each end (and a reader wake-up per direct piece); on 2 cores, side by
-    /// side between two network namespaces, a 64 MiB AllReduce ran at about
-    /// 1.3 GB/s with 1 socket, 1.0 with 2 and 0.75 with 4.
+    /// [`SocketConfig::DEFAULT_NSOCKS`]. With a helper thread per socket
+    /// (before the progress thread), on 2 cores, side by side between two
+    /// network namespaces, a 64 MiB AllReduce ran at about 1.3 GB/s with 1
+    /// socket, 1.0 with 2 and 0.75 with 4.
     pub fn default_nsocks() -> usize {
         let cores = std::thread::available_parallelism()
             .map(|n| n.get())

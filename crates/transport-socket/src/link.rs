@@ -1,22 +1,18 @@
-//! The data path of one connected link, by job: the sending end and its
-//! writer threads (`link/send.rs`), the receiving end and its reader
-//! threads (`link/recv.rs`), what both ends know about the link's liveness
-//! (`link/health.rs`) and the control socket (`link/ctrl.rs`); here, the
-//! striping rule and small helpers. See the crate docs for the protocol.
+//! The data path of one connected link, by job: the sending end
+//! (`link/send.rs`), the receiving end (`link/recv.rs`), what both ends
+//! know about the link's liveness (`link/health.rs`), the control socket
+//! (`link/ctrl.rs`) and the process's one progress thread that drives every
+//! link's sockets (`link/poller.rs`); here, the striping rule and small
+//! helpers. See the crate docs for the protocol.
 
-use std::io::{self, Read};
 use std::net::{Shutdown, TcpStream};
 use std::sync::{Mutex, MutexGuard};
-use std::thread::JoinHandle;
-
-use braid_core::error::{CoreError, Result};
-
-use crate::NAME;
 
 mod ctrl;
 #[cfg(feature = "fuzzing")]
 pub(crate) mod fuzzing;
 mod health;
+mod poller;
 mod recv;
 mod send;
 
@@ -73,37 +69,6 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 /// Shuts a socket down both ways (wakes every thread blocked on it).
 fn shut(s: &TcpStream) {
     let _ = s.shutdown(Shutdown::Both);
-}
-
-/// Reads exactly `buf.len()` bytes. `Ok(false)` on EOF before the first
-/// byte (a clean close between frames).
-fn read_full(r: &mut impl Read, buf: &mut [u8]) -> io::Result<bool> {
-    let mut got = 0;
-    while got < buf.len() {
-        match r.read(&mut buf[got..]) {
-            Ok(0) if got == 0 => return Ok(false),
-            Ok(0) => {
-                return Err(io::Error::new(
-                    io::ErrorKind::UnexpectedEof,
-                    "the peer closed the socket in the middle of a frame",
-                ))
-            }
-            Ok(n) => got += n,
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(e),
-        }
-    }
-    Ok(true)
-}
-
-fn spawn(name: String, f: impl FnOnce() + Send + 'static) -> Result<JoinHandle<()>> {
-    std::thread::Builder::new()
-        .name(name)
-        .spawn(f)
-        .map_err(|e| CoreError::Unavailable {
-            transport: NAME,
-            reason: format!("cannot start a socket helper thread: {e}"),
-        })
 }
 
 #[cfg(test)]

@@ -113,6 +113,10 @@ impl Transport for SocketTransport {
         MemKind::Host
     }
 
+    fn recv_slot_bytes(&self) -> Option<usize> {
+        Some(self.cfg.slot_bytes)
+    }
+
     fn can_connect(&self, _me: &PeerDesc, _peer: &PeerDesc) -> bool {
         true
     }
@@ -506,6 +510,48 @@ mod tests {
 
     /// Strangers (wrong token, garbage, silence, a duplicate index) are
     /// dropped; the real sender still gets through.
+    /// The threads of this process named `braid-sock*`.
+    fn socket_threads() -> Vec<String> {
+        let mut v = Vec::new();
+        for e in std::fs::read_dir("/proc/self/task").unwrap().flatten() {
+            let comm = std::fs::read_to_string(e.path().join("comm")).unwrap_or_default();
+            if comm.starts_with("braid-sock") {
+                v.push(comm.trim().to_string());
+            }
+        }
+        v
+    }
+
+    /// However many links and sockets, one progress thread drives them all.
+    #[test]
+    fn one_progress_thread_for_every_link() {
+        let t = lo();
+        let mut links = Vec::new();
+        for q in 1..=6u32 {
+            let (prx, rblob) = t.listen(&desc(0), &desc(q)).unwrap();
+            let (ptx, sblob) = t.prepare_send(&desc(q), &desc(0)).unwrap();
+            let deadline = Instant::now() + Duration::from_secs(10);
+            let tx = ptx.connect(&rblob, deadline).unwrap();
+            let rx = prx.connect(&sblob, deadline).unwrap();
+            links.push((tx, rx));
+        }
+        // 6 links x 2 ends x (2 data sockets + 1 control socket).
+        let threads = socket_threads();
+        assert_eq!(threads, ["braid-sock-poll"], "{threads:?}");
+        // They all work.
+        for (tx, rx) in links.iter_mut() {
+            let slot = tx.poll_acquire().unwrap().unwrap();
+            // SAFETY: a slot of at least one byte, ours until commit.
+            unsafe { slot.ptr.write(7) };
+            tx.commit(1).unwrap();
+            let (buf, len) = wait("a message", || rx.poll_peek().unwrap());
+            assert_eq!(len, 1);
+            // SAFETY: the slot holds the byte until release.
+            assert_eq!(unsafe { buf.ptr.read() }, 7);
+            rx.release().unwrap();
+        }
+    }
+
     #[test]
     fn strangers_are_rejected() {
         let t = lo();

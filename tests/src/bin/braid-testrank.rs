@@ -418,6 +418,97 @@ fn main() -> ExitCode {
                 return ExitCode::from(3);
             }
         }
+        "resources" => {
+            // What this rank holds after the default collectives (8-byte
+            // and 1 MiB AllReduce), then after an AllToAll (every link):
+            // threads, and shared-memory segments mapped (each link maps
+            // its segment at both ends).
+            let held = |when: &str| {
+                let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+                let threads = status
+                    .lines()
+                    .find_map(|l| l.strip_prefix("Threads:"))
+                    .map(|v| v.trim().to_string())
+                    .unwrap_or_default();
+                let maps = std::fs::read_to_string("/proc/self/maps").unwrap_or_default();
+                let mut segs: Vec<&str> = maps
+                    .lines()
+                    .filter_map(|l| l.split_whitespace().nth(5))
+                    .filter(|f| f.starts_with("/dev/shm/braid-"))
+                    .collect();
+                segs.sort_unstable();
+                segs.dedup();
+                println!(
+                    "rank {rank} {when}: threads={threads} segments={}",
+                    segs.len()
+                );
+            };
+            let mut a = vec![1.0f32; 1 << 18];
+            let mut small = [1u64];
+            for _ in 0..3 {
+                let r = comm
+                    .all_reduce_in_place(&mut a, RedOp::Sum)
+                    .and_then(|()| comm.all_reduce_in_place(&mut small, RedOp::Sum));
+                if let Err(e) = r {
+                    println!("error: {e}");
+                    return ExitCode::from(3);
+                }
+            }
+            held("allreduce");
+            let p = nranks as usize;
+            let send: Vec<u32> = (0..p * 3).map(|k| rank * 1000 + k as u32).collect();
+            let mut out = vec![0u32; p * 3];
+            if let Err(e) = comm.all_to_all(&send, &mut out) {
+                println!("error: {e}");
+                return ExitCode::from(3);
+            }
+            if out
+                .iter()
+                .enumerate()
+                .any(|(k, &x)| x != (k / 3) as u32 * 1000 + rank * 3 + (k % 3) as u32)
+            {
+                println!("FAIL rank {rank}: wrong AllToAll result");
+                return ExitCode::from(1);
+            }
+            held("alltoall");
+        }
+        "lazy" => {
+            // AllReduces only (ring neighbours, recursive-doubling
+            // partners: the links of creation), "ready", an idle pause
+            // (the fault tests kill a rank then), then an AllToAll, whose
+            // other links connect on first use.
+            let pause = extra.first().copied().unwrap_or(1500);
+            let mut a = vec![1.0f32; 1 << 16];
+            let mut small = [1u32; 2];
+            for i in 0..8 {
+                let r = comm
+                    .all_reduce_in_place(&mut a, RedOp::Sum)
+                    .and_then(|()| comm.all_reduce_in_place(&mut small, RedOp::Sum));
+                if let Err(e) = r {
+                    println!("error: {e}");
+                    return ExitCode::from(3);
+                }
+                if i == 0 {
+                    println!("ready");
+                }
+            }
+            std::thread::sleep(std::time::Duration::from_millis(pause as u64));
+            let p = nranks as usize;
+            let send: Vec<u32> = (0..p * 4).map(|k| rank * 1000 + k as u32).collect();
+            let mut out = vec![0u32; p * 4];
+            if let Err(e) = comm.all_to_all(&send, &mut out) {
+                println!("error: {e}");
+                return ExitCode::from(3);
+            }
+            if out
+                .iter()
+                .enumerate()
+                .any(|(k, &x)| x != (k / 4) as u32 * 1000 + rank * 4 + (k % 4) as u32)
+            {
+                println!("FAIL rank {rank}: wrong AllToAll result");
+                return ExitCode::from(1);
+            }
+        }
         "late" => {
             // The last rank joins an AllReduce of 1 Mi f32 (ring) late.
             if rank == nranks - 1 {

@@ -107,6 +107,15 @@ pub trait Transport: Send + Sync {
     }
     /// Whether this transport can connect `me` and `peer` (pure decision).
     fn can_connect(&self, me: &PeerDesc, peer: &PeerDesc) -> bool;
+    /// Bytes per slot of the links this end will receive on (a link has
+    /// its receiver's geometry), known before any link exists: a
+    /// communicator agrees on its piece size from these, then connects most
+    /// links only when an operation first uses them. `None` (the default)
+    /// where the transport cannot say; the runtime then takes the slot
+    /// size of the links it connected.
+    fn recv_slot_bytes(&self) -> Option<usize> {
+        None
+    }
     /// Phase 1, receiving end of `peer → me`: allocate and describe.
     fn listen(&self, me: &PeerDesc, peer: &PeerDesc) -> Result<(Box<dyn PendingRecv>, Vec<u8>)>;
     /// Phase 1, sending end of `me → peer`: allocate and describe.
@@ -134,6 +143,9 @@ impl<T: Transport + ?Sized> Transport for Box<T> {
     }
     fn can_connect(&self, me: &PeerDesc, peer: &PeerDesc) -> bool {
         (**self).can_connect(me, peer)
+    }
+    fn recv_slot_bytes(&self) -> Option<usize> {
+        (**self).recv_slot_bytes()
     }
     fn listen(&self, me: &PeerDesc, peer: &PeerDesc) -> Result<(Box<dyn PendingRecv>, Vec<u8>)> {
         (**self).listen(me, peer)

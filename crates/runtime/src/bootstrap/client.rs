@@ -6,6 +6,13 @@
 //! handshake) is tried again, with a growing pause, within the rank's own
 //! deadline. An error frame from the root always wins over a closed
 //! connection: it says why.
+//!
+//! Protocol v3: the hello's payload is this rank's listening address; once
+//! all ranks joined the root sends each its successor's, the ranks connect
+//! into a ring and every all-gather (the first carries the callers'
+//! payloads and the addresses) goes round it (`peer.rs`). The root only
+//! hears that a rank starts a round (a `CONTRIB` frame without data), so it
+//! can name ranks that are late or leave.
 
 use std::io::{self, Read, Write};
 use std::net::{IpAddr, Shutdown, SocketAddr, TcpStream};
@@ -14,10 +21,11 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use super::id::{random_bytes, UniqueId};
+use super::peer::{Ask, ExchangeError, Peers, RootWatch};
 use super::wire::{
-    client_mac, contrib_header, ct_eq, hello_header, parse_challenge, parse_data, read_frame_with,
-    root_mac, ChallengeError, FrameError, HelloFixed, K_ACCEPT, K_ERROR, MAX_PAYLOAD, MAX_RANKS,
-    NONCE_LEN, V1_CHALLENGE_LEN_LE, VERSION,
+    client_mac, contrib_header, ct_eq, decode_addr, encode_addr, hello_header, parse_challenge,
+    read_frame_with, root_mac, ChallengeError, FrameBuf, FrameError, HelloFixed, K_ACCEPT, K_ERROR,
+    K_LEFT, K_RING, MAX_PAYLOAD, MAX_RANKS, NONCE_LEN, V1_CHALLENGE_LEN_LE, VERSION,
 };
 use super::{fmt_dur, grace, remaining, MAX_TIMEOUT};
 use crate::error::{Error, Result};
@@ -30,7 +38,8 @@ const ABORT_POLL: Duration = Duration::from_millis(50);
 const RETRY_PAUSE_MIN: Duration = Duration::from_millis(10);
 const RETRY_PAUSE_MAX: Duration = Duration::from_millis(500);
 
-/// A rank's connection to the bootstrap root.
+/// A rank's side of the bootstrap: its connection to the root, its ring
+/// connections and its listener for the other ranks.
 #[derive(Debug)]
 pub struct Bootstrap {
     rank: u32,
@@ -46,6 +55,7 @@ struct ClientState {
     stream: TcpStream,
     round: u64,
     broken: Option<String>,
+    peers: Peers,
 }
 
 /// Blocking frame I/O with deadlines and messages that name the root.
@@ -169,7 +179,7 @@ impl<'a> Wire<'a> {
     /// Reads one frame; an `ERROR` frame becomes `Err` with the root's message.
     pub fn read_frame(&mut self, deadline: Instant, what: &str) -> Result<(u8, Vec<u8>)> {
         let (kind, body) = self.read_raw_frame(deadline, what)?;
-        if kind == K_ERROR {
+        if kind == K_ERROR || kind == K_LEFT {
             return Err(self.root_error(&body));
         }
         Ok((kind, body))
@@ -191,7 +201,7 @@ impl<'a> Wire<'a> {
         let got = self.read_raw_frame(deadline, "reading the root's last message");
         self.closed = closed;
         match got {
-            Ok((K_ERROR, body)) => {
+            Ok((K_ERROR | K_LEFT, body)) => {
                 self.closed = false;
                 Some(self.root_error(&body))
             }
@@ -224,24 +234,6 @@ impl<'a> Wire<'a> {
                 self.root
             ))),
         }
-    }
-
-    /// Reads the `nranks` DATA frames of `round`.
-    fn read_round(
-        &mut self,
-        round: u64,
-        nranks: u32,
-        deadline: Instant,
-        what: &str,
-    ) -> Result<Vec<Vec<u8>>> {
-        let mut out = Vec::with_capacity(nranks.min(1 << 16) as usize);
-        for want in 0..nranks {
-            let (kind, body) = self.read_frame(deadline, what)?;
-            let data =
-                parse_data(kind, &body, round, want).map_err(|got| self.protocol(what, &got))?;
-            out.push(data.to_vec());
-        }
-        Ok(out)
     }
 
     fn protocol(&self, what: &str, got: &str) -> Error {
@@ -403,6 +395,7 @@ impl Bootstrap {
         let root = id.addr;
         let mut pause = RETRY_PAUSE_MIN;
         let mut closes = 0u32;
+        let mut peers: Option<Peers> = None;
         let mut stream = loop {
             let mut stream =
                 connect_retry(root, timeout, deadline, abort.as_deref()).map_err(|e| match e {
@@ -421,8 +414,21 @@ impl Bootstrap {
                 ),
                 source: e,
             })?;
+            // This rank's listener, on the address it reaches the root
+            // from (which the other ranks reach it at).
+            if peers.is_none() {
+                let ip = stream.local_addr().map_err(|e| Error::BootstrapIo {
+                    what: "the local address of the connection to the root".into(),
+                    source: e,
+                })?;
+                peers = Some(Peers::bind(rank, nranks, id.secret, ip.ip())?);
+            }
+            let me = peers
+                .as_ref()
+                .map(|p| encode_addr(&p.addr))
+                .unwrap_or_default();
             let mut wire = Wire::new(&mut stream, root, timeout, abort.as_deref());
-            let e = match handshake(&mut wire, id, rank, nranks, payload, deadline) {
+            let e = match handshake(&mut wire, id, rank, nranks, &me, deadline) {
                 Ok(()) => break stream,
                 Err(e) => e,
             };
@@ -449,10 +455,52 @@ impl Bootstrap {
             pause = (pause * 2).min(RETRY_PAUSE_MAX);
         };
 
-        // Everyone's payloads.
+        let Some(mut peers) = peers else {
+            return Err(Error::Bootstrap("no listener (unreachable)".into()));
+        };
+        // The successor's address, once all joined.
         let mut wire = Wire::new(&mut stream, root, timeout, abort.as_deref());
         let what = format!("waiting for all {nranks} ranks to join (this is rank {rank})");
-        let all = wire.read_round(0, nranks, deadline + grace(timeout), &what)?;
+        let (kind, body) = wire.read_frame(deadline + grace(timeout), &what)?;
+        let next = match (kind, decode_addr(&body)) {
+            (K_RING, Some((a, n))) if n == body.len() => a,
+            _ => return Err(wire.protocol(&what, &format!("a message of kind {kind}"))),
+        };
+        // The ring, then everyone's payloads and addresses round it.
+        let mut watch = RootWatch {
+            stream: &mut stream,
+            addr: root,
+            rbuf: FrameBuf::default(),
+            left: false,
+        };
+        let ab = abort.as_deref();
+        let ring = peers
+            .setup_ring(next, deadline + grace(timeout), &mut watch, ab)
+            .and_then(|()| {
+                let mut mine = encode_addr(&peers.addr);
+                mine.extend_from_slice(payload);
+                peers.ring_allgather(0, &mine, deadline, grace(timeout), &mut watch, ab)
+            });
+        let all = match ring {
+            Ok(a) => a,
+            Err(e) => {
+                peers.shut_ring();
+                return Err(e);
+            }
+        };
+        let mut addrs = Vec::with_capacity(all.len());
+        let mut payloads = Vec::with_capacity(all.len());
+        for (r, b) in all.into_iter().enumerate() {
+            let Some((a, n)) = decode_addr(&b) else {
+                return Err(Error::Bootstrap(format!(
+                    "rank {r} sent a malformed bootstrap address (protocol error)"
+                )));
+            };
+            addrs.push(a);
+            payloads.push(b[n..].to_vec());
+        }
+        peers.addrs = addrs;
+        let all = payloads;
         tracing::debug!(root = %root, "rank {rank}/{nranks} bootstrapped in {:?}", start.elapsed());
         Ok((
             Bootstrap {
@@ -465,6 +513,7 @@ impl Bootstrap {
                     stream,
                     round: 0,
                     broken: None,
+                    peers,
                 }),
             },
             all,
@@ -504,24 +553,44 @@ impl Bootstrap {
                 "an earlier bootstrap round failed: {why}"
             )));
         }
+        if let Some(word) = st.peers.root_said() {
+            let e = Error::Bootstrap(word.to_string());
+            st.broken = Some(e.to_string());
+            return Err(e);
+        }
         let round = st.round + 1;
-        let res = {
-            let mut wire = Wire::new(
-                &mut st.stream,
-                self.root,
-                self.timeout,
+        let st = &mut *st;
+        let deadline = Instant::now() + self.timeout;
+        let what = format!(
+            "in bootstrap round {round} (rank {} of {})",
+            self.rank, self.nranks
+        );
+        // The root hears that this rank started the round (it names late
+        // ranks); the data goes round the ring.
+        let hdr = contrib_header(round, 0);
+        let res = Wire::new(
+            &mut st.stream,
+            self.root,
+            self.timeout,
+            self.abort.as_deref(),
+        )
+        .send(&[&hdr], deadline, &what)
+        .and_then(|()| {
+            let mut watch = RootWatch {
+                stream: &mut st.stream,
+                addr: self.root,
+                rbuf: FrameBuf::default(),
+                left: false,
+            };
+            st.peers.ring_allgather(
+                round,
+                data,
+                deadline,
+                grace(self.timeout),
+                &mut watch,
                 self.abort.as_deref(),
-            );
-            let deadline = Instant::now() + self.timeout;
-            let what = format!(
-                "in bootstrap round {round} (rank {} of {})",
-                self.rank, self.nranks
-            );
-            let hdr = contrib_header(round, data.len());
-            wire.send(&[&hdr, data], deadline, &what).and_then(|()| {
-                wire.read_round(round, self.nranks, deadline + grace(self.timeout), &what)
-            })
-        };
+            )
+        });
         match res {
             Ok(v) => {
                 st.round = round;
@@ -530,9 +599,28 @@ impl Bootstrap {
             Err(e) => {
                 st.broken = Some(e.to_string());
                 let _ = st.stream.shutdown(Shutdown::Both);
+                st.peers.shut_ring();
                 Err(e)
             }
         }
+    }
+
+    /// Exchanges one message with each rank of `asks` point to point (no
+    /// round: only the ranks concerned take part, each with the same `tag`
+    /// for the other), within the bootstrap timeout. Returns their messages
+    /// in the order of `asks`. A failure names the rank and leaves the
+    /// bootstrap usable.
+    pub(crate) fn exchange(
+        &self,
+        asks: &[Ask],
+    ) -> std::result::Result<Vec<Vec<u8>>, ExchangeError> {
+        let mut st = self.state.lock().map_err(|_| {
+            ExchangeError::Local(Error::Unusable(
+                "a bootstrap round panicked on another thread".into(),
+            ))
+        })?;
+        let deadline = Instant::now() + self.timeout;
+        st.peers.exchange(asks, deadline, self.abort.as_deref())
     }
 
     /// Waits until every rank has called `barrier`.

@@ -10,7 +10,7 @@ use super::wire::{
     accept_frame as accept_bytes, challenge_frame as challenge_bytes, client_mac, contrib_header,
     ct_eq, data_header, error_frame as error_bytes, hello_header, read_frame_with, root_mac,
     FrameBuf, FrameError, HelloError, HelloFixed, K_ACCEPT, K_CHALLENGE, K_CONTRIB, K_DATA,
-    K_ERROR, K_HELLO, READ_CHUNK,
+    K_ERROR, K_HELLO, K_LEFT, READ_CHUNK,
 };
 
 /// Largest frame on the wire.
@@ -24,13 +24,14 @@ pub const NONCE_LEN: usize = super::wire::NONCE_LEN;
 /// Bytes of a MAC.
 pub const MAC_LEN: usize = super::wire::MAC_LEN;
 /// Frame kinds.
-pub const KINDS: [(u8, &str); 6] = [
+pub const KINDS: [(u8, &str); 7] = [
     (K_CHALLENGE, "challenge"),
     (K_HELLO, "hello"),
     (K_ACCEPT, "accept"),
     (K_ERROR, "error"),
     (K_DATA, "data"),
     (K_CONTRIB, "contrib"),
+    (K_LEFT, "left"),
 ];
 
 /// A complete frame of `kind` around `body`, as the bootstrap writes it.

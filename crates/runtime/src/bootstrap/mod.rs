@@ -66,6 +66,7 @@ mod client;
 pub mod fuzzing;
 mod id;
 mod io;
+mod peer;
 mod rendezvous;
 mod root;
 #[cfg(test)]
@@ -77,6 +78,7 @@ mod wire;
 pub use client::Bootstrap;
 pub(crate) use id::parse_secret_hex;
 pub use id::UniqueId;
+pub(crate) use peer::{Ask, ExchangeError};
 pub use root::RootServer;
 pub(crate) use root::{create_unique_id, create_unique_id_with_timeout};
 

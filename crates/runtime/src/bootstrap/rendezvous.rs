@@ -18,6 +18,18 @@
 //!
 //! The same inputs give the same outputs, so the tests in `sim.rs` play
 //! ranks, strangers, slow senders and failures in memory.
+//!
+//! What the root sends is O(p) bytes in all: a challenge and an accept per
+//! rank and, once all joined, each rank its successor's hello payload (its
+//! listening address; [`K_RING`]). The all-gathers after that go round the
+//! ring of ranks; the root only counts them: every rank tells it when it
+//! starts round `r` (a `CONTRIB` frame, a few bytes), so the root can name
+//! the ranks that do not reach a round within the timeout, and tell every
+//! rank when one leaves in the middle of one (an `ERROR` frame each). A rank
+//! that leaves after the last round it started (the end of a job; the
+//! others' word that they started it may still be on its way) is told as a
+//! `LEFT` frame: rounds under way still complete on the ring, the next one
+//! fails with it.
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::net::SocketAddr;
@@ -25,9 +37,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::wire::{
-    accept_frame, challenge_frame, data_header, error_frame, hello_prefix, parse_contrib,
-    parse_hello, root_mac, v1_error_frame, FrameBuf, HelloError, HelloFixed, DATA_OVERHEAD,
-    HELLO_PREFIX, K_CONTRIB, MAX_FRAME, MAX_RANKS, NONCE_LEN, READ_CHUNK, VERSION,
+    accept_frame, challenge_frame, error_frame, frame_header, hello_prefix, left_frame,
+    parse_contrib, parse_hello, root_mac, v1_error_frame, FrameBuf, HelloError, HelloFixed,
+    HELLO_PREFIX, K_CONTRIB, K_RING, MAX_FRAME, MAX_RANKS, NONCE_LEN, READ_CHUNK, VERSION,
 };
 use super::{fmt_dur, fmt_ranks};
 
@@ -56,7 +68,7 @@ pub(crate) struct ConnId(pub u64);
 #[derive(Clone, Debug)]
 pub(crate) struct Transmit {
     pub conn: ConnId,
-    /// Shared: every rank gets the same bytes of a round.
+    /// Shared: several connections may get the same bytes (an error).
     pub bytes: Arc<[u8]>,
 }
 
@@ -90,8 +102,8 @@ pub(crate) struct Settings {
     /// The root's address, for messages.
     pub addr: SocketAddr,
     pub secret: [u8; 16],
-    /// All ranks must join within this of the start; every round must
-    /// complete within this of its first contribution.
+    /// All ranks must join within this of the start; every rank must
+    /// reach a round within this of the first rank that reached it.
     pub timeout: Duration,
     /// How long an unproven connection may stay (see [`HANDSHAKE_TIMEOUT`]).
     pub handshake_timeout: Duration,
@@ -152,10 +164,20 @@ pub(crate) struct Rendezvous {
     /// (nranks, the rank that first said so)
     nranks: Option<(u32, u32)>,
     rendezvous_deadline: Instant,
-    /// 0 during the rendezvous, then the round being collected.
-    round: u64,
-    contribs: BTreeMap<u32, Vec<u8>>,
-    round_deadline: Option<Instant>,
+    /// All ranks joined (the rounds on the ring have begun).
+    joined: bool,
+    /// During the rendezvous, each rank's hello payload (its address).
+    payloads: BTreeMap<u32, Vec<u8>>,
+    /// After it, the last round each rank said it started (0: none).
+    at: BTreeMap<u32, u64>,
+    /// When the first rank started each round that some rank has not.
+    first: BTreeMap<u64, Instant>,
+    /// Ranks that left after starting a round that the root has not yet
+    /// heard every other rank start (their contributions travel on other
+    /// connections, so they may simply be late): the rank, that round, and
+    /// the message. Settled when the others reach it (the end of a job),
+    /// failed when one goes past it or the round's deadline passes.
+    gone: Vec<(u32, u64, String)>,
     /// `accept` failed: the next attempt waits until then.
     accept_resume: Option<Instant>,
     accept_backoff: Duration,
@@ -179,9 +201,11 @@ impl Rendezvous {
             ranks: BTreeMap::new(),
             nranks: None,
             rendezvous_deadline,
-            round: 0,
-            contribs: BTreeMap::new(),
-            round_deadline: None,
+            joined: false,
+            payloads: BTreeMap::new(),
+            at: BTreeMap::new(),
+            first: BTreeMap::new(),
+            gone: Vec::new(),
             accept_resume: None,
             accept_backoff: Duration::ZERO,
             warned: BTreeMap::new(),
@@ -216,10 +240,10 @@ impl Rendezvous {
         if self.result.is_some() {
             return None;
         }
-        let phase = if self.round == 0 {
+        let phase = if !self.joined {
             Some(self.rendezvous_deadline)
         } else {
-            self.round_deadline
+            self.round_deadline()
         };
         let oldest = self
             .unproven
@@ -480,7 +504,7 @@ impl Rendezvous {
             });
         }
         let t = fmt_dur(self.cfg.timeout);
-        if self.round == 0 && now >= self.rendezvous_deadline {
+        if !self.joined && now >= self.rendezvous_deadline {
             let addr = self.cfg.addr;
             let msg = match self.nranks {
                 None => format!("no rank joined the bootstrap root at {addr} within {t}"),
@@ -496,18 +520,22 @@ impl Rendezvous {
             };
             return self.fail(now, msg, None, false);
         }
-        if self.round_deadline.is_some_and(|d| now >= d) {
+        if self.round_deadline().is_some_and(|d| now >= d) {
+            let low = self.lowest_round();
             let missing: Vec<u32> = self
-                .ranks
-                .keys()
-                .copied()
-                .filter(|r| !self.contribs.contains_key(r))
+                .at
+                .iter()
+                .filter(|&(_, &r)| r == low)
+                .map(|(&k, _)| k)
                 .collect();
-            let msg = format!(
+            let mut msg = format!(
                 "{} did not reach bootstrap round {} within {t} (the other ranks did)",
                 fmt_ranks(&missing),
-                self.round
+                low + 1
             );
+            if let Some((_, _, gone)) = self.gone.first() {
+                msg.push_str(&format!("; {gone}"));
+            }
             self.fail(now, msg, None, false);
         }
     }
@@ -701,7 +729,7 @@ impl Rendezvous {
             cnonce,
             ..
         } = fixed;
-        if self.round > 0 {
+        if self.joined {
             let msg = format!(
                 "rank {rank} tried to join after all {} ranks had joined (a duplicate rank or a \
                  restarted process?)",
@@ -748,9 +776,9 @@ impl Rendezvous {
             c.state = ConnState::Rank(rank);
         }
         self.ranks.insert(rank, conn);
-        self.contribs.insert(rank, payload.to_vec());
+        self.payloads.insert(rank, payload.to_vec());
         if self.ranks.len() == nranks as usize {
-            self.complete_round();
+            self.all_joined();
         }
     }
 
@@ -775,54 +803,74 @@ impl Rendezvous {
     }
 
     fn handle_rank_frame(&mut self, now: Instant, rank: u32, kind: u8, body: &[u8]) {
-        if kind != K_CONTRIB || self.round == 0 {
+        if kind != K_CONTRIB || !self.joined {
             let msg = format!("rank {rank} sent an unexpected bootstrap message (kind {kind})");
             return self.fail(now, msg, None, false);
         }
-        let Some((round, data)) = parse_contrib(body) else {
+        let Some((round, _)) = parse_contrib(body) else {
             let msg = format!("rank {rank} sent a truncated bootstrap contribution");
             return self.fail(now, msg, None, false);
         };
-        if round != self.round {
-            let msg = format!(
-                "rank {rank} is at bootstrap round {round} but the others are at round {}",
-                self.round
-            );
+        let was = self.at.get(&rank).copied().unwrap_or(0);
+        if round != was + 1 {
+            let msg = if round <= was {
+                format!("rank {rank} contributed twice to bootstrap round {round}")
+            } else {
+                format!(
+                    "rank {rank} is at bootstrap round {round} but the others are at round {}",
+                    was + 1
+                )
+            };
             return self.fail(now, msg, None, false);
         }
-        if self.contribs.contains_key(&rank) {
-            let msg = format!("rank {rank} contributed twice to bootstrap round {round}");
+        self.at.insert(rank, round);
+        if let Some((_, left_at, msg)) = self.gone.iter().find(|g| g.1 < round) {
+            // A round the rank that left will never take part in.
+            let msg = format!("{msg} (after round {left_at}; rank {rank} started round {round})");
             return self.fail(now, msg, None, false);
         }
-        if self.contribs.is_empty() {
-            self.round_deadline = Some(now + self.cfg.timeout);
+        if self.settle(now) {
+            return;
         }
-        self.contribs.insert(rank, data.to_vec());
-        if self.contribs.len() == self.ranks.len() {
-            self.complete_round();
+        let low = self.lowest_round();
+        if round > low {
+            self.first.entry(round).or_insert(now);
         }
+        // Rounds every rank has started need no deadline any more.
+        self.first.retain(|&r, _| r > low);
     }
 
-    /// Sends every rank all contributions of the current round in rank
-    /// order: one shared buffer of `DATA` frames.
-    fn complete_round(&mut self) {
-        let round = self.round;
-        let contribs = std::mem::take(&mut self.contribs);
-        let total: usize = contribs.values().map(|d| DATA_OVERHEAD + d.len()).sum();
-        let mut all = Vec::with_capacity(total);
-        for (&src, data) in &contribs {
-            all.extend_from_slice(&data_header(round, src, data.len()));
-            all.extend_from_slice(data);
+    /// The lowest round any rank has started.
+    fn lowest_round(&self) -> u64 {
+        self.at.values().copied().min().unwrap_or(0)
+    }
+
+    /// When the ranks that have not started the next round must have.
+    fn round_deadline(&self) -> Option<Instant> {
+        self.first
+            .values()
+            .copied()
+            .min()
+            .map(|t| t + self.cfg.timeout)
+    }
+
+    /// All ranks joined: each gets its successor's hello payload (one
+    /// frame each, O(p) bytes in all); the rounds go round the ring.
+    fn all_joined(&mut self) {
+        let payloads = std::mem::take(&mut self.payloads);
+        let n = self.ranks.len() as u32;
+        let conns: Vec<(u32, ConnId)> = self.ranks.iter().map(|(&r, &c)| (r, c)).collect();
+        for (r, conn) in conns {
+            let next = payloads.get(&((r + 1) % n)).map_or(&[][..], |p| &p[..]);
+            let mut f = frame_header(K_RING, next.len()).to_vec();
+            f.extend_from_slice(next);
+            self.send(conn, f);
+            self.at.insert(r, 0);
         }
-        drop(contribs);
-        let all: Arc<[u8]> = all.into();
-        let conns: Vec<ConnId> = self.ranks.values().copied().collect();
-        for conn in conns {
-            self.send(conn, all.clone());
-        }
-        self.debug(format!("bootstrap round {round} complete"));
-        self.round += 1;
-        self.round_deadline = None;
+        self.debug(format!(
+            "all {n} ranks joined; their rounds go round the ring"
+        ));
+        self.joined = true;
     }
 
     fn departed(&mut self, now: Instant, rank: u32, err: Option<String>) {
@@ -831,18 +879,44 @@ impl Rendezvous {
             self.conns.remove(&conn);
         }
         let why = err.map(|e| format!(" ({e})")).unwrap_or_default();
-        if self.round == 0 {
+        if !self.joined {
             let msg = format!("rank {rank} left the bootstrap before all ranks joined{why}");
             return self.fail(now, msg, None, false);
         }
         let msg = format!("rank {rank} left the bootstrap{why}");
-        if !self.contribs.is_empty() {
+        let left_at = self.at.remove(&rank).unwrap_or(0);
+        // It left before a round another rank started: the others wait for
+        // what it would have sent on.
+        let behind = self
+            .at
+            .values()
+            .chain(self.gone.iter().map(|g| &g.1))
+            .any(|&r| r > left_at);
+        if behind {
             return self.fail(now, msg, None, false);
         }
-        // Ranks leave one by one at the end of a job: not a failure. The
-        // others are told, in case they call another round.
+        // It may have finished its last round: the others' contributions
+        // to it may still be on their way here. Ranks leave one by one at
+        // the end of a job: not a failure once every other rank is seen to
+        // have started that round.
+        self.gone.push((rank, left_at, msg));
+        self.settle(now);
+    }
+
+    /// Ends the rendezvous as the end of a job when every rank still here
+    /// started the round that the ranks that left had reached. The others
+    /// are told (a `K_LEFT` frame), in case they call another round.
+    fn settle(&mut self, now: Instant) -> bool {
+        let Some(last) = self.gone.iter().map(|g| g.1).max() else {
+            return false;
+        };
+        if self.at.values().any(|&r| r != last) {
+            return false;
+        }
+        let (rank, _, msg) = self.gone.swap_remove(0);
         self.debug(format!("rank {rank} left; the bootstrap root ends"));
         self.fail(now, msg, None, true);
+        true
     }
 
     /// Ends the rendezvous: every rank, every connection that proved the
@@ -855,7 +929,14 @@ impl Rendezvous {
                 msg: format!("bootstrap failed: {msg}"),
             });
         }
-        let frame: Arc<[u8]> = error_frame(&msg).into();
+        // A departure that fails nothing is said as such: rounds under way
+        // on the ring still complete.
+        let frame: Arc<[u8]> = if ok {
+            left_frame(&msg)
+        } else {
+            error_frame(&msg)
+        }
+        .into();
         let mut order: Vec<ConnId> = self.ranks.values().copied().collect();
         let mut seen: BTreeSet<ConnId> = order.iter().copied().collect();
         for conn in self.proven.iter().copied().chain(extra) {

@@ -2,7 +2,7 @@
 //! sockets or a clock: ranks, strangers, slow senders, floods and failures,
 //! with simulated time.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::time::{Duration, Instant};
 
@@ -11,9 +11,9 @@ use super::rendezvous::{
     HANDSHAKE_TIMEOUT, MAX_PENDING,
 };
 use super::wire::{
-    client_mac, contrib_header, error_frame, hello_header, parse_challenge, parse_data, root_mac,
-    FrameBuf, HelloFixed, HELLO_PREFIX, K_ACCEPT, K_ERROR, K_HELLO, MAGIC, MAX_FRAME, NONCE_LEN,
-    READ_CHUNK,
+    client_mac, contrib_header, error_frame, hello_header, parse_challenge, root_mac, FrameBuf,
+    HelloFixed, HELLO_PREFIX, K_ACCEPT, K_ERROR, K_HELLO, K_LEFT, K_RING, MAGIC, MAX_FRAME,
+    NONCE_LEN, READ_CHUNK,
 };
 
 const SECRET: [u8; 16] = *b"sim-secret-01234";
@@ -131,7 +131,7 @@ impl Sim {
     fn errors(&self, c: ConnId) -> Vec<String> {
         self.frames(c)
             .into_iter()
-            .filter(|f| f.0 == K_ERROR)
+            .filter(|f| f.0 == K_ERROR || f.0 == K_LEFT)
             .map(|f| String::from_utf8_lossy(&f.1).into_owned())
             .collect()
     }
@@ -163,19 +163,19 @@ impl Sim {
         hello_for(&self.nonce(c), secret, rank, nranks, payload)
     }
 
-    /// The data frames of `round` that `c` got, checked against `nranks`.
-    fn round(&self, c: ConnId, round: u64, nranks: u32) -> Vec<Vec<u8>> {
+    /// What `c` got once all ranks joined: its successor's hello payload
+    /// (protocol v3; the rounds go round the ring, not through the root).
+    fn ring(&self, c: ConnId) -> Vec<u8> {
         let frames = self.frames(c);
-        let skip = frames
+        let at = frames
             .iter()
             .position(|f| f.0 == K_ACCEPT)
             .expect("accepted")
             + 1;
-        let data = &frames[skip + round as usize * nranks as usize..][..nranks as usize];
-        data.iter()
-            .enumerate()
-            .map(|(r, (k, b))| parse_data(*k, b, round, r as u32).unwrap().to_vec())
-            .collect()
+        let (k, b) = &frames[at];
+        assert_eq!(*k, K_RING, "the successor's address after the accept");
+        assert_eq!(frames.len(), at + 1, "nothing but the successor's address");
+        b.clone()
     }
 }
 
@@ -217,22 +217,18 @@ fn ranks_rendezvous_run_rounds_and_leave_without_warnings() {
         assert_eq!(f[1].0, K_ACCEPT);
         let proof = root_mac(&SECRET, &cnonce(), &s.nonce(c), r as u32);
         assert_eq!(f[1].1, proof);
-        let want: Vec<Vec<u8>> = (0..n).map(|r| format!("p{r}").into_bytes()).collect();
-        assert_eq!(s.round(c, 0, n), want);
+        // Its successor's payload (its address), nothing more.
+        let next = (r as u32 + 1) % n;
+        assert_eq!(s.ring(c), format!("p{next}").into_bytes());
     }
+    let sent: usize = s.out.values().map(Vec::len).sum();
     for round in 1..=3u64 {
-        for (r, &c) in conns.iter().enumerate() {
-            s.send(c, &contrib(round, &[r as u8, round as u8]));
-        }
         for &c in &conns {
-            let got = s.round(c, round, n);
-            assert_eq!(
-                got,
-                (0..n)
-                    .map(|r| vec![r as u8, round as u8])
-                    .collect::<Vec<_>>()
-            );
+            s.send(c, &contrib(round, &[]));
         }
+        // The rounds' data go round the ring: the root only counts them.
+        assert_eq!(s.out.values().map(Vec::len).sum::<usize>(), sent);
+        assert_eq!(s.m.poll_timeout(), None);
     }
     // Between rounds there is no deadline.
     assert_eq!(s.m.poll_timeout(), None);
@@ -280,8 +276,8 @@ fn hello_in_pieces_and_slow_senders() {
         s.advance(Duration::from_millis(1));
     }
     let c1 = s.join(1, 2, b"");
-    assert_eq!(s.round(c0, 0, 2), vec![vec![7; 300], vec![]]);
-    assert_eq!(s.round(c1, 0, 2), vec![vec![7; 300], vec![]]);
+    assert_eq!(s.ring(c0), Vec::<u8>::new());
+    assert_eq!(s.ring(c1), vec![7; 300]);
 
     // A hello that proves the secret but whose payload never completes is
     // closed at the bootstrap timeout (not the short handshake one).
@@ -323,13 +319,13 @@ fn strangers_garbage_wrong_secrets_and_replays_never_count() {
     h[5] ^= 1;
     s.send(magic, &h);
     assert!(s.closed.contains_key(&magic) && s.errors(magic).is_empty());
-    let v3 = s.connect();
-    let mut h = s.hello(v3, &SECRET, 0, 2, b"");
-    h[5 + 8] = 3;
-    s.send(v3, &h);
-    let e = s.errors(v3);
+    let v4 = s.connect();
+    let mut h = s.hello(v4, &SECRET, 0, 2, b"");
+    h[5 + 8] = 4;
+    s.send(v4, &h);
+    let e = s.errors(v4);
     assert!(
-        e[0].contains("version mismatch") && e[0].contains("this rank v3"),
+        e[0].contains("version mismatch") && e[0].contains("this rank v4"),
         "{e:?}"
     );
     let v1 = s.connect();
@@ -373,8 +369,8 @@ fn strangers_garbage_wrong_secrets_and_replays_never_count() {
     // None of them counted: the real ranks (0 and 1 included) join.
     let r0 = s.join(0, 2, b"a");
     let r1 = s.join(1, 2, b"b");
-    assert_eq!(s.round(r0, 0, 2), vec![b"a".to_vec(), b"b".to_vec()]);
-    assert_eq!(s.round(r1, 0, 2), vec![b"a".to_vec(), b"b".to_vec()]);
+    assert_eq!(s.ring(r0), b"b".to_vec());
+    assert_eq!(s.ring(r1), b"a".to_vec());
     // Rejections are warned about at most once per second (with a count).
     let rejected = s
         .warnings()
@@ -420,8 +416,8 @@ fn idle_strangers_do_not_lock_the_ranks_out() {
     // next rank.
     s.advance(Duration::from_secs(1));
     let ranks: Vec<ConnId> = (0..8).map(|r| s.join(r, 8, &[r as u8])).collect();
-    for &c in &ranks {
-        assert_eq!(s.round(c, 0, 8).len(), 8);
+    for (r, &c) in ranks.iter().enumerate() {
+        assert_eq!(s.ring(c), vec![((r + 1) % 8) as u8]);
     }
     assert!(s.closed.contains_key(&strangers[0]));
     assert!(!s.closed.contains_key(&strangers[1]));
@@ -435,7 +431,7 @@ fn idle_strangers_do_not_lock_the_ranks_out() {
         s2.send(c, &h);
     }
     assert!(held[..4].iter().all(|c| s2.closed.contains_key(c)));
-    assert_eq!(s2.round(cs[3], 0, 4).len(), 4);
+    assert!(s2.ring(cs[3]).is_empty());
     assert!(s.m.unproven_count() <= MAX_PENDING);
 
     // The strangers left are closed once they have had HANDSHAKE_TIMEOUT
@@ -488,7 +484,7 @@ fn unproven_connections_expire_at_their_own_deadline() {
     s.advance(EVICT_MIN_AGE);
     let r = s.join(0, 1, b"solo");
     assert!(s.closed.contains_key(&b));
-    assert_eq!(s.round(r, 0, 1), vec![b"solo".to_vec()]);
+    assert_eq!(s.ring(r), b"solo".to_vec());
 }
 
 /// Item 2: a failing `accept` (EMFILE) backs off and warns at most once a
@@ -605,6 +601,56 @@ fn missing_ranks_and_slow_rounds_are_named() {
     }
 }
 
+/// The end of a job as the root may see it: a rank finishes its last round
+/// and leaves before the others' word that they started that round reaches
+/// the root (each comes on its own connection). Not a failure once they
+/// arrive; a failure when one goes past the round the rank left after, or
+/// never starts it.
+#[test]
+fn a_rank_that_leaves_before_the_others_are_seen_in_its_round() {
+    let rounds_sent_before_leaving = |s: &mut Sim, c: &[ConnId]| {
+        s.send(c[0], &contrib(1, &[]));
+        s.send(c[2], &contrib(1, &[]));
+        s.hang_up(c[2]);
+    };
+    // The late word arrives: the end of the job, told as K_LEFT.
+    let mut s = Sim::new(T);
+    let c: Vec<ConnId> = (0..3).map(|r| s.join(r, 3, b"")).collect();
+    rounds_sent_before_leaving(&mut s, &c);
+    assert!(s.m.result().is_none());
+    assert!(s.errors(c[0]).is_empty());
+    s.send(c[1], &contrib(1, &[]));
+    assert_eq!(s.m.result(), Some(&Ok(())));
+    assert!(s.warnings().is_empty(), "{:?}", s.warnings());
+    for x in [c[0], c[1]] {
+        let left: Vec<_> = s.frames(x).into_iter().filter(|f| f.0 == K_LEFT).collect();
+        assert_eq!(left.len(), 1);
+        assert_eq!(left[0].1, b"rank 2 left the bootstrap");
+    }
+    // A rank goes on to a round the one that left will not join.
+    let mut s = Sim::new(T);
+    let c: Vec<ConnId> = (0..3).map(|r| s.join(r, 3, b"")).collect();
+    rounds_sent_before_leaving(&mut s, &c);
+    s.send(c[0], &contrib(2, &[]));
+    let e = s.m.result().cloned().expect("an outcome").unwrap_err();
+    assert!(
+        e.contains("rank 2 left the bootstrap") && e.contains("round 2"),
+        "{e}"
+    );
+    assert!(s.frames(c[1]).iter().any(|f| f.0 == K_ERROR));
+    // The late word never comes: the round's deadline names the late rank
+    // and the one that left.
+    let mut s = Sim::new(T);
+    let c: Vec<ConnId> = (0..3).map(|r| s.join(r, 3, b"")).collect();
+    rounds_sent_before_leaving(&mut s, &c);
+    s.advance(T);
+    let e = s.m.result().cloned().expect("an outcome").unwrap_err();
+    assert!(
+        e.contains("rank 1 did not reach bootstrap round 1") && e.contains("rank 2 left"),
+        "{e}"
+    );
+}
+
 #[test]
 fn departures_duplicates_and_latecomers() {
     // Leaving before all joined, and mid-round, are failures.
@@ -661,9 +707,10 @@ fn departures_duplicates_and_latecomers() {
     let late = s.join(1, 2, b"");
     assert!(s.errors(late)[0].contains("tried to join after all 2 ranks had joined"));
     assert!(s.m.result().is_none());
-    s.send(c[0], &contrib(1, b"a"));
-    s.send(c[1], &contrib(1, b"b"));
-    assert_eq!(s.round(c[0], 1, 2), vec![b"a".to_vec(), b"b".to_vec()]);
+    s.send(c[0], &contrib(1, b""));
+    s.send(c[1], &contrib(1, b""));
+    assert!(s.m.result().is_none());
+    assert!(s.errors(c[0]).is_empty() && s.errors(c[1]).is_empty());
 }
 
 #[test]
@@ -685,32 +732,363 @@ fn shutdown_tells_the_ranks_and_ends_well() {
     assert!(s.closed.contains_key(&late) && !s.out.contains_key(&late));
 }
 
-/// Every rank gets the same round bytes, shared rather than copied.
+/// What the root sends grows with p, not p²: a challenge, an accept and
+/// the successor's address per rank, and nothing per round.
 #[test]
-fn a_round_is_one_shared_buffer() {
-    let s = Sim::new(T);
-    let n = 16;
-    let mut seen = BTreeSet::new();
-    let mut m = Rendezvous::new(Settings::new(ROOT, SECRET, T), s.now);
-    let mut conns = Vec::new();
-    for r in 0..n {
-        let c = m.handle_connect(s.now, ROOT, [r as u8; NONCE_LEN]);
-        conns.push((c, r));
+fn the_root_sends_o_of_p_bytes() {
+    let mut per_rank = Vec::new();
+    for n in [16u32, 256, 1024] {
+        let mut s = Sim::new(T);
+        let addr = [6u8; 23]; // an IPv6 address as a hello payload
+        let conns: Vec<ConnId> = (0..n).map(|r| s.join(r, n, &addr)).collect();
+        for round in 1..=5 {
+            for &c in &conns {
+                s.send(c, &contrib(round, &[]));
+            }
+        }
+        let sent: usize = s.out.values().map(Vec::len).sum();
+        per_rank.push(sent as f64 / n as f64);
+        assert!(s.m.result().is_none());
     }
-    while m.poll_transmit().is_some() {}
-    for &(c, r) in &conns {
-        let h = hello_for(&[r as u8; NONCE_LEN], &SECRET, r, n, b"x");
-        m.handle_data(s.now, c, &h);
+    // The same bytes per rank at every size (challenge, accept, address).
+    assert!(per_rank.windows(2).all(|w| w[0] == w[1]), "{per_rank:?}");
+    assert!(per_rank[0] < 200.0, "{per_rank:?}");
+}
+
+// ---------------------------------------------------------------------------
+// A whole job's bootstrap over a simulated network
+
+/// The simulated network: every message costs its sender's link `bytes /
+/// bandwidth` (one message at a time per sender), then `latency` on the
+/// wire, then `per_message` of its receiver's time (one at a time per
+/// receiver). The root is the real [`Rendezvous`] machine, fed the real
+/// frames at the simulated times.
+#[derive(Clone, Copy, Debug)]
+struct Network {
+    latency: Duration,
+    bytes_per_s: f64,
+    per_message: Duration,
+}
+
+impl Network {
+    fn wire(&self, bytes: usize) -> Duration {
+        Duration::from_secs_f64(bytes as f64 / self.bytes_per_s)
     }
-    let mut bufs = Vec::new();
-    while let Some(t) = m.poll_transmit() {
-        if t.bytes.len() > 100 {
-            seen.insert(t.conn);
-            bufs.push(t.bytes);
+}
+
+/// What a job's creation sends through the bootstrap after the rendezvous:
+/// the all-gathers of a communicator's creation (peer descriptions with
+/// the addresses, the topology round, the piece summary, the barrier, the
+/// single-copy agreement), as bytes per rank.
+const INIT_ROUNDS: [usize; 5] = [120, 300, 24, 0, 1];
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+enum JobEv {
+    /// `bytes` of a frame reach the root on `conn` (index into `conns`).
+    AtRoot { conn: usize, frame: usize },
+    /// The root's bytes `[from, to)` of its output to `rank` arrive.
+    FromRoot { rank: usize, len: usize },
+    /// Round `round`'s contribution of rank `src` arrives at `rank`.
+    Item {
+        rank: usize,
+        round: usize,
+        src: usize,
+    },
+}
+
+/// The outcome of a simulated bootstrap of `p` ranks.
+#[derive(Debug)]
+struct JobOutcome {
+    /// Until every rank finished the last round.
+    elapsed: Duration,
+    root_sent: usize,
+    root_received: usize,
+}
+
+/// Plays the bootstrap of a `p`-rank communicator (protocol v3): every rank
+/// connects to the root at once, proves the secret and sends its address;
+/// the root hands each its successor's; then the rounds of
+/// [`INIT_ROUNDS`] go round the ring, each announced to the root.
+fn simulate_job(p: usize, net: Network) -> JobOutcome {
+    use std::cmp::Reverse;
+    use std::collections::BinaryHeap;
+    let t0 = Instant::now();
+    let mut m = Rendezvous::new(Settings::new(ROOT, SECRET, Duration::from_secs(3600)), t0);
+    let mut q: BinaryHeap<Reverse<(Duration, u64, JobEv)>> = BinaryHeap::new();
+    let mut seq = 0u64;
+    let mut push = |q: &mut BinaryHeap<_>, at: Duration, ev: JobEv| {
+        seq += 1;
+        q.push(Reverse((at, seq, ev)));
+    };
+    // Connections: rank r's is conns[r]; frames waiting to reach the root.
+    let mut conns: Vec<ConnId> = Vec::with_capacity(p);
+    let mut frames: Vec<Vec<u8>> = Vec::new();
+    let mut root_busy = Duration::ZERO;
+    let mut root_link = Duration::ZERO;
+    let mut rank_link = vec![Duration::ZERO; p];
+    let mut rank_busy = vec![Duration::ZERO; p];
+    let (mut root_sent, mut root_received) = (0usize, 0usize);
+    let mut got_from_root: Vec<Vec<u8>> = vec![Vec::new(); p];
+    let mut hello_sent = vec![false; p];
+    let mut ring_at: Vec<Option<Duration>> = vec![None; p];
+    // Per rank: the round it is in, items of each round received, and
+    // when it finished the last round.
+    let rounds = INIT_ROUNDS.len();
+    let mut items: Vec<Vec<usize>> = vec![vec![0; rounds]; p];
+    let mut round_of = vec![0usize; p];
+    let mut early: Vec<Vec<(usize, usize)>> = vec![Vec::new(); p];
+    let mut done_at = vec![Duration::ZERO; p];
+    // Every rank connects at 0 (a round trip), the root challenges it.
+    for r in 0..p {
+        let mut nonce = [0u8; NONCE_LEN];
+        nonce[..8].copy_from_slice(&(r as u64).to_le_bytes());
+        let c = m.handle_connect(t0 + 2 * net.latency, ROOT, nonce);
+        conns.push(c);
+    }
+    let conn_rank: BTreeMap<ConnId, usize> =
+        conns.iter().enumerate().map(|(r, &c)| (c, r)).collect();
+    // Sends what the root queued, over its link.
+    macro_rules! root_out {
+        ($now:expr) => {{
+            while let Some(t) = m.poll_transmit() {
+                let Some(&r) = conn_rank.get(&t.conn) else {
+                    continue;
+                };
+                root_link = root_link.max($now) + net.wire(t.bytes.len());
+                root_sent += t.bytes.len();
+                got_from_root[r].extend_from_slice(&t.bytes);
+                let len = got_from_root[r].len();
+                push(
+                    &mut q,
+                    root_link + net.latency,
+                    JobEv::FromRoot { rank: r, len },
+                );
+            }
+            while m.poll_close().is_some() {}
+            while m.poll_log().is_some() {}
+        }};
+    }
+    root_out!(2 * net.latency);
+    // A rank starts round `k` at `at`: it tells the root and sends its
+    // contribution to its successor.
+    macro_rules! start_round {
+        ($r:expr, $k:expr, $at:expr) => {{
+            let (r, k, at): (usize, usize, Duration) = ($r, $k, $at);
+            round_of[r] = k;
+            if k > 0 {
+                let f = contrib(k as u64, &[]);
+                rank_link[r] = rank_link[r].max(at) + net.wire(f.len());
+                frames.push(f);
+                push(
+                    &mut q,
+                    rank_link[r] + net.latency,
+                    JobEv::AtRoot {
+                        conn: r,
+                        frame: frames.len() - 1,
+                    },
+                );
+            }
+            let next = (r + 1) % p;
+            rank_link[r] = rank_link[r].max(at) + net.wire(INIT_ROUNDS[k] + 17);
+            push(
+                &mut q,
+                rank_link[r] + net.latency,
+                JobEv::Item {
+                    rank: next,
+                    round: k,
+                    src: r,
+                },
+            );
+            let held = std::mem::take(&mut early[r]);
+            for (round, src) in held {
+                push(
+                    &mut q,
+                    at,
+                    JobEv::Item {
+                        rank: r,
+                        round,
+                        src,
+                    },
+                );
+            }
+        }};
+    }
+    let mut finished = 0;
+    while let Some(Reverse((at, _, ev))) = q.pop() {
+        match ev {
+            JobEv::AtRoot { conn, frame } => {
+                root_busy = root_busy.max(at) + net.per_message;
+                let now = root_busy;
+                root_received += frames[frame].len();
+                let f = std::mem::take(&mut frames[frame]);
+                // As the driver reads: at most `read_limit` at a time.
+                let mut off = 0;
+                while off < f.len() {
+                    let k = m.read_limit(conns[conn]).min(f.len() - off);
+                    if k == 0 {
+                        break;
+                    }
+                    m.handle_data(t0 + now, conns[conn], &f[off..off + k]);
+                    off += k;
+                }
+                root_out!(now);
+            }
+            JobEv::FromRoot { rank: r, len } => {
+                rank_busy[r] = rank_busy[r].max(at) + net.per_message;
+                let now = rank_busy[r];
+                let mut fb = FrameBuf {
+                    buf: got_from_root[r][..len].to_vec(),
+                };
+                let mut kinds = Vec::new();
+                while let Ok(Some((k, b))) = fb.next_frame() {
+                    kinds.push((k, b));
+                }
+                if !hello_sent[r] {
+                    if let Some(rnonce) =
+                        kinds.first().and_then(|(k, b)| parse_challenge(*k, b).ok())
+                    {
+                        hello_sent[r] = true;
+                        let h = hello_for(&rnonce, &SECRET, r as u32, p as u32, &[6u8; 23]);
+                        rank_link[r] = rank_link[r].max(now) + net.wire(h.len());
+                        frames.push(h);
+                        push(
+                            &mut q,
+                            rank_link[r] + net.latency,
+                            JobEv::AtRoot {
+                                conn: r,
+                                frame: frames.len() - 1,
+                            },
+                        );
+                    }
+                }
+                if ring_at[r].is_none() && kinds.iter().any(|(k, _)| *k == K_RING) {
+                    // Connect to the successor (a round trip), then round 0.
+                    let start = now + 2 * net.latency;
+                    ring_at[r] = Some(start);
+                    start_round!(r, 0, start);
+                }
+            }
+            JobEv::Item {
+                rank: r,
+                round: k,
+                src,
+            } => {
+                if ring_at[r].is_none() || k > round_of[r] {
+                    early[r].push((k, src));
+                    continue;
+                }
+                rank_busy[r] = rank_busy[r].max(at) + net.per_message;
+                let now = rank_busy[r];
+                let next = (r + 1) % p;
+                if next != src {
+                    rank_link[r] = rank_link[r].max(now) + net.wire(INIT_ROUNDS[k] + 17);
+                    push(
+                        &mut q,
+                        rank_link[r] + net.latency,
+                        JobEv::Item {
+                            rank: next,
+                            round: k,
+                            src,
+                        },
+                    );
+                }
+                items[r][k] += 1;
+                if items[r][k] == p - 1 {
+                    let end = now.max(rank_link[r]);
+                    if k + 1 < rounds {
+                        start_round!(r, k + 1, end);
+                    } else {
+                        done_at[r] = end;
+                        finished += 1;
+                    }
+                }
+            }
         }
     }
-    assert_eq!(seen.len(), n as usize);
-    assert!(bufs
-        .windows(2)
-        .all(|w| std::sync::Arc::ptr_eq(&w[0], &w[1])));
+    assert_eq!(finished, p, "every rank finished");
+    assert!(m.result().is_none(), "{:?}", m.result());
+    JobOutcome {
+        elapsed: done_at.iter().copied().max().unwrap_or_default(),
+        root_sent,
+        root_received,
+    }
+}
+
+/// A datacenter network: 25 µs one way, 10 Gb/s, 5 µs per message.
+const DC: Network = Network {
+    latency: Duration::from_micros(25),
+    bytes_per_s: 1.25e9,
+    per_message: Duration::from_micros(5),
+};
+
+/// What the root sent for the same rounds when every round went through it
+/// (protocol v2): every rank got every contribution of every round.
+fn star_root_bytes(p: usize) -> usize {
+    let per_rank_hello = 45 + 37;
+    let rounds: usize = std::iter::once(120)
+        .chain(INIT_ROUNDS.iter().skip(1).copied())
+        .map(|s| p * p * (s + 17))
+        .sum();
+    p * per_rank_hello + rounds
+}
+
+/// Issue 23: the bootstrap of 1,024 ranks over a simulated network. The
+/// root sends O(p) bytes (a constant per rank; the old star sent every
+/// contribution to every rank, O(p²)) and receives O(p) (the hellos and
+/// one small frame per rank and round); creation time grows linearly (the
+/// rounds go round the ring). Prints the curve.
+#[test]
+fn a_1024_rank_bootstrap_over_a_simulated_network() {
+    let mut rows = Vec::new();
+    for p in [2usize, 8, 32, 128, 512, 1024] {
+        let o = simulate_job(p, DC);
+        println!(
+            "bootstrap sim p={p:5}: {:8.2} ms, root sent {:9} B ({:.0} per rank; star would send {}), received {:9} B",
+            o.elapsed.as_secs_f64() * 1e3,
+            o.root_sent,
+            o.root_sent as f64 / p as f64,
+            star_root_bytes(p),
+            o.root_received
+        );
+        rows.push((p, o));
+    }
+    let per_rank: Vec<f64> = rows
+        .iter()
+        .map(|(p, o)| o.root_sent as f64 / *p as f64)
+        .collect();
+    assert!(per_rank.windows(2).all(|w| w[0] == w[1]), "{per_rank:?}");
+    for (p, o) in &rows {
+        assert!(
+            o.root_received < p * 400,
+            "p={p}: root received {}",
+            o.root_received
+        );
+    }
+    // Linear, not quadratic: 1024 ranks take about twice as long as 512.
+    let t = |p: usize| {
+        rows.iter()
+            .find(|r| r.0 == p)
+            .map(|r| r.1.elapsed.as_secs_f64())
+            .unwrap_or(0.0)
+    };
+    let ratio = t(1024) / t(512);
+    assert!((1.5..2.5).contains(&ratio), "t(1024)/t(512) = {ratio}");
+}
+
+/// The same curve up to 4,096 ranks (a minute: `cargo test -p braid --lib
+/// bootstrap_curve -- --ignored --nocapture`).
+#[test]
+#[ignore]
+fn bootstrap_curve_to_4096_ranks() {
+    for p in [2048usize, 4096] {
+        let o = simulate_job(p, DC);
+        println!(
+            "bootstrap sim p={p:5}: {:8.2} ms, root sent {:9} B ({:.0} per rank; star would send {}), received {:9} B",
+            o.elapsed.as_secs_f64() * 1e3,
+            o.root_sent,
+            o.root_sent as f64 / p as f64,
+            star_root_bytes(p),
+            o.root_received
+        );
+    }
 }

@@ -450,11 +450,11 @@ fn strangers_are_refused_early_and_ranks_still_join() {
     let (mut c, _) = stranger(&id, t);
     let mut v2 = hello_header(0).to_vec();
     v2.extend_from_slice(&fixed.encode());
-    v2[5 + 8] = 3;
+    v2[5 + 8] = 4;
     c.write_all(&v2).unwrap();
     let v = root_verdict(&mut c, &id, quick);
     assert!(
-        v.contains("version mismatch") && v.contains("this rank v3"),
+        v.contains("version mismatch") && v.contains("this rank v4"),
         "{v}"
     );
 

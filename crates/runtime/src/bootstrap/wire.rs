@@ -21,8 +21,10 @@ pub const MAX_FRAME: usize = MAX_PAYLOAD + 256;
 pub const MAX_RANKS: u32 = 1 << 22;
 
 pub(crate) const MAGIC: [u8; 8] = *b"BRAIDBS\x01";
-/// Protocol version: 2 is v1 (big-endian) made little-endian.
-pub(crate) const VERSION: u32 = 2;
+/// Protocol version: 2 is v1 (big-endian) made little-endian; 3 moves the
+/// all-gathers from the root onto a ring among the ranks (the root hands
+/// each rank its successor's address and afterwards only counts rounds).
+pub(crate) const VERSION: u32 = 3;
 pub(crate) const NONCE_LEN: usize = 32;
 pub(crate) const MAC_LEN: usize = 32;
 /// Bytes the root reads from a connection at a time.
@@ -36,6 +38,27 @@ pub(crate) const K_ACCEPT: u8 = 3;
 pub(crate) const K_ERROR: u8 = 4;
 pub(crate) const K_DATA: u8 = 5;
 pub(crate) const K_CONTRIB: u8 = 6;
+/// Root → rank, once all joined: the successor's hello payload (its
+/// listening address).
+pub(crate) const K_RING: u8 = 7;
+/// Rank → rank: the first frame on the ring connection to the successor.
+pub(crate) const K_RING_HELLO: u8 = 8;
+/// Rank → rank: a point-to-point exchange request (lower rank to higher).
+pub(crate) const K_XCHG: u8 = 9;
+/// Rank → rank: the answer to [`K_XCHG`], on the same connection.
+pub(crate) const K_XREPLY: u8 = 10;
+/// Rank → rank: "are you there?" (connection attempts that test whether a
+/// rank's listener is still open); no body, never answered.
+pub(crate) const K_PROBE: u8 = 11;
+/// Root → rank: a rank left after the last round it started (the end of a
+/// job, or the root shut down); the body says which. Unlike [`K_ERROR`] it
+/// does not fail a round under way: the ranks still on the ring finish it
+/// (the one that left forwarded all it had to); the next round fails with it.
+pub(crate) const K_LEFT: u8 = 12;
+
+/// Largest first frame a rank reads from a connection to its listener (a
+/// ring hello, an exchange request or a probe).
+pub(crate) const MAX_PEER_FRAME: usize = 1 << 20;
 
 /// Bytes of a hello's fixed part: magic, version, rank, nranks, the client's
 /// nonce and its MAC. The payload follows.
@@ -44,8 +67,6 @@ pub(crate) const HELLO_FIXED: usize = 8 + 4 + 4 + 4 + NONCE_LEN + MAC_LEN;
 /// the proof of the secret: length, kind and the hello's fixed part. A
 /// stranger cannot make the root buffer more than this.
 pub(crate) const HELLO_PREFIX: usize = 5 + HELLO_FIXED;
-/// Bytes of a `DATA` frame besides its data.
-pub(crate) const DATA_OVERHEAD: usize = 5 + 8 + 4;
 
 // ---------------------------------------------------------------------------
 // Proofs of the secret
@@ -150,6 +171,14 @@ pub(crate) fn error_frame(msg: &str) -> Vec<u8> {
     v
 }
 
+/// A [`K_LEFT`] frame (the message is cut at 64 KiB).
+pub(crate) fn left_frame(msg: &str) -> Vec<u8> {
+    let m = cut_message(msg);
+    let mut v = frame_header(K_LEFT, m.len()).to_vec();
+    v.extend_from_slice(m);
+    v
+}
+
 /// An `ERROR` frame as a protocol v1 (big-endian) client reads it, to tell
 /// an old rank that it must upgrade.
 pub(crate) fn v1_error_frame(msg: &str) -> Vec<u8> {
@@ -158,6 +187,171 @@ pub(crate) fn v1_error_frame(msg: &str) -> Vec<u8> {
     v.push(K_ERROR);
     v.extend_from_slice(m);
     v
+}
+
+// ---------------------------------------------------------------------------
+// Rank-to-rank frames (protocol v3)
+
+/// The proof on a rank-to-rank frame: `SHA-256(label ‖ secret ‖ from ‖ to ‖
+/// word ‖ nonce ‖ payload)`, where `word` is nranks for a ring hello and the
+/// exchange's tag otherwise.
+pub(crate) fn peer_mac(
+    label: &[u8],
+    secret: &[u8; 16],
+    from: u32,
+    to: u32,
+    word: u64,
+    nonce: &[u8; 16],
+    payload: &[u8],
+) -> [u8; MAC_LEN] {
+    let mut h = Sha256::new();
+    h.update(label);
+    h.update(secret);
+    h.update(from.to_le_bytes());
+    h.update(to.to_le_bytes());
+    h.update(word.to_le_bytes());
+    h.update(nonce);
+    h.update(payload);
+    h.finalize().into()
+}
+
+pub(crate) const LABEL_RING: &[u8] = b"braid-bootstrap-ring";
+pub(crate) const LABEL_XCHG: &[u8] = b"braid-bootstrap-xchg";
+pub(crate) const LABEL_XREPLY: &[u8] = b"braid-bootstrap-xreply";
+
+/// A rank-to-rank frame's fixed part: magic, version, `from`, `to`, a word
+/// (nranks or tag), a nonce and the proof; a payload follows.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct PeerFrame {
+    pub from: u32,
+    pub to: u32,
+    pub word: u64,
+    pub nonce: [u8; 16],
+    pub mac: [u8; MAC_LEN],
+    pub payload: Vec<u8>,
+}
+
+/// Bytes of [`PeerFrame`]'s fixed part.
+pub(crate) const PEER_FIXED: usize = 8 + 4 + 4 + 4 + 8 + 16 + MAC_LEN;
+
+impl PeerFrame {
+    /// A frame of `kind` proved with `secret` (`label` per kind).
+    #[allow(clippy::too_many_arguments)]
+    pub fn sealed(
+        kind: u8,
+        secret: &[u8; 16],
+        from: u32,
+        to: u32,
+        word: u64,
+        nonce: [u8; 16],
+        payload: &[u8],
+    ) -> Vec<u8> {
+        let mac = peer_mac(label_of(kind), secret, from, to, word, &nonce, payload);
+        let mut v = frame_header(kind, PEER_FIXED + payload.len()).to_vec();
+        v.extend_from_slice(&MAGIC);
+        v.extend_from_slice(&VERSION.to_le_bytes());
+        v.extend_from_slice(&from.to_le_bytes());
+        v.extend_from_slice(&to.to_le_bytes());
+        v.extend_from_slice(&word.to_le_bytes());
+        v.extend_from_slice(&nonce);
+        v.extend_from_slice(&mac);
+        v.extend_from_slice(payload);
+        v
+    }
+
+    /// Decodes the body of a rank-to-rank frame (any of its kinds).
+    pub fn parse(body: &[u8]) -> Result<PeerFrame, String> {
+        let mut r = Reader::new(body);
+        let (Ok(magic), Ok(version)) = (r.arr::<8>(), r.u32()) else {
+            return Err("truncated".into());
+        };
+        if magic != MAGIC {
+            return Err("wrong magic (not a braid rank)".into());
+        }
+        if version != VERSION {
+            return Err(format!(
+                "bootstrap protocol v{version}, this rank speaks v{VERSION} (all ranks must run the same braid version)"
+            ));
+        }
+        let fields = (r.u32(), r.u32(), r.u64(), r.arr::<16>(), r.arr::<MAC_LEN>());
+        let (Ok(from), Ok(to), Ok(word), Ok(nonce), Ok(mac)) = fields else {
+            return Err("truncated".into());
+        };
+        Ok(PeerFrame {
+            from,
+            to,
+            word,
+            nonce,
+            mac,
+            payload: body[PEER_FIXED..].to_vec(),
+        })
+    }
+
+    /// Whether the frame, of `kind`, is proved with `secret`.
+    pub fn proves(&self, kind: u8, secret: &[u8; 16]) -> bool {
+        let want = peer_mac(
+            label_of(kind),
+            secret,
+            self.from,
+            self.to,
+            self.word,
+            &self.nonce,
+            &self.payload,
+        );
+        ct_eq(&self.mac, &want)
+    }
+}
+
+fn label_of(kind: u8) -> &'static [u8] {
+    match kind {
+        K_RING_HELLO => LABEL_RING,
+        K_XCHG => LABEL_XCHG,
+        _ => LABEL_XREPLY,
+    }
+}
+
+/// A rank's listening address as its hello payload carries it (family
+/// byte, address, port, IPv6 scope id).
+pub(crate) fn encode_addr(a: &std::net::SocketAddr) -> Vec<u8> {
+    let mut v = Vec::with_capacity(27);
+    match a {
+        std::net::SocketAddr::V4(a) => {
+            v.push(4);
+            v.extend_from_slice(&a.ip().octets());
+            v.extend_from_slice(&a.port().to_le_bytes());
+        }
+        std::net::SocketAddr::V6(a) => {
+            v.push(6);
+            v.extend_from_slice(&a.ip().octets());
+            v.extend_from_slice(&a.port().to_le_bytes());
+            v.extend_from_slice(&a.scope_id().to_le_bytes());
+        }
+    }
+    v
+}
+
+/// Decodes [`encode_addr`]'s bytes at the start of `b`: the address and
+/// how many bytes it took.
+pub(crate) fn decode_addr(b: &[u8]) -> Option<(std::net::SocketAddr, usize)> {
+    use std::net::{Ipv4Addr, Ipv6Addr, SocketAddrV4, SocketAddrV6};
+    let mut r = Reader::new(b);
+    match r.u8().ok()? {
+        4 => {
+            let ip = r.arr::<4>().ok()?;
+            let port = r.u16().ok()?;
+            Some((SocketAddrV4::new(Ipv4Addr::from(ip), port).into(), 7))
+        }
+        6 => {
+            let ip = r.arr::<16>().ok()?;
+            let port = r.u16().ok()?;
+            let scope = r.u32().ok()?;
+            Some((
+                SocketAddrV6::new(Ipv6Addr::from(ip), port, 0, scope).into(),
+                23,
+            ))
+        }
+        _ => None,
+    }
 }
 
 // ---------------------------------------------------------------------------
@@ -480,14 +674,15 @@ mod tests {
         assert_eq!(hello_prefix(&[0, 0, 0, 0]), Err(HelloError::Length(0)));
     }
 
-    /// Integers are little-endian since v2; a v1 (big-endian) hello is
-    /// recognised as such, byte by byte, and nothing else is taken for one.
+    /// Integers are little-endian since v2 (v3 moved the rounds onto a
+    /// ring of ranks); a v1 (big-endian) hello is recognised as such, byte
+    /// by byte, and nothing else is taken for one.
     #[test]
     fn little_endian_and_v1_recognised() {
-        assert_eq!(VERSION, 2);
+        assert_eq!(VERSION, 3);
         let f = challenge_frame(&[9; NONCE_LEN]);
         assert_eq!(&f[..5], &[45, 0, 0, 0, K_CHALLENGE]);
-        assert_eq!(&f[5 + 8..5 + 12], &[2, 0, 0, 0]);
+        assert_eq!(&f[5 + 8..5 + 12], &[3, 0, 0, 0]);
         assert_eq!(parse_challenge(f[4], &f[5..]), Ok([9; NONCE_LEN]));
         let d = [data_header(0x0102, 7, 1), vec![0xee]].concat();
         assert_eq!(&d[..5], &[14, 0, 0, 0, K_DATA]);
@@ -523,6 +718,45 @@ mod tests {
             V1_CHALLENGE_LEN_LE,
             frame_len(&45u32.to_be_bytes()).unwrap()
         );
+    }
+
+    /// Rank-to-rank frames: proved with the secret, bound to their kind,
+    /// ranks, word and payload; addresses round-trip.
+    #[test]
+    fn peer_frames_and_addresses() {
+        let secret = [7u8; 16];
+        let f = PeerFrame::sealed(K_XCHG, &secret, 1, 5, 42, [3; 16], b"blob");
+        let mut fb = FrameBuf { buf: f };
+        let (kind, body) = fb.next_frame().unwrap().unwrap();
+        assert_eq!(kind, K_XCHG);
+        let p = PeerFrame::parse(&body).unwrap();
+        assert_eq!(
+            (p.from, p.to, p.word, &p.payload[..]),
+            (1, 5, 42, &b"blob"[..])
+        );
+        assert!(p.proves(K_XCHG, &secret));
+        assert!(!p.proves(K_XREPLY, &secret), "bound to its kind");
+        assert!(!p.proves(K_XCHG, &[8; 16]), "bound to the secret");
+        let mut q = p.clone();
+        q.word = 43;
+        assert!(!q.proves(K_XCHG, &secret), "bound to the tag");
+        for k in 0..body.len() {
+            if let Ok(p) = PeerFrame::parse(&body[..k]) {
+                assert!(!p.proves(K_XCHG, &secret), "a prefix of {k} bytes");
+            }
+        }
+        let scoped = std::net::SocketAddrV6::new("fe80::1".parse().unwrap(), 80, 0, 7);
+        for a in [
+            "10.1.2.3:4567".parse().unwrap(),
+            scoped.into(),
+            "[::1]:1".parse().unwrap(),
+        ] {
+            let a: std::net::SocketAddr = a;
+            let b = encode_addr(&a);
+            assert_eq!(decode_addr(&b), Some((a, b.len())));
+            assert_eq!(decode_addr(&b[..b.len() - 1]), None);
+        }
+        assert_eq!(decode_addr(&[5]), None);
     }
 
     #[test]

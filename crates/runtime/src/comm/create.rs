@@ -153,35 +153,24 @@ impl Communicator {
         let (choice, ring, topo_plan) = (placement.choice, placement.ring, placement.plan);
         let topo_cluster = placement.cluster;
 
-        // Phase 1: allocate both ends of every link, collect connect-info.
-        let p = nranks as usize;
-        let mut links = LinkSetup::new(rank, p);
-        for q in 0..p {
-            if let Some(t) = choice[q].and_then(|k| table.get(k)) {
-                links.add(q, t, &me, &peers[q])?;
-            }
-        }
-        let mut chans = links.connect(|b| boot.allgather(b), timeout)?;
-        boot.barrier()?;
-        // After the barrier every receiver has run its single-copy probe.
         // Plans must cut pieces the same way on every rank, so agree on the
-        // smallest slot of any link anywhere, and on whether every link
-        // passes references (then pieces of pure data movement can be much
-        // larger than a slot: fewer system calls; pieces below `direct_min`
-        // still fit a slot).
+        // smallest slot any link will have (each rank knows the slots of the
+        // transports it receives on before connecting anything), and say
+        // which CPUs this rank may run on (a hex mask; empty when unknown),
+        // for the oversubscription test.
+        let p = nranks as usize;
+        let mode = connect::ConnectMode::from_env(&config::process_env)?;
         let direct_min = env_bytes("BRAID_DIRECT_MIN_BYTES", 64 * 1024)?;
         let slot_mode = slot_stores::Mode::parse(std::env::var(slot_stores::ENV).ok().as_deref())
             .map_err(Error::Env)?;
-        let local_piece = chans.min_slot_bytes().unwrap_or(usize::MAX) as u64;
-        let local_direct = chans
-            .send
-            .iter_mut()
-            .flatten()
-            .all(|c| c.direct().is_some());
-        // With them, the CPUs this rank may run on (a hex mask; empty when
-        // unknown), for the oversubscription test.
+        let chans = Channels {
+            send: (0..p).map(|_| None).collect(),
+            recv: (0..p).map(|_| None).collect(),
+            scratch: Vec::new(),
+        };
+        let local_piece =
+            connect::min_slot_bytes(&table, &choice, &chans).unwrap_or(usize::MAX) as u64;
         let mut mine = local_piece.to_le_bytes().to_vec();
-        mine.push(local_direct as u8);
         mine.extend(
             allowed
                 .as_ref()
@@ -191,11 +180,10 @@ impl Communicator {
         );
         let all = boot.allgather(&mine)?;
         let mut piece = u64::MAX;
-        let mut all_direct = true;
         let mut local_cpus: Vec<Option<CpuSet>> = Vec::new();
         let mut me_local = 0;
         for (r, b) in all.iter().enumerate() {
-            let (Some(p), Some(&d), Some(mask)) = (b.get(0..8), b.get(8), b.get(9..)) else {
+            let (Some(p), Some(mask)) = (b.get(0..8), b.get(8..)) else {
                 return Err(Error::Bootstrap(format!(
                     "rank {r} sent a malformed link summary"
                 )));
@@ -203,7 +191,6 @@ impl Communicator {
             let mut a = [0u8; 8];
             a.copy_from_slice(p);
             piece = piece.min(u64::from_le_bytes(a));
-            all_direct &= d != 0;
             if peers.get(r).is_some_and(|p| p.host_id == me.host_id) {
                 if r == rank as usize {
                     me_local = local_cpus.len();
@@ -228,17 +215,11 @@ impl Communicator {
         } else {
             piece as usize
         };
-        let move_piece = if all_direct && direct_min <= piece {
-            piece.max(env_bytes("BRAID_DIRECT_PIECE_BYTES", 2 << 20)?)
-        } else {
-            piece
-        };
         let transports = choice
             .iter()
             .map(|c| c.map_or("self", |k| k.name()))
             .collect();
-        info!(rank, nranks, piece, "braid: communicator ready");
-        Ok(Communicator {
+        let mut comm = Communicator {
             shared: Arc::new(Shared {
                 rank,
                 nranks,
@@ -262,10 +243,9 @@ impl Communicator {
                         peers.iter().filter(|p| p.host_id == me.host_id).count(),
                     ),
                 )?,
-                move_piece,
-                direct_moves: all_direct
-                    && direct_min <= piece
-                    && config::flag(&config::process_env, "BRAID_DIRECT_MOVES", true)?,
+                // Both decided once the first links are connected (below).
+                move_piece: piece,
+                direct_moves: false,
                 oversubscribed: oversub,
                 // Mismatch detection (one 32-byte header per link per
                 // operation); BRAID_CHECK_MISMATCH=0 turns it off.
@@ -278,6 +258,14 @@ impl Communicator {
                 abort,
                 state: OpLock::new(State {
                     chans,
+                    links: connect::Connector {
+                        me: me.clone(),
+                        peers: peers.clone(),
+                        choice: choice.clone(),
+                        table,
+                        xchg: vec![0; p],
+                        mode,
+                    },
                     seq: 0,
                     coll_seq: 0,
                     p2p_send_seq: vec![0; p],
@@ -298,6 +286,93 @@ impl Communicator {
                 progress: Progress::register(rank, nranks, format!("comm@{}", id.addr)),
                 _root: root,
             }),
-        })
+        };
+        // The links of the default collectives (every pair when eager),
+        // then a barrier: after it every receiver has run its single-copy
+        // probe, so the senders know whether their links pass references.
+        comm.connect_initial()?;
+        comm.shared
+            .bootstrap
+            .lock()
+            .map_err(|_| Error::Unusable("a thread panicked while holding the bootstrap".into()))?
+            .barrier()?;
+        let local_direct = {
+            let mut st = comm.lock()?;
+            st.chans
+                .send
+                .iter_mut()
+                .flatten()
+                .all(|c| c.direct().is_some())
+        };
+        let all = comm.allgather_bytes(&[local_direct as u8])?;
+        // Whether every link passes references: then pieces of pure data
+        // movement can be much larger than a slot (fewer system calls;
+        // pieces below `direct_min` still fit a slot). Links connected later
+        // are of the same transports, so they are alike.
+        let all_direct = all.iter().all(|b| b.first() == Some(&1));
+        let move_piece = if all_direct && direct_min <= piece {
+            piece.max(env_bytes("BRAID_DIRECT_PIECE_BYTES", 2 << 20)?)
+        } else {
+            piece
+        };
+        let direct_moves = all_direct
+            && direct_min <= piece
+            && config::flag(&config::process_env, "BRAID_DIRECT_MOVES", true)?;
+        let sh = Arc::get_mut(&mut comm.shared)
+            .ok_or_else(|| Error::Unusable("the communicator was shared during creation".into()))?;
+        sh.move_piece = move_piece;
+        sh.direct_moves = direct_moves;
+        {
+            // Plans made before this used the provisional pieces.
+            let mut st = comm.lock()?;
+            st.cache.clear();
+            st.last = None;
+        }
+        info!(rank, nranks, piece, "braid: communicator ready");
+        Ok(comm)
+    }
+
+    /// Connects what the communicator needs from the start: the links of
+    /// its default collectives (AllReduce of every size, Barrier: the ring
+    /// neighbours and the recursive-doubling partners, as their programs
+    /// say), or every pair with `BRAID_CONNECT=eager`.
+    fn connect_initial(&self) -> Result<()> {
+        let sh = &*self.shared;
+        let mut st = self.lock()?;
+        let need = match st.links.mode {
+            connect::ConnectMode::Eager => connect::LinkSet::all(sh.rank, &st.links.choice),
+            connect::ConnectMode::Lazy => {
+                let mut need = connect::LinkSet::default();
+                for (coll, dt) in [
+                    (
+                        Collective::AllReduce {
+                            count: 1,
+                            op: RedOp::Sum,
+                        },
+                        DataType::U8,
+                    ),
+                    (
+                        Collective::AllReduce {
+                            count: 16 << 20,
+                            op: RedOp::Sum,
+                        },
+                        DataType::F32,
+                    ),
+                    (Collective::Barrier, DataType::U8),
+                ] {
+                    let planned = self.program(&mut st, &coll, dt)?;
+                    need.merge(&planned.links);
+                }
+                need
+            }
+        };
+        let boot = sh
+            .bootstrap
+            .lock()
+            .map_err(|_| Error::Unusable("a thread panicked while holding the bootstrap".into()))?;
+        let st = &mut *st;
+        st.links
+            .ensure(&mut st.chans, &need, &boot, sh.policy.timeout)
+            .map_err(Error::Core)
     }
 }

@@ -6,6 +6,8 @@
 //!   pages, caches) and their `BRAID_*` overrides.
 //! - [`links`]: the peer descriptions and the two-phase link set-up shared
 //!   with the device communicator.
+//! - [`connect`]: links on demand (those of the default collectives at
+//!   creation, the others on first use; `BRAID_CONNECT`).
 //! - [`ops`]: the typed collective API and its argument checks.
 
 use std::collections::HashMap;
@@ -36,6 +38,7 @@ use crate::topology;
 use crate::transports::TransportTable;
 
 mod config;
+mod connect;
 mod create;
 pub(crate) mod links;
 mod ops;
@@ -111,6 +114,8 @@ impl Shared {
 #[derive(Debug)]
 struct State {
     chans: Channels,
+    /// What connects the links not connected yet.
+    links: connect::Connector,
     seq: u64,
     /// Collectives issued so far (the header sequence number).
     coll_seq: u64,
@@ -129,11 +134,24 @@ struct State {
     last: Option<(Collective, DataType, Planned)>,
 }
 
-/// A collective's plan and whether it moves data single-copy.
+/// A collective's plan, whether it moves data single-copy, and the links
+/// it uses.
 #[derive(Clone, Debug)]
 struct Planned {
     prog: Arc<Program>,
     single_copy: bool,
+    links: Arc<connect::LinkSet>,
+}
+
+impl Planned {
+    fn new(prog: Program, single_copy: bool) -> Planned {
+        let (send, recv) = prog.peers();
+        Planned {
+            prog: Arc::new(prog),
+            single_copy,
+            links: Arc::new(connect::LinkSet { send, recv }),
+        }
+    }
 }
 
 impl Communicator {
@@ -374,6 +392,9 @@ impl Communicator {
         let name = coll.name();
         let _span = info_span!("op", op = name, seq, rank = sh.rank).entered();
         let planned = self.program(&mut st, &coll, dt)?;
+        if !planned.links.connected(&st.chans) {
+            self.connect_links(&mut st, &planned.links, name, seq)?;
+        }
         let (prog, single_copy) = (&*planned.prog, planned.single_copy);
         debug!(ops = prog.ops.len(), "start");
         let st = &mut *st;
@@ -450,6 +471,42 @@ impl Communicator {
         }
     }
 
+    /// Connects the links of `links` this rank lacks (their first use), with
+    /// the ranks at their other ends; a failure breaks the communicator
+    /// like a failed operation, naming the peer.
+    fn connect_links(
+        &self,
+        st: &mut State,
+        links: &connect::LinkSet,
+        name: &'static str,
+        seq: u64,
+    ) -> Result<()> {
+        let sh = &*self.shared;
+        let boot = sh
+            .bootstrap
+            .lock()
+            .map_err(|_| Error::Unusable("a thread panicked while holding the bootstrap".into()))?;
+        sh.progress.start(name, seq, 0, true);
+        let res = st
+            .links
+            .ensure(&mut st.chans, links, &boot, sh.policy.timeout);
+        drop(boot);
+        sh.progress
+            .finish(res.as_ref().err().map(|e| e.to_string()).as_deref());
+        res.map_err(|source| {
+            let msg = format!("{name} #{seq} failed: {source}");
+            tracing::error!(rank = sh.rank, "{msg}");
+            st.chans.abort_all(&format!("rank {}: {source}", sh.rank));
+            st.broken = Some(msg);
+            Error::Operation {
+                rank: sh.rank,
+                op: name.to_string(),
+                seq,
+                source,
+            }
+        })
+    }
+
     /// Whether this collective may move its data single-copy: groups
     /// always (their pieces are cut per message), collectives when their
     /// largest buffer reaches `single_copy_min`. The same answer on every
@@ -496,10 +553,7 @@ impl Communicator {
                             .saturating_mul(dt.size())
                             <= FLAT_ALLGATHER_MAX_BYTES)),
         };
-        let planned = Planned {
-            prog: Arc::new(plan::plan(coll, dt, &params)?),
-            single_copy,
-        };
+        let planned = Planned::new(plan::plan(coll, dt, &params)?, single_copy);
         if cacheable {
             if st.cache.len() >= 256 {
                 st.cache.clear();

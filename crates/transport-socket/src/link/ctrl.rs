@@ -1,43 +1,29 @@
-//! The control socket: credits, abort and close frames written by the API
-//! thread without blocking ([`CtrlOut`]), and the helper that reads them
-//! ([`ctrl_reader`]).
+//! The control socket: credits, abort and close frames written without
+//! blocking ([`CtrlOut`]), and read as they arrive ([`CtrlIn`], fed by the
+//! progress thread or by the engine inline).
 
-use std::io::{self, BufReader, IoSlice, Read};
+use std::io::{self, IoSlice};
 use std::net::TcpStream;
 use std::os::fd::AsRawFd;
 use std::sync::atomic::Ordering;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use nix::errno::Errno;
 use nix::sys::socket::{MsgFlags, SockaddrStorage};
 
 use super::health::{Fail, Health};
-use super::read_full;
 use crate::info::{ctrl_decode, ctrl_frame, CtrlKind, CTRL_LEN};
-
-fn is_retry(e: Errno) -> bool {
-    e == Errno::EINTR
-}
 
 fn errno_io(e: Errno) -> io::Error {
     io::Error::from_raw_os_error(e as i32)
 }
 
 /// Writes all of `parts` (resuming `skip` bytes in) with `sendmsg`;
-/// `MSG_NOSIGNAL` so a closed peer is an error, never SIGPIPE. With
-/// `dontwait`, returns how far it got when the socket buffer is full.
-fn send_parts(
-    sock: &TcpStream,
-    parts: &[&[u8]],
-    mut skip: usize,
-    dontwait: bool,
-) -> io::Result<usize> {
+/// `MSG_NOSIGNAL` so a closed peer is an error, never SIGPIPE; never
+/// blocks: returns how far it got when the socket buffer is full.
+fn send_parts(sock: &TcpStream, parts: &[&[u8]], mut skip: usize) -> io::Result<usize> {
     let total: usize = parts.iter().map(|p| p.len()).sum();
-    let mut flags = MsgFlags::MSG_NOSIGNAL;
-    if dontwait {
-        flags |= MsgFlags::MSG_DONTWAIT;
-    }
+    let flags = MsgFlags::MSG_NOSIGNAL | MsgFlags::MSG_DONTWAIT;
     while skip < total {
         let mut iov: Vec<IoSlice<'_>> = Vec::with_capacity(parts.len());
         let mut s = skip;
@@ -58,18 +44,17 @@ fn send_parts(
                 ))
             }
             Ok(n) => skip += n,
-            Err(e) if is_retry(e) => {}
-            Err(Errno::EAGAIN) if dontwait => return Ok(skip),
+            Err(Errno::EINTR) => {}
+            Err(Errno::EAGAIN) => return Ok(skip),
             Err(e) => return Err(errno_io(e)),
         }
     }
     Ok(skip)
 }
 
-/// Control-socket output of the API thread, written without blocking.
+/// Control-socket output, written without blocking.
 #[derive(Debug)]
 pub(super) struct CtrlOut {
-    pub(super) sock: TcpStream,
     pub(super) pending: Vec<u8>,
     /// A credit is owed but could not be queued yet (cumulative, so only the
     /// latest value matters).
@@ -77,8 +62,15 @@ pub(super) struct CtrlOut {
 }
 
 impl CtrlOut {
-    /// Sends what is pending; `Err` on a broken socket.
-    pub(super) fn flush(&mut self) -> io::Result<()> {
+    pub(super) fn new() -> CtrlOut {
+        CtrlOut {
+            pending: Vec::new(),
+            credit_owed: None,
+        }
+    }
+
+    /// Sends what is pending on `sock`; `Err` on a broken socket.
+    pub(super) fn flush(&mut self, sock: &TcpStream) -> io::Result<()> {
         loop {
             if self.pending.is_empty() {
                 match self.credit_owed.take() {
@@ -86,41 +78,40 @@ impl CtrlOut {
                     None => return Ok(()),
                 }
             }
-            let n = send_parts(&self.sock, &[&self.pending], 0, true)?;
+            let n = send_parts(sock, &[&self.pending], 0)?;
             self.pending.drain(..n);
             if !self.pending.is_empty() {
-                return Ok(()); // socket buffer full; try again later
+                // The socket buffer is full: the next writable edge (the
+                // progress thread) or call sends the rest.
+                return Ok(());
             }
         }
     }
 
-    pub(super) fn credit(&mut self, released: u64) -> io::Result<()> {
+    pub(super) fn credit(&mut self, sock: &TcpStream, released: u64) -> io::Result<()> {
         self.credit_owed = Some(released);
-        self.flush()
+        self.flush(sock)
     }
 
     /// Best effort: queue an abort or close frame behind what is pending and
-    /// try to send it now; never blocks.
-    pub(super) fn goodbye(&mut self, kind: CtrlKind, reason: &str) {
-        let _ = self.flush();
+    /// try to send it now; never blocks for long (50 ms at most).
+    pub(super) fn goodbye(&mut self, sock: &TcpStream, kind: CtrlKind, reason: &str) {
+        let _ = self.flush(sock);
         self.credit_owed = None;
         self.pending.extend(ctrl_frame(kind, 0, reason.as_bytes()));
-        let _ = self.flush();
+        let _ = self.flush(sock);
         if !self.pending.is_empty() {
             // Give a busy socket a moment, never long.
             let until = Instant::now() + Duration::from_millis(50);
             while !self.pending.is_empty() && Instant::now() < until {
                 std::thread::sleep(Duration::from_millis(1));
-                if self.flush().is_err() {
+                if self.flush(sock).is_err() {
                     break;
                 }
             }
         }
     }
 }
-
-/// Handles a credit on the sender's control reader.
-pub(super) type OnCredit = Box<dyn FnMut(u64) -> std::result::Result<(), String> + Send>;
 
 /// Checks a credit (cumulative slots released) against what this end
 /// committed and what was released before.
@@ -133,81 +124,125 @@ pub(super) fn check_credit(v: u64, old: u64, committed: u64) -> std::result::Res
     Ok(())
 }
 
-/// Reads control frames until the peer aborts, closes, or the socket fails.
-/// `on_credit` handles credits (the sender's end); on the receiver's end a
-/// credit is a protocol error.
-pub(super) fn ctrl_reader<R: Read>(
-    sock: R,
-    health: Arc<Health>,
-    mut on_credit: Option<OnCredit>,
-    closed_is_failure: bool,
-) {
-    let mut r = BufReader::with_capacity(4096, sock);
-    loop {
-        let mut hdr = [0u8; CTRL_LEN];
-        let res = read_full(&mut r, &mut hdr).and_then(|more| {
-            if !more {
-                return Ok(None);
-            }
-            let (kind, len, value) =
-                ctrl_decode(&hdr).map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))?;
-            let mut payload = vec![0u8; len];
-            if len > 0 && !read_full(&mut r, &mut payload)? {
-                return Err(io::ErrorKind::UnexpectedEof.into());
-            }
-            Ok(Some((kind, value, payload)))
-        });
-        let closing = health.local_closing.load(Ordering::Acquire);
-        match res {
-            Ok(Some((CtrlKind::Credit, v, _))) => match on_credit.as_mut() {
-                Some(f) => {
-                    if let Err(e) = f(v) {
-                        health.fail(Fail::Protocol(e));
-                        break;
+/// Control frames as they arrive: fed whatever the socket has, handles the
+/// complete ones, and finishes at the peer's abort or close, the end of the
+/// stream, or a failure (then it tells `health`: [`Health::ctrl_finished`]).
+#[derive(Debug, Default)]
+pub(super) struct CtrlIn {
+    buf: Vec<u8>,
+    done: bool,
+}
+
+impl CtrlIn {
+    /// Whether nothing more will be read.
+    pub(super) fn done(&self) -> bool {
+        self.done
+    }
+
+    /// Reads with `read` until it would block (or the stream ends) and
+    /// handles every complete frame: credits through `on_credit` (the
+    /// sender's end; on the receiver's end a credit is a protocol error),
+    /// aborts and closes into `health`. `closed_is_failure`: a close from
+    /// the peer fails the link (the sender's end: a receiver that closed
+    /// takes no more data).
+    pub(super) fn pump(
+        &mut self,
+        read: &mut dyn FnMut(&mut [u8]) -> io::Result<usize>,
+        health: &Health,
+        mut on_credit: Option<&mut dyn FnMut(u64) -> std::result::Result<(), String>>,
+        closed_is_failure: bool,
+    ) {
+        let mut chunk = [0u8; 1024];
+        while !self.done {
+            // Handle complete frames first.
+            while self.buf.len() >= CTRL_LEN && !self.done {
+                let mut hdr = [0u8; CTRL_LEN];
+                hdr.copy_from_slice(&self.buf[..CTRL_LEN]);
+                let (kind, len, value) = match ctrl_decode(&hdr) {
+                    Ok(x) => x,
+                    Err(e) => {
+                        if !health.local_closing.load(Ordering::Acquire) {
+                            health.fail(Fail::Protocol(format!("control socket: {e}")));
+                        }
+                        return self.finish(health);
                     }
-                }
-                None => {
-                    health.fail(Fail::Protocol("the sender sent a credit".into()));
+                };
+                if self.buf.len() < CTRL_LEN + len {
                     break;
                 }
-            },
-            Ok(Some((CtrlKind::Abort, _, reason))) => {
-                let reason = String::from_utf8_lossy(&reason).into_owned();
-                health.fail(Fail::PeerAborted(if reason.is_empty() {
-                    "aborted (no reason given)".into()
-                } else {
-                    reason
-                }));
-                break;
-            }
-            Ok(Some((CtrlKind::Close, _, _))) => {
-                health.peer_closed.store(true, Ordering::Release);
-                if closed_is_failure {
-                    health.fail(Fail::PeerAborted("the receiver closed its end".into()));
-                }
-                break;
-            }
-            Ok(None) => {
-                if !closing && !health.peer_closed.load(Ordering::Acquire) {
-                    health.fail(Fail::Lost {
-                        what: "the control socket was closed (peer process exited?)".into(),
-                        kind: io::ErrorKind::UnexpectedEof,
-                        cause: "end of stream".into(),
-                    });
-                }
-                break;
-            }
-            Err(e) => {
-                if !closing && !health.peer_closed.load(Ordering::Acquire) {
-                    if e.kind() == io::ErrorKind::InvalidData {
-                        health.fail(Fail::Protocol(format!("control socket: {e}")));
-                    } else {
-                        health.lost("control socket", &e);
+                let payload: Vec<u8> = self.buf[CTRL_LEN..CTRL_LEN + len].to_vec();
+                self.buf.drain(..CTRL_LEN + len);
+                match kind {
+                    CtrlKind::Credit => match on_credit.as_mut() {
+                        Some(f) => {
+                            if let Err(e) = f(value) {
+                                health.fail(Fail::Protocol(e));
+                                return self.finish(health);
+                            }
+                        }
+                        None => {
+                            health.fail(Fail::Protocol("the sender sent a credit".into()));
+                            return self.finish(health);
+                        }
+                    },
+                    CtrlKind::Abort => {
+                        let reason = String::from_utf8_lossy(&payload).into_owned();
+                        health.fail(Fail::PeerAborted(if reason.is_empty() {
+                            "aborted (no reason given)".into()
+                        } else {
+                            reason
+                        }));
+                        return self.finish(health);
+                    }
+                    CtrlKind::Close => {
+                        health.peer_closed.store(true, Ordering::Release);
+                        if closed_is_failure {
+                            health.fail(Fail::PeerAborted("the receiver closed its end".into()));
+                        }
+                        return self.finish(health);
                     }
                 }
+            }
+            if self.done {
                 break;
+            }
+            let closing = health.local_closing.load(Ordering::Acquire)
+                || health.peer_closed.load(Ordering::Acquire);
+            match read(&mut chunk) {
+                Ok(0) => {
+                    if !closing {
+                        if self.buf.is_empty() {
+                            health.fail(Fail::Lost {
+                                what: "the control socket was closed (peer process exited?)".into(),
+                                kind: io::ErrorKind::UnexpectedEof,
+                                cause: "end of stream".into(),
+                            });
+                        } else {
+                            health.fail(Fail::Lost {
+                                what: "control socket".into(),
+                                kind: io::ErrorKind::UnexpectedEof,
+                                cause: "the peer closed the socket in the middle of a frame".into(),
+                            });
+                        }
+                    }
+                    return self.finish(health);
+                }
+                Ok(n) => self.buf.extend_from_slice(&chunk[..n]),
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
+                Err(e) => {
+                    if !closing {
+                        health.lost("control socket", &e);
+                    }
+                    return self.finish(health);
+                }
             }
         }
     }
-    health.ctrl_finished();
+
+    fn finish(&mut self, health: &Health) {
+        self.done = true;
+        self.buf = Vec::new();
+        health.ctrl_finished();
+    }
 }

@@ -1,11 +1,18 @@
-//! What one end knows about its link's liveness, shared with its helper
-//! threads: the first failure (a lost socket, the peer's abort, a protocol
+//! What one end knows about its link's liveness, shared with the progress
+//! thread: the first failure (a lost socket, the peer's abort, a protocol
 //! violation), the peer's normal close, and this end's own shutdown.
+//!
+//! A data socket that fails is not the whole story at once: the peer's
+//! control socket may still say why (its abort reason) or that it closed
+//! normally. The progress thread never waits for that; it records the loss
+//! as pending ([`Health::lost_later`]), and the loss counts as the link's
+//! failure once the control socket has had its say or [`VERDICT_GRACE`]
+//! has passed.
 
 use std::io;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use braid_core::error::CoreError;
 
@@ -31,6 +38,9 @@ pub(super) enum Fail {
 #[derive(Debug, Default)]
 struct HealthState {
     fail: Option<Fail>,
+    /// A data socket failed at this time: a failure unless the control
+    /// socket explains it within [`VERDICT_GRACE`].
+    pending: Option<(Fail, Instant)>,
     /// The control reader has finished: it saw an abort, a close, EOF or an
     /// error.
     ctrl_finished: bool,
@@ -81,6 +91,27 @@ impl Health {
         self.cv.notify_all();
     }
 
+    /// A data socket failed (seen by the progress thread, which must not
+    /// wait): the link fails unless the peer's control socket says within
+    /// [`VERDICT_GRACE`] that it aborted (its reason wins) or closed.
+    pub(super) fn lost_later(&self, what: &str, kind: io::ErrorKind, cause: &str) {
+        if self.local_closing.load(Ordering::Acquire) {
+            return;
+        }
+        let mut st = lock(&self.st);
+        if st.fail.is_none() && st.pending.is_none() {
+            st.pending = Some((
+                Fail::Lost {
+                    what: what.to_owned(),
+                    kind,
+                    cause: cause.to_owned(),
+                },
+                Instant::now(),
+            ));
+            self.failed.store(true, Ordering::Release);
+        }
+    }
+
     pub(super) fn lost(&self, what: &str, e: &io::Error) {
         self.fail(Fail::Lost {
             what: what.to_owned(),
@@ -110,7 +141,19 @@ impl Health {
         if !self.failed.load(Ordering::Acquire) {
             return None;
         }
-        let st = lock(&self.st);
+        let mut st = lock(&self.st);
+        if st.fail.is_none() {
+            let due = st
+                .pending
+                .as_ref()
+                .is_some_and(|(_, at)| st.ctrl_finished || at.elapsed() >= VERDICT_GRACE);
+            if self.peer_closed.load(Ordering::Acquire) && st.ctrl_finished {
+                // The peer closed normally: its sockets ending is no failure.
+                st.pending = None;
+            } else if due {
+                st.fail = st.pending.take().map(|(f, _)| f);
+            }
+        }
         let peer = self.peer;
         st.fail.as_ref().map(|f| match f {
             Fail::Lost { what, kind, cause } => CoreError::Peer {

@@ -1,26 +1,37 @@
-//! The receiving end of a socket link and its reader threads.
+//! The receiving end of a socket link. Each data socket is read by a small
+//! state machine ([`Rx`]: a frame header, then its payload into the slot
+//! the striping rule gives it), run by the progress thread when the socket
+//! becomes readable and by the engine inline while it waits for data; a
+//! direct piece's payload is left in the socket for the engine to read
+//! straight into its destination.
 
-use std::io::{self, BufRead, BufReader, Read};
+use std::io::{self, Read};
 use std::net::TcpStream;
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Condvar, Mutex};
-use std::thread::JoinHandle;
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use braid_core::error::{CoreError, Result};
 use braid_core::transport::{DirectRecv, Incoming, RecvChannel, SlotBuf};
 use braid_core::types::MemKind;
 
-use super::ctrl::{ctrl_reader, CtrlOut};
+use super::ctrl::{CtrlIn, CtrlOut};
 use super::health::{Fail, Health};
-use super::{lock, npieces, piece_size, read_full, shut, spawn, stripes};
+use super::poller::{poller, Armer, Poller, Source, IN, OUT};
+use super::{lock, npieces, piece_size, shut, stripes};
 use crate::info::{CtrlKind, FrameHeader};
 use crate::sys::{self, SlotMem};
 use crate::NAME;
 
-/// A receiving helper's read buffer.
+/// A data socket's read buffer: headers and small payloads arrive through
+/// it (one `recv` for a small message); larger payloads are read straight
+/// into their slot.
 const READ_BUF: usize = 8 * 1024;
+
+/// Payload bytes still missing below which they are read through the
+/// buffer (with the next header) rather than straight into the slot.
+const SMALL_READ: usize = 4 * 1024;
 
 /// How long a blocking `read_remote` waits without a byte arriving.
 const REMOTE_STALL: Duration = Duration::from_secs(60);
@@ -38,20 +49,62 @@ pub(super) struct Fill {
     direct: bool,
 }
 
-/// A data socket whose reader handed the payload of a direct piece over to
-/// the engine: the reader waits until the engine has read it.
-#[derive(Debug, Default)]
-struct HandState {
-    /// The message whose piece is waiting in the socket.
-    seq: Option<u64>,
-    /// Payload bytes the reader had already buffered.
-    prefix: Vec<u8>,
+/// Where a data socket's reading stands.
+#[derive(Debug)]
+enum RxState {
+    /// Between frames: the next header is arriving.
+    Header,
+    /// A piece's payload is arriving into its slot.
+    Payload {
+        slot: usize,
+        seq: u64,
+        off: usize,
+        len: usize,
+        got: usize,
+    },
+    /// A direct piece's payload waits in the socket for the engine;
+    /// `prefix` is what the buffer already held of it.
+    Handed { seq: u64, prefix: Vec<u8> },
+    /// Nothing more comes: the stream ended or failed.
+    Done,
 }
 
-#[derive(Debug, Default)]
-pub(super) struct Hand {
-    st: Mutex<HandState>,
-    cv: Condvar,
+/// The reading state of one data socket, independent of the socket (the
+/// fuzzing harness feeds it plain bytes).
+#[derive(Debug)]
+pub(super) struct Rx {
+    buf: Box<[u8]>,
+    lo: usize,
+    hi: usize,
+    st: RxState,
+}
+
+impl Default for Rx {
+    fn default() -> Self {
+        Rx {
+            buf: vec![0u8; READ_BUF].into_boxed_slice(),
+            lo: 0,
+            hi: 0,
+            st: RxState::Header,
+        }
+    }
+}
+
+/// A data socket and its reading state.
+#[derive(Debug)]
+pub(super) struct DataSock {
+    sock: TcpStream,
+    rx: Rx,
+    /// The progress thread watches the socket (its reading is between or
+    /// inside slot frames, not waiting for the engine).
+    armed: bool,
+}
+
+#[derive(Debug)]
+struct CtrlSock {
+    sock: TcpStream,
+    input: CtrlIn,
+    out: CtrlOut,
 }
 
 pub(super) struct RecvShared {
@@ -67,15 +120,110 @@ pub(super) struct RecvShared {
     /// sockets).
     pub(super) remote: Box<[AtomicBool]>,
     pub(super) fill: Box<[Mutex<Fill>]>,
-    /// Per data socket.
-    pub(super) hands: Box<[Hand]>,
     /// Direct messages may arrive (not in the fuzzing harness, which has no
     /// engine to read them).
     pub(super) accept_direct: bool,
     /// Slots released by the engine (cumulative).
     pub(super) released: AtomicU64,
-    /// Data readers that saw a clean end of stream.
+    /// Data sockets whose stream ended cleanly.
     pub(super) readers_done: AtomicUsize,
+    pub(super) health: Arc<Health>,
+    /// The data sockets (none in the fuzzing harness).
+    pub(super) data: Box<[Mutex<DataSock>]>,
+    ctrl: Option<Mutex<CtrlSock>>,
+    /// Set once registered with the progress thread.
+    armer: OnceLock<Armer>,
+}
+
+impl RecvShared {
+    /// Shared state for `nsocks` data sockets and no sockets yet.
+    pub(super) fn new(
+        mem: SlotMem,
+        slot_bytes: usize,
+        slots: usize,
+        nsocks: usize,
+        accept_direct: bool,
+        health: Arc<Health>,
+    ) -> RecvShared {
+        RecvShared {
+            mem,
+            slots,
+            nsocks,
+            slot_bytes,
+            ready: (0..slots).map(|_| AtomicU64::new(0)).collect(),
+            lens: (0..slots).map(|_| AtomicUsize::new(0)).collect(),
+            remote: (0..slots).map(|_| AtomicBool::new(false)).collect(),
+            fill: (0..slots).map(|_| Mutex::new(Fill::default())).collect(),
+            accept_direct,
+            released: AtomicU64::new(0),
+            readers_done: AtomicUsize::new(0),
+            health,
+            data: Box::new([]),
+            ctrl: None,
+            armer: OnceLock::new(),
+        }
+    }
+
+    /// Reads what data socket `i` has; then has the progress thread watch
+    /// it, unless the engine reads a direct payload from it (or it ended).
+    fn pump_data(&self, d: &mut DataSock, i: usize) {
+        let sock = &d.sock;
+        let mut read = |b: &mut [u8]| (&*sock).read(b);
+        d.rx.pump(i, self, &mut read);
+        let wanted = matches!(d.rx.st, RxState::Header | RxState::Payload { .. });
+        if wanted && !d.armed {
+            if let Some(a) = self.armer.get() {
+                a.arm(i, d.sock.as_fd(), IN);
+                d.armed = true;
+            }
+        }
+    }
+
+    /// Reads the control socket (the sender's abort or close) and sends
+    /// what is pending on it (credits).
+    fn pump_ctrl(&self, c: &mut CtrlSock) {
+        if !c.input.done() {
+            let sock = &c.sock;
+            let mut read = |b: &mut [u8]| (&*sock).read(b);
+            c.input.pump(&mut read, &self.health, None, false);
+        }
+        if !c.out.pending.is_empty() {
+            let _ = c.out.flush(&c.sock);
+        }
+    }
+}
+
+impl Source for RecvShared {
+    fn ready(&self, idx: usize) {
+        if let Some(d) = self.data.get(idx) {
+            let mut d = lock(d);
+            // The event disarmed it.
+            d.armed = false;
+            self.pump_data(&mut d, idx);
+        } else if let Some(c) = &self.ctrl {
+            let mut c = lock(c);
+            self.pump_ctrl(&mut c);
+            self.arm_ctrl(&c);
+        }
+    }
+}
+
+impl RecvShared {
+    /// Watches the control socket again (after its event, or when credits
+    /// wait for room).
+    fn arm_ctrl(&self, c: &CtrlSock) {
+        if c.input.done() {
+            return;
+        }
+        if let Some(a) = self.armer.get() {
+            let want = if c.out.pending.is_empty() {
+                IN
+            } else {
+                IN | OUT
+            };
+            a.arm(self.data.len(), c.sock.as_fd(), want);
+        }
+    }
 }
 
 /// Validates a frame header read from data socket `idx` and claims its
@@ -162,98 +310,205 @@ fn piece_done(sh: &RecvShared, slot: usize, seq: u64) {
     }
 }
 
-pub(super) fn reader<R: Read>(sock: R, sh: Arc<RecvShared>, health: Arc<Health>, idx: usize) {
-    // Small: what it buffered of a direct piece's payload is copied once
-    // more (payloads of this size or more are read around the buffer).
-    let mut r = BufReader::with_capacity(READ_BUF, sock);
-    let res: io::Result<()> = loop {
-        let mut hb = [0u8; FrameHeader::LEN];
-        match read_full(&mut r, &mut hb) {
-            Ok(true) => {}
-            Ok(false) => break Ok(()),
-            Err(e) => break Err(e),
+impl Rx {
+    /// Moves the buffered bytes to the front, to read more behind them.
+    fn compact(&mut self) {
+        if self.lo > 0 {
+            self.buf.copy_within(self.lo..self.hi, 0);
+            self.hi -= self.lo;
+            self.lo = 0;
         }
-        let Some(h) = FrameHeader::decode(&hb) else {
-            health.fail(Fail::Protocol(format!(
-                "corrupt frame header on data socket {idx}"
-            )));
-            return;
-        };
-        let slot = match claim(&sh, idx, &h) {
-            Ok(s) => s,
-            Err(e) => {
-                health.fail(Fail::Protocol(e));
-                return;
-            }
-        };
-        if h.direct {
-            // The engine reads the payload straight from the socket into its
-            // destination (`poll_read_remote`); hand over what we buffered.
-            let buffered = r.buffer();
-            let k = buffered.len().min(h.len as usize);
-            let hand = &sh.hands[idx];
-            {
-                let mut st = lock(&hand.st);
-                st.prefix.clear();
-                st.prefix.extend_from_slice(&buffered[..k]);
-                st.seq = Some(h.seq);
-            }
-            r.consume(k);
-            piece_done(&sh, slot, h.seq);
-            let mut st = lock(&hand.st);
-            while st.seq.is_some() {
-                if health.local_closing.load(Ordering::Acquire)
-                    || health.failed.load(Ordering::Acquire)
-                {
-                    return;
+    }
+
+    /// Reads into the buffer: `Ok(true)` if bytes came, `Ok(false)` when
+    /// there are none now; `Err` at the end of the stream (`None`) or on a
+    /// failure.
+    fn fill(
+        &mut self,
+        read: &mut dyn FnMut(&mut [u8]) -> io::Result<usize>,
+    ) -> std::result::Result<bool, Option<io::Error>> {
+        self.compact();
+        loop {
+            match read(&mut self.buf[self.hi..]) {
+                Ok(0) => return Err(None),
+                Ok(n) => {
+                    self.hi += n;
+                    return Ok(true);
                 }
-                st = hand
-                    .cv
-                    .wait_timeout(st, Duration::from_millis(100))
-                    .unwrap_or_else(|p| p.into_inner())
-                    .0;
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(false),
+                Err(e) => return Err(Some(e)),
             }
-            continue;
         }
-        if h.len > 0 {
-            // SAFETY: `claim` checked that this range is this socket's piece
-            // of message `seq` under the striping rule (pieces of one
-            // message are disjoint and each socket's bit is claimed once),
-            // that the range lies inside the slot, and that the engine has
-            // released the slot's previous message (the Acquire load of
-            // `released`) and will not read it before `ready` is published
-            // after this write.
-            let dst = unsafe { sh.mem.slice_mut(slot, h.offset as usize, h.len as usize) };
-            match read_full(&mut r, dst) {
-                Ok(true) => {}
-                Ok(false) => {
-                    break Err(io::Error::new(
+    }
+
+    /// The stream of data socket `idx` ended (`None`) or failed.
+    fn ended(&mut self, idx: usize, sh: &RecvShared, e: Option<io::Error>) {
+        let mid = !matches!(self.st, RxState::Header) || self.hi > self.lo;
+        self.st = RxState::Done;
+        match e {
+            None if !mid => {
+                sh.readers_done.fetch_add(1, Ordering::AcqRel);
+                if !sh.health.peer_closed.load(Ordering::Acquire) {
+                    sh.health.lost_later(
+                        &format!("data socket {idx} was closed (peer process exited?)"),
                         io::ErrorKind::UnexpectedEof,
-                        "the peer closed the socket in the middle of a frame",
-                    ))
+                        "end of stream",
+                    );
                 }
-                Err(e) => break Err(e),
+            }
+            None => sh.health.lost_later(
+                &format!("receiving on data socket {idx}"),
+                io::ErrorKind::UnexpectedEof,
+                "the peer closed the socket in the middle of a frame",
+            ),
+            Some(e) => sh.health.lost_later(
+                &format!("receiving on data socket {idx}"),
+                e.kind(),
+                &e.to_string(),
+            ),
+        }
+    }
+
+    /// Reads frames of data socket `idx` with `read` (which says
+    /// `WouldBlock` when the socket is empty) until it would block, a direct
+    /// piece waits for the engine, or the stream ends.
+    pub(super) fn pump(
+        &mut self,
+        idx: usize,
+        sh: &RecvShared,
+        read: &mut dyn FnMut(&mut [u8]) -> io::Result<usize>,
+    ) {
+        loop {
+            match self.st {
+                RxState::Done | RxState::Handed { .. } => return,
+                RxState::Header => {
+                    if self.hi - self.lo < FrameHeader::LEN {
+                        match self.fill(read) {
+                            Ok(true) => continue,
+                            Ok(false) => return,
+                            Err(e) => return self.ended(idx, sh, e),
+                        }
+                    }
+                    let mut hb = [0u8; FrameHeader::LEN];
+                    hb.copy_from_slice(&self.buf[self.lo..self.lo + FrameHeader::LEN]);
+                    self.lo += FrameHeader::LEN;
+                    let Some(h) = FrameHeader::decode(&hb) else {
+                        self.st = RxState::Done;
+                        return sh.health.fail(Fail::Protocol(format!(
+                            "corrupt frame header on data socket {idx}"
+                        )));
+                    };
+                    let slot = match claim(sh, idx, &h) {
+                        Ok(s) => s,
+                        Err(e) => {
+                            self.st = RxState::Done;
+                            return sh.health.fail(Fail::Protocol(e));
+                        }
+                    };
+                    if h.direct {
+                        // The engine reads the payload straight from the
+                        // socket into its destination (`poll_read_remote`).
+                        let k = (self.hi - self.lo).min(h.len as usize);
+                        let prefix = self.buf[self.lo..self.lo + k].to_vec();
+                        self.lo += k;
+                        self.st = RxState::Handed { seq: h.seq, prefix };
+                        piece_done(sh, slot, h.seq);
+                        return;
+                    }
+                    self.st = RxState::Payload {
+                        slot,
+                        seq: h.seq,
+                        off: h.offset as usize,
+                        len: h.len as usize,
+                        got: 0,
+                    };
+                }
+                RxState::Payload {
+                    slot,
+                    seq,
+                    off,
+                    len,
+                    mut got,
+                } => {
+                    let k = (self.hi - self.lo).min(len - got);
+                    if k > 0 {
+                        // SAFETY: `claim` checked that this range is this
+                        // socket's piece of message `seq` under the striping
+                        // rule (pieces of one message are disjoint and each
+                        // socket's bit is claimed once), that it lies inside
+                        // the slot, and that the engine has released the
+                        // slot's previous message (the Acquire load of
+                        // `released`) and will not read it before `ready`
+                        // is published after this write; this socket's state
+                        // is locked by its only writer.
+                        let dst = unsafe { sh.mem.slice_mut(slot, off + got, k) };
+                        dst.copy_from_slice(&self.buf[self.lo..self.lo + k]);
+                        self.lo += k;
+                        got += k;
+                    }
+                    if got < len {
+                        let res = if len - got < SMALL_READ {
+                            self.st = RxState::Payload {
+                                slot,
+                                seq,
+                                off,
+                                len,
+                                got,
+                            };
+                            match self.fill(read) {
+                                Ok(true) => continue,
+                                Ok(false) => return,
+                                Err(e) => return self.ended(idx, sh, e),
+                            }
+                        } else {
+                            // SAFETY: as above, for the rest of the piece.
+                            let dst = unsafe { sh.mem.slice_mut(slot, off + got, len - got) };
+                            read(dst)
+                        };
+                        match res {
+                            Ok(0) => {
+                                self.st = RxState::Payload {
+                                    slot,
+                                    seq,
+                                    off,
+                                    len,
+                                    got,
+                                };
+                                return self.ended(idx, sh, None);
+                            }
+                            Ok(n) => got += n,
+                            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                                self.st = RxState::Payload {
+                                    slot,
+                                    seq,
+                                    off,
+                                    len,
+                                    got,
+                                };
+                                return;
+                            }
+                            Err(e) => {
+                                self.st = RxState::Done;
+                                return self.ended(idx, sh, Some(e));
+                            }
+                        }
+                        self.st = RxState::Payload {
+                            slot,
+                            seq,
+                            off,
+                            len,
+                            got,
+                        };
+                        continue;
+                    }
+                    self.st = RxState::Header;
+                    piece_done(sh, slot, seq);
+                }
             }
         }
-        piece_done(&sh, slot, h.seq);
-    };
-    if health.local_closing.load(Ordering::Acquire) {
-        return;
     }
-    health.await_verdict();
-    match res {
-        Ok(()) => {
-            if !health.peer_closed.load(Ordering::Acquire) {
-                health.fail(Fail::Lost {
-                    what: format!("data socket {idx} was closed (peer process exited?)"),
-                    kind: io::ErrorKind::UnexpectedEof,
-                    cause: "end of stream".into(),
-                });
-            }
-        }
-        Err(e) => health.lost(&format!("receiving on data socket {idx}"), &e),
-    }
-    sh.readers_done.fetch_add(1, Ordering::AcqRel);
 }
 
 /// Records a failure of data socket `s` seen by the engine (after giving
@@ -276,11 +531,10 @@ pub struct SocketRecv {
     slots: usize,
     shared: Arc<RecvShared>,
     head: u64,
-    data: Vec<TcpStream>,
-    ctrl: CtrlOut,
-    health: Arc<Health>,
-    threads: Vec<JoinHandle<()>>,
+    poller: Arc<Poller>,
+    id: u64,
     aborted: Option<String>,
+    stopped: bool,
     /// The direct read of the head message in progress or done.
     rd: Option<RemoteRead>,
 }
@@ -308,7 +562,8 @@ impl std::fmt::Debug for SocketRecv {
 }
 
 impl SocketRecv {
-    /// Starts the helpers of a connected receiving end.
+    /// Starts a connected receiving end: the process's progress thread
+    /// reads its sockets from now on.
     pub(crate) fn start(
         peer: u32,
         slot_bytes: usize,
@@ -321,74 +576,69 @@ impl SocketRecv {
             transport: NAME,
             reason,
         })?;
-        let shared = Arc::new(RecvShared {
-            mem,
-            slots,
-            nsocks,
-            slot_bytes,
-            ready: (0..slots).map(|_| AtomicU64::new(0)).collect(),
-            lens: (0..slots).map(|_| AtomicUsize::new(0)).collect(),
-            remote: (0..slots).map(|_| AtomicBool::new(false)).collect(),
-            fill: (0..slots).map(|_| Mutex::new(Fill::default())).collect(),
-            hands: (0..nsocks).map(|_| Hand::default()).collect(),
-            accept_direct: true,
-            released: AtomicU64::new(0),
-            readers_done: AtomicUsize::new(0),
-        });
-        let health = Health::new(peer);
-        let clone = |s: &TcpStream| {
-            s.try_clone().map_err(|e| CoreError::Peer {
+        for s in data.iter().chain(std::iter::once(&ctrl)) {
+            s.set_nonblocking(true).map_err(|e| CoreError::Peer {
                 transport: NAME,
                 peer,
-                what: format!("cannot duplicate a socket: {e}"),
+                what: format!("cannot make a socket nonblocking: {e}"),
                 source: Some(Box::new(e)),
+            })?;
+        }
+        let mut sh = RecvShared::new(mem, slot_bytes, slots, nsocks, true, Health::new(peer));
+        sh.data = data
+            .into_iter()
+            .map(|sock| {
+                Mutex::new(DataSock {
+                    sock,
+                    rx: Rx::default(),
+                    armed: true,
+                })
             })
+            .collect();
+        sh.ctrl = Some(Mutex::new(CtrlSock {
+            sock: ctrl,
+            input: CtrlIn::default(),
+            out: CtrlOut::new(),
+        }));
+        let shared = Arc::new(sh);
+        let poller = poller()?;
+        let id = {
+            let guards: Vec<_> = shared.data.iter().map(lock).collect();
+            let c = shared.ctrl.as_ref().map(lock);
+            let mut fds: Vec<BorrowedFd<'_>> = guards.iter().map(|g| g.sock.as_fd()).collect();
+            fds.extend(c.as_ref().map(|c| c.sock.as_fd()));
+            let want = vec![IN; fds.len()];
+            let id = poller.register(shared.clone(), &fds, &want)?;
+            let _ = shared.armer.set(poller.armer(id));
+            id
         };
-        let mut me = SocketRecv {
+        Ok(SocketRecv {
             peer,
             slot_bytes,
             slots,
-            shared: shared.clone(),
+            shared,
             head: 0,
-            data: Vec::new(),
-            ctrl: CtrlOut {
-                sock: clone(&ctrl)?,
-                pending: Vec::new(),
-                credit_owed: None,
-            },
-            health: health.clone(),
-            threads: Vec::new(),
+            poller,
+            id,
             aborted: None,
+            stopped: false,
             rd: None,
-        };
-        me.data = data.iter().map(clone).collect::<Result<_>>()?;
-        {
-            let h = health.clone();
-            me.threads
-                .push(spawn(format!("braid-sock-ctl<{peer}"), move || {
-                    ctrl_reader(ctrl, h, None, false)
-                })?);
-        }
-        for (i, s) in data.into_iter().enumerate() {
-            let (sh, h) = (shared.clone(), health.clone());
-            me.threads
-                .push(spawn(format!("braid-sock-rx{i}<{peer}"), move || {
-                    reader(s, sh, h, i)
-                })?);
-        }
-        Ok(me)
+        })
     }
 
     /// Waits up to `wait` for a byte of the direct message being read.
     fn wait_readable(&self, wait: Duration) {
         use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
-        use std::os::fd::AsFd;
         let Some(rd) = &self.rd else { return };
-        let mut fds: Vec<PollFd<'_>> = rd
+        let socks: Vec<TcpStream> = rd
             .pieces
             .iter()
             .filter(|p| p.3 < p.2)
-            .map(|p| PollFd::new(self.data[p.0].as_fd(), PollFlags::POLLIN))
+            .filter_map(|p| lock(&self.shared.data[p.0]).sock.try_clone().ok())
+            .collect();
+        let mut fds: Vec<PollFd<'_>> = socks
+            .iter()
+            .map(|s| PollFd::new(s.as_fd(), PollFlags::POLLIN))
             .collect();
         let ms = u16::try_from(wait.as_millis()).unwrap_or(u16::MAX);
         let _ = poll(&mut fds, PollTimeout::from(ms));
@@ -399,13 +649,17 @@ impl SocketRecv {
         (self.shared.ready[i].load(Ordering::Acquire) == self.head + 1).then_some(i)
     }
 
-    /// Wakes readers waiting for a direct payload to be read (they exit:
-    /// this end is closing).
-    fn wake_hands(&self) {
-        for h in self.shared.hands.iter() {
-            let _g = lock(&h.st);
-            h.cv.notify_all();
+    /// Reads the data sockets inline (those the progress thread is not
+    /// reading now).
+    fn pump_inline(&self) {
+        for (i, d) in self.shared.data.iter().enumerate() {
+            if let Ok(mut d) = d.try_lock() {
+                self.shared.pump_data(&mut d, i);
+            }
         }
+        // And whatever else the progress thread has pending (this rank's
+        // queued sends above all): the engine waits, so it moves the bytes.
+        self.poller.help();
     }
 
     /// Moves what has arrived of the head's direct message into `dst`:
@@ -431,6 +685,7 @@ impl SocketRecv {
             )));
         }
         let head = self.head;
+        let nsocks = self.shared.nsocks;
         match &self.rd {
             Some(rd) if rd.seq == head => {
                 if rd.dst != dst as usize || rd.len != len {
@@ -444,22 +699,25 @@ impl SocketRecv {
             }
             _ => {
                 let mut pieces = Vec::new();
-                for (s, off, plen) in stripes(head, len, self.data.len()) {
-                    let mut st = lock(&self.shared.hands[s].st);
-                    if st.seq != Some(head) || st.prefix.len() > plen {
-                        return Err(CoreError::Protocol {
-                            peer: self.peer,
-                            detail: format!(
-                                "socket link: direct message {head} is not waiting on data socket {s}"
-                            ),
-                        });
-                    }
+                for (s, off, plen) in stripes(head, len, nsocks) {
+                    let mut d = lock(&self.shared.data[s]);
+                    let prefix = match &mut d.rx.st {
+                        RxState::Handed { seq, prefix } if *seq == head && prefix.len() <= plen => {
+                            std::mem::take(prefix)
+                        }
+                        _ => {
+                            return Err(CoreError::Protocol {
+                                peer: self.peer,
+                                detail: format!(
+                                    "socket link: direct message {head} is not waiting on data socket {s}"
+                                ),
+                            })
+                        }
+                    };
                     // SAFETY: `off + prefix.len() <= off + plen <= len`, inside
                     // `dst` (caller's contract); the prefix is our own Vec.
-                    unsafe { sys::copy_to(&st.prefix, dst.wrapping_add(off)) };
-                    let got = st.prefix.len();
-                    st.prefix.clear();
-                    pieces.push((s, off, plen, got));
+                    unsafe { sys::copy_to(&prefix, dst.wrapping_add(off)) };
+                    pieces.push((s, off, plen, prefix.len()));
                 }
                 self.rd = Some(RemoteRead {
                     seq: head,
@@ -476,19 +734,26 @@ impl SocketRecv {
         let mut progressed = false;
         let mut missing = false;
         for (s, off, plen, got) in rd.pieces.iter_mut() {
+            let mut d = lock(&self.shared.data[*s]);
+            if !matches!(d.rx.st, RxState::Handed { seq, .. } if seq == head) {
+                // This piece is in already.
+                continue;
+            }
             while *got < *plen {
-                let fd = self.data[*s].as_raw_fd();
+                let fd = d.sock.as_raw_fd();
                 // SAFETY: `off + got .. off + plen` lies inside `dst`, which
-                // the caller lends us for this call; the reader of socket
-                // `s` waits (hand state) while we read its payload.
+                // the caller lends us for this call; this socket's state
+                // says `Handed` (locked here), so nobody else reads it.
                 let r = unsafe { sys::recv_some(fd, dst.wrapping_add(*off + *got), *plen - *got) };
                 match r {
                     Ok(Some(0)) => {
+                        d.rx.st = RxState::Done;
+                        drop(d);
                         let e = io::Error::new(
                             io::ErrorKind::UnexpectedEof,
                             "the peer closed the socket in the middle of a frame",
                         );
-                        return Err(read_failed(&self.health, self.peer, *s, e));
+                        return Err(read_failed(&self.shared.health, self.peer, *s, e));
                     }
                     Ok(Some(n)) => {
                         *got += n;
@@ -498,25 +763,32 @@ impl SocketRecv {
                         missing = true;
                         break;
                     }
-                    Err(e) => return Err(read_failed(&self.health, self.peer, *s, e)),
+                    Err(e) => {
+                        d.rx.st = RxState::Done;
+                        drop(d);
+                        return Err(read_failed(&self.shared.health, self.peer, *s, e));
+                    }
                 }
+            }
+            if *got == *plen {
+                // This socket's piece is in: its reading goes on (the next
+                // frames may be there already, without a new edge).
+                d.rx.st = RxState::Header;
+                self.shared.pump_data(&mut d, *s);
             }
         }
         if missing {
             if !progressed {
-                if let Some(e) = self.health.error() {
+                if let Some(e) = self.shared.health.error() {
                     return Err(e);
                 }
+                // While the payload is on its way, keep this process's
+                // other sockets moving (our own sends to the peer above all).
+                self.poller.help();
             }
             return Ok(Some(progressed));
         }
         rd.done = true;
-        // Every byte is in; the readers may go on with their sockets.
-        for (s, ..) in &rd.pieces {
-            let hand = &self.shared.hands[*s];
-            lock(&hand.st).seq = None;
-            hand.cv.notify_all();
-        }
         Ok(None)
     }
 
@@ -525,19 +797,24 @@ impl SocketRecv {
         if let Some(r) = &self.aborted {
             return Err(CoreError::Aborted(r.clone()));
         }
-        if let Err(e) = self.ctrl.flush() {
-            // A sender that closed normally may have shut its sockets
-            // before our control reader saw its Close: wait for the verdict.
-            self.health.await_verdict();
-            if !self.health.peer_closed.load(Ordering::Acquire) {
-                self.health.lost("sending credits", &e);
+        if let Some(c) = &self.shared.ctrl {
+            if let Ok(mut c) = c.try_lock() {
+                self.shared.pump_ctrl(&mut c);
+                let c = &mut *c;
+                if let Err(e) = c.out.flush(&c.sock) {
+                    // A sender that closed normally may have shut its sockets
+                    // before we read its Close: the verdict comes later.
+                    self.shared
+                        .health
+                        .lost_later("sending credits", e.kind(), &e.to_string());
+                }
             }
         }
-        if let Some(e) = self.health.error() {
+        if let Some(e) = self.shared.health.error() {
             return Err(e);
         }
-        if self.health.peer_closed.load(Ordering::Acquire)
-            && self.shared.readers_done.load(Ordering::Acquire) == self.data.len()
+        if self.shared.health.peer_closed.load(Ordering::Acquire)
+            && self.shared.readers_done.load(Ordering::Acquire) == self.shared.nsocks
             && self.head_ready().is_none()
         {
             return Err(CoreError::PeerAborted {
@@ -547,6 +824,29 @@ impl SocketRecv {
             });
         }
         Ok(())
+    }
+
+    fn stop(&mut self, goodbye: Option<(CtrlKind, &str)>) {
+        if self.stopped {
+            return;
+        }
+        self.stopped = true;
+        let sh = &self.shared;
+        sh.health.local_closing.store(true, Ordering::Release);
+        let data: Vec<_> = sh.data.iter().map(lock).collect();
+        let mut ctrl = sh.ctrl.as_ref().map(lock);
+        if let (Some(c), Some((kind, reason))) = (ctrl.as_deref_mut(), goodbye) {
+            c.out.goodbye(&c.sock, kind, reason);
+        }
+        for d in &data {
+            shut(&d.sock);
+        }
+        let mut fds: Vec<BorrowedFd<'_>> = data.iter().map(|d| d.sock.as_fd()).collect();
+        if let Some(c) = &ctrl {
+            shut(&c.sock);
+            fds.push(c.sock.as_fd());
+        }
+        self.poller.deregister(self.id, &fds);
     }
 }
 
@@ -579,6 +879,9 @@ impl RecvChannel for SocketRecv {
     fn poll_peek_any(&mut self) -> Result<Option<Incoming>> {
         if let Some(r) = &self.aborted {
             return Err(CoreError::Aborted(r.clone()));
+        }
+        if self.head_ready().is_none() {
+            self.pump_inline();
         }
         if let Some(i) = self.head_ready() {
             let len = self.shared.lens[i].load(Ordering::Relaxed);
@@ -624,11 +927,19 @@ impl RecvChannel for SocketRecv {
         // Release: the engine's reads of the slot and the reset of `ready`
         // happen before a reader (Acquire in `claim`) refills it.
         self.shared.released.store(self.head, Ordering::Release);
-        if let Err(e) = self.ctrl.credit(self.head) {
-            // As in `check_live`: a normal close may still be on its way.
-            self.health.await_verdict();
-            if !self.health.peer_closed.load(Ordering::Acquire) {
-                self.health.lost("sending a credit", &e);
+        if let Some(c) = &self.shared.ctrl {
+            let mut c = lock(c);
+            let c = &mut *c;
+            match c.out.credit(&c.sock, self.head) {
+                // The socket is full: the progress thread sends the rest.
+                Ok(()) if !c.out.pending.is_empty() => self.shared.arm_ctrl(c),
+                Ok(()) => {}
+                // As in `check_live`: a normal close may still be on its way.
+                Err(e) => {
+                    self.shared
+                        .health
+                        .lost_later("sending a credit", e.kind(), &e.to_string())
+                }
             }
         }
         Ok(())
@@ -641,13 +952,7 @@ impl RecvChannel for SocketRecv {
     fn abort(&mut self, reason: &str) {
         if self.aborted.is_none() {
             self.aborted = Some(reason.to_owned());
-            self.health.local_closing.store(true, Ordering::Release);
-            self.ctrl.goodbye(CtrlKind::Abort, reason);
-            for s in &self.data {
-                shut(s);
-            }
-            shut(&self.ctrl.sock);
-            self.wake_hands();
+            self.stop(Some((CtrlKind::Abort, reason)));
         }
     }
 
@@ -688,18 +993,6 @@ impl DirectRecv for SocketRecv {
 
 impl Drop for SocketRecv {
     fn drop(&mut self) {
-        if self.aborted.is_none() {
-            self.health.local_closing.store(true, Ordering::Release);
-            self.ctrl
-                .goodbye(CtrlKind::Close, "the receiver closed its end");
-            for s in &self.data {
-                shut(s);
-            }
-            shut(&self.ctrl.sock);
-        }
-        self.wake_hands();
-        for t in self.threads.drain(..) {
-            let _ = t.join();
-        }
+        self.stop(Some((CtrlKind::Close, "the receiver closed its end")));
     }
 }

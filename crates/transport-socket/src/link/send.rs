@@ -1,31 +1,31 @@
-//! The sending end of a socket link and its writer threads.
+//! The sending end of a socket link. Its data sockets' queues of pieces are
+//! written by `commit` itself as far as the sockets take them, the rest by
+//! the progress thread when the sockets drain; the control socket's
+//! credits are read by the progress thread, or inline by `poll_acquire`
+//! when it finds no credit.
 
 use std::collections::VecDeque;
-use std::io;
+use std::io::{self, Read};
 use std::net::TcpStream;
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex};
-use std::thread::JoinHandle;
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use braid_core::error::{CoreError, Result};
 use braid_core::transport::{DirectSend, SendChannel, SlotBuf};
 use braid_core::types::MemKind;
 
-use super::ctrl::{check_credit, ctrl_reader, CtrlOut};
+use super::ctrl::{check_credit, CtrlIn, CtrlOut};
 use super::health::Health;
-use super::{lock, npieces, shut, spawn, stripes};
+use super::poller::{poller, Armer, Poller, Source, IN, OUT};
+use super::{lock, npieces, shut, stripes};
 use crate::info::{CtrlKind, FrameHeader};
 use crate::sys::{self, SlotMem};
 use crate::NAME;
 
 /// How long dropping a sender waits for queued pieces to leave.
 const DROP_FLUSH: Duration = Duration::from_secs(1);
-
-/// How long stopping a sender waits for a writer to leave a write on its
-/// shut socket.
-const WRITER_EXIT: Duration = Duration::from_secs(2);
 
 /// Longest direct message (the frame header's lengths are 32-bit).
 const MAX_DIRECT: usize = u32::MAX as usize;
@@ -45,18 +45,26 @@ struct Piece {
     sent: usize,
 }
 
-#[derive(Debug, Default)]
-struct TxState {
+/// A data socket and the pieces queued on it, in order.
+#[derive(Debug)]
+struct TxSock {
+    sock: TcpStream,
     items: VecDeque<Piece>,
-    /// Someone (the helper or `commit`) is writing to the socket.
-    busy: bool,
+    /// This end is stopping: nothing more is written (queued direct pieces
+    /// point into the caller's memory, which is the caller's again).
     closing: bool,
+    /// The progress thread watches the socket for room (the queue is not
+    /// empty).
+    armed: bool,
 }
 
+/// The control socket of a sending end: credits and the peer's abort or
+/// close come in, this end's abort or close goes out.
 #[derive(Debug)]
-struct TxQueue {
-    st: Mutex<TxState>,
-    cv: Condvar,
+struct CtrlSock {
+    sock: TcpStream,
+    input: CtrlIn,
+    out: CtrlOut,
 }
 
 struct SendShared {
@@ -67,10 +75,15 @@ struct SendShared {
     released: AtomicU64,
     /// Slots committed (cumulative), for validating credits.
     committed: AtomicU64,
+    health: Arc<Health>,
+    data: Box<[Mutex<TxSock>]>,
+    ctrl: Mutex<CtrlSock>,
+    /// Set once registered with the progress thread.
+    armer: OnceLock<Armer>,
 }
 
-/// Writes one piece (resuming at `p.sent`).
-fn write_piece(sock: &TcpStream, p: &Piece, dontwait: bool) -> io::Result<usize> {
+/// Writes one piece (resuming at `p.sent`), never blocking.
+fn write_piece(sock: &TcpStream, p: &Piece) -> io::Result<usize> {
     let hdr = FrameHeader {
         seq: p.seq,
         total: p.total,
@@ -80,14 +93,15 @@ fn write_piece(sock: &TcpStream, p: &Piece, dontwait: bool) -> io::Result<usize>
     }
     .encode();
     // SAFETY: a slot piece: the slot's bytes were written by the engine
-    // before `commit` (which happens-before this call through the queue
+    // before `commit` (which happens-before this call through the socket's
     // mutex or program order) and the engine does not touch the slot again
     // until `poll_acquire` sees `inflight == 0`, which this piece's
     // decrement (after the write) precedes. A direct piece: `commit_direct`'s
     // contract keeps the caller's bytes valid and unchanged until
     // `poll_drained` is true, which needs the receiver to have read every
-    // byte, so after this write; an abort drops queued pieces and waits for
-    // the writers to leave theirs before it returns (`SocketSend::stop`).
+    // byte, so after this write; an abort or drop empties the queues and
+    // sets `closing` under the same mutex as this write, so no piece is
+    // written from the caller's memory once it returns.
     unsafe {
         sys::send_head_payload(
             sock.as_raw_fd(),
@@ -95,7 +109,7 @@ fn write_piece(sock: &TcpStream, p: &Piece, dontwait: bool) -> io::Result<usize>
             p.src as *const u8,
             p.len as usize,
             p.sent,
-            dontwait,
+            true,
         )
     }
 }
@@ -104,36 +118,107 @@ fn piece_bytes(p: &Piece) -> usize {
     FrameHeader::LEN + p.len as usize
 }
 
-fn writer(sock: TcpStream, q: Arc<TxQueue>, sh: Arc<SendShared>, health: Arc<Health>, idx: usize) {
-    loop {
-        let piece = {
-            let mut st = lock(&q.st);
-            loop {
-                if !st.busy {
-                    if let Some(p) = st.items.pop_front() {
-                        st.busy = true;
-                        break Some(p);
-                    }
-                    if st.closing {
-                        break None;
-                    }
-                }
-                st = q.cv.wait(st).unwrap_or_else(|p| p.into_inner());
+impl SendShared {
+    /// Has the progress thread write socket `i`'s queue when it has room.
+    fn arm_out(&self, i: usize, tx: &mut TxSock) {
+        if !tx.armed && !tx.items.is_empty() && !tx.closing {
+            if let Some(a) = self.armer.get() {
+                a.arm(i, tx.sock.as_fd(), OUT);
+                tx.armed = true;
             }
-        };
-        let Some(p) = piece else { return };
-        let res = write_piece(&sock, &p, false);
-        if res.is_ok() {
-            sh.inflight[p.slot].fetch_sub(1, Ordering::Release);
         }
-        lock(&q.st).busy = false;
-        q.cv.notify_all();
-        if let Err(e) = res {
-            if !health.local_closing.load(Ordering::Acquire) {
-                health.await_verdict();
-                health.lost(&format!("sending on data socket {idx}"), &e);
+    }
+
+    /// Writes the queued pieces of data socket `i` until the socket is full
+    /// (then the progress thread is asked to go on when it has room).
+    /// `event`: called for the progress thread's event (which disarmed it).
+    fn flush_data(&self, i: usize, event: bool) {
+        let mut guard = lock(&self.data[i]);
+        let tx = &mut *guard;
+        if event {
+            tx.armed = false;
+        }
+        while !tx.closing {
+            let Some(p) = tx.items.front_mut() else { break };
+            match write_piece(&tx.sock, p) {
+                Ok(n) if n == piece_bytes(p) => {
+                    let slot = p.slot;
+                    tx.items.pop_front();
+                    self.inflight[slot].fetch_sub(1, Ordering::Release);
+                }
+                Ok(n) => {
+                    // The socket is full: the next writable edge goes on.
+                    p.sent = n;
+                    break;
+                }
+                Err(e) => {
+                    self.health.lost_later(
+                        &format!("sending on data socket {i}"),
+                        e.kind(),
+                        &e.to_string(),
+                    );
+                    tx.items.clear();
+                    tx.closing = true;
+                    break;
+                }
             }
+        }
+        self.arm_out(i, tx);
+    }
+
+    /// Reads what the control socket has (credits, the peer's abort or
+    /// close) and sends what is pending on it.
+    fn pump_ctrl(&self, c: &mut CtrlSock) {
+        if !c.input.done() {
+            let mut on_credit = |v: u64| {
+                let committed = self.committed.load(Ordering::Acquire);
+                let old = self.released.load(Ordering::Relaxed);
+                check_credit(v, old, committed)?;
+                self.released.store(v, Ordering::Release);
+                Ok(())
+            };
+            let sock = &c.sock;
+            let mut read = |b: &mut [u8]| (&*sock).read(b);
+            c.input
+                .pump(&mut read, &self.health, Some(&mut on_credit), true);
+        }
+        if !c.out.pending.is_empty() {
+            let _ = c.out.flush(&c.sock);
+        }
+    }
+
+    /// Watches the control socket again (after its event).
+    fn arm_ctrl(&self, c: &CtrlSock) {
+        if c.input.done() {
             return;
+        }
+        if let Some(a) = self.armer.get() {
+            let want = if c.out.pending.is_empty() {
+                IN
+            } else {
+                IN | OUT
+            };
+            a.arm(self.data.len(), c.sock.as_fd(), want);
+        }
+    }
+}
+
+impl Source for SendShared {
+    fn poke(&self) {
+        for (i, d) in self.data.iter().enumerate() {
+            if d.try_lock().is_ok_and(|tx| !tx.items.is_empty()) {
+                self.flush_data(i, false);
+            }
+        }
+    }
+
+    fn ready(&self, idx: usize) {
+        if idx < self.data.len() {
+            self.flush_data(idx, true);
+        } else {
+            let mut c = lock(&self.ctrl);
+            self.pump_ctrl(&mut c);
+            self.arm_ctrl(&c);
         }
     }
 }
@@ -146,12 +231,10 @@ pub struct SocketSend {
     nsocks: usize,
     shared: Arc<SendShared>,
     committed: u64,
-    queues: Vec<Arc<TxQueue>>,
-    data: Vec<TcpStream>,
-    ctrl: CtrlOut,
-    health: Arc<Health>,
-    threads: Vec<JoinHandle<()>>,
+    poller: Arc<Poller>,
+    id: u64,
     aborted: Option<String>,
+    stopped: bool,
     /// Offer direct (zero-copy) sends.
     direct: bool,
 }
@@ -168,9 +251,19 @@ impl std::fmt::Debug for SocketSend {
     }
 }
 
+fn socket_setup(peer: u32, s: &TcpStream) -> Result<()> {
+    s.set_nonblocking(true).map_err(|e| CoreError::Peer {
+        transport: NAME,
+        peer,
+        what: format!("cannot make a socket nonblocking: {e}"),
+        source: Some(Box::new(e)),
+    })
+}
+
 impl SocketSend {
-    /// Starts the helpers of a connected sending end. `data` are the data
-    /// sockets in index order, `ctrl` the control socket.
+    /// Starts a connected sending end. `data` are the data sockets in index
+    /// order, `ctrl` the control socket; the process's progress thread
+    /// drives them from now on.
     pub(crate) fn start(
         peer: u32,
         slot_bytes: usize,
@@ -184,79 +277,67 @@ impl SocketSend {
             transport: NAME,
             reason,
         })?;
+        for s in data.iter().chain(std::iter::once(&ctrl)) {
+            socket_setup(peer, s)?;
+        }
         let shared = Arc::new(SendShared {
             mem,
             inflight: (0..slots).map(|_| AtomicU32::new(0)).collect(),
             released: AtomicU64::new(0),
             committed: AtomicU64::new(0),
+            health: Health::new(peer),
+            data: data
+                .into_iter()
+                .map(|sock| {
+                    Mutex::new(TxSock {
+                        sock,
+                        items: VecDeque::new(),
+                        closing: false,
+                        armed: false,
+                    })
+                })
+                .collect(),
+            ctrl: Mutex::new(CtrlSock {
+                sock: ctrl,
+                input: CtrlIn::default(),
+                out: CtrlOut::new(),
+            }),
+            armer: OnceLock::new(),
         });
-        let health = Health::new(peer);
-        let clone = |s: &TcpStream| {
-            s.try_clone().map_err(|e| CoreError::Peer {
-                transport: NAME,
-                peer,
-                what: format!("cannot duplicate a socket: {e}"),
-                source: Some(Box::new(e)),
-            })
+        let poller = poller()?;
+        let id = {
+            let guards: Vec<_> = shared.data.iter().map(lock).collect();
+            let c = lock(&shared.ctrl);
+            let mut fds: Vec<BorrowedFd<'_>> = guards.iter().map(|g| g.sock.as_fd()).collect();
+            fds.push(c.sock.as_fd());
+            // The data sockets are watched once pieces wait in their queues;
+            // the control socket always (credits, the peer's abort).
+            let mut want = vec![nix::sys::epoll::EpollFlags::empty(); guards.len()];
+            want.push(IN);
+            let id = poller.register(shared.clone(), &fds, &want)?;
+            let _ = shared.armer.set(poller.armer(id));
+            id
         };
-        let mut me = SocketSend {
+        Ok(SocketSend {
             peer,
             slot_bytes,
             slots,
             nsocks,
-            shared: shared.clone(),
+            shared,
             committed: 0,
-            queues: Vec::new(),
-            data: Vec::new(),
-            ctrl: CtrlOut {
-                sock: clone(&ctrl)?,
-                pending: Vec::new(),
-                credit_owed: None,
-            },
-            health: health.clone(),
-            threads: Vec::new(),
+            poller,
+            id,
             aborted: None,
+            stopped: false,
             direct,
-        };
-        // From here on, an early return drops `me`, which stops whatever
-        // was started.
-        me.data = data.iter().map(clone).collect::<Result<_>>()?;
-        let ctrl_sock = ctrl;
-        {
-            let sh = shared.clone();
-            let h = health.clone();
-            let on_credit = Box::new(move |v: u64| {
-                let committed = sh.committed.load(Ordering::Acquire);
-                let old = sh.released.load(Ordering::Relaxed);
-                check_credit(v, old, committed)?;
-                sh.released.store(v, Ordering::Release);
-                Ok(())
-            });
-            me.threads
-                .push(spawn(format!("braid-sock-ctl>{peer}"), move || {
-                    ctrl_reader(ctrl_sock, h, Some(on_credit), true)
-                })?);
-        }
-        for (i, s) in data.into_iter().enumerate() {
-            let q = Arc::new(TxQueue {
-                st: Mutex::new(TxState::default()),
-                cv: Condvar::new(),
-            });
-            me.queues.push(q.clone());
-            let (sh, h) = (shared.clone(), health.clone());
-            me.threads
-                .push(spawn(format!("braid-sock-tx{i}>{peer}"), move || {
-                    writer(s, q, sh, h, i)
-                })?);
-        }
-        Ok(me)
+        })
     }
 
     fn check(&self) -> Result<()> {
         if let Some(r) = &self.aborted {
             return Err(CoreError::Aborted(r.clone()));
         }
-        match self.health.error() {
+        match self.shared.health.error() {
             Some(e) => Err(e),
             None => Ok(()),
         }
@@ -270,80 +351,79 @@ impl SocketSend {
                 == 0
     }
 
-    /// Queues piece `p` on socket `s`; a lone piece on an idle socket is
-    /// written right here (no helper wake-up) as far as the socket buffer
-    /// takes it.
-    fn queue_piece(&mut self, s: usize, mut p: Piece, try_inline: bool) {
-        let q = &self.queues[s];
-        {
-            let mut st = lock(&q.st);
-            if !try_inline || !st.items.is_empty() || st.busy || st.closing {
-                st.items.push_back(p);
-                drop(st);
-                q.cv.notify_all();
-                return;
-            }
-            st.busy = true;
+    /// Reads credits and writes queued pieces inline, as far as the
+    /// sockets allow, and does what else the progress thread has pending
+    /// (the engine waits on this end: it makes progress itself).
+    fn pump_ctrl(&self) {
+        if let Ok(mut c) = self.shared.ctrl.try_lock() {
+            self.shared.pump_ctrl(&mut c);
         }
-        let res = write_piece(&self.data[s], &p, true);
-        let mut st = lock(&q.st);
-        st.busy = false;
-        match res {
-            Ok(n) if n == piece_bytes(&p) => {
-                self.shared.inflight[p.slot].fetch_sub(1, Ordering::Release);
-            }
-            Ok(n) => {
-                p.sent = n;
-                st.items.push_front(p);
-            }
-            Err(e) => {
-                drop(st);
-                self.health.lost(&format!("sending on data socket {s}"), &e);
-                return;
-            }
-        }
-        drop(st);
-        q.cv.notify_all();
+        // Our queues, and every other link's of this process.
+        self.poller.help();
     }
 
-    fn stop(&mut self, goodbye: Option<(CtrlKind, &str)>) {
-        self.health.local_closing.store(true, Ordering::Release);
-        if let Some((kind, reason)) = goodbye {
-            self.ctrl.goodbye(kind, reason);
+    /// Queues piece `p` on socket `s`; on an idle socket it is written
+    /// right here as far as the socket buffer takes it (the progress thread
+    /// writes the rest when the socket drains).
+    fn queue_piece(&mut self, s: usize, mut p: Piece) {
+        let sh = &self.shared;
+        let mut tx = lock(&sh.data[s]);
+        if tx.closing {
+            return;
         }
-        // Queued pieces are dropped unwritten: direct ones point into the
-        // caller's memory, which is the caller's again once we return.
-        for q in &self.queues {
-            let mut st = lock(&q.st);
-            st.closing = true;
-            st.items.clear();
-            drop(st);
-            q.cv.notify_all();
+        if !tx.items.is_empty() {
+            tx.items.push_back(p);
+            return;
         }
-        for s in &self.data {
-            shut(s);
-        }
-        shut(&self.ctrl.sock);
-        // A writer still inside a write (of a slot or of the caller's
-        // memory) fails promptly on the shut socket; wait for it, bounded.
-        let until = Instant::now() + WRITER_EXIT;
-        for q in &self.queues {
-            let mut st = lock(&q.st);
-            while st.busy {
-                let left = until.saturating_duration_since(Instant::now());
-                if left.is_zero() {
-                    tracing::warn!(
-                        peer = self.peer,
-                        "socket transport: a writer did not leave its write within {WRITER_EXIT:?}"
-                    );
-                    break;
-                }
-                st =
-                    q.cv.wait_timeout(st, left)
-                        .unwrap_or_else(|p| p.into_inner())
-                        .0;
+        match write_piece(&tx.sock, &p) {
+            Ok(n) if n == piece_bytes(&p) => {
+                sh.inflight[p.slot].fetch_sub(1, Ordering::Release);
+            }
+            Ok(n) => {
+                // The rest when the socket has room.
+                p.sent = n;
+                tx.items.push_back(p);
+                sh.arm_out(s, &mut tx);
+            }
+            Err(e) => {
+                tx.closing = true;
+                drop(tx);
+                sh.health.lost_later(
+                    &format!("sending on data socket {s}"),
+                    e.kind(),
+                    &e.to_string(),
+                );
             }
         }
+    }
+
+    /// Stops the end: no more writes (queued pieces are dropped), an
+    /// optional goodbye on the control socket, sockets shut, the progress
+    /// thread forgets it.
+    fn stop(&mut self, goodbye: Option<(CtrlKind, &str)>) {
+        if self.stopped {
+            return;
+        }
+        self.stopped = true;
+        let sh = &self.shared;
+        sh.health.local_closing.store(true, Ordering::Release);
+        let mut data: Vec<_> = sh.data.iter().map(lock).collect();
+        for tx in data.iter_mut() {
+            tx.closing = true;
+            tx.items.clear();
+        }
+        let mut guard = lock(&sh.ctrl);
+        let c = &mut *guard;
+        if let Some((kind, reason)) = goodbye {
+            c.out.goodbye(&c.sock, kind, reason);
+        }
+        for tx in &data {
+            shut(&tx.sock);
+        }
+        shut(&c.sock);
+        let mut fds: Vec<BorrowedFd<'_>> = data.iter().map(|g| g.sock.as_fd()).collect();
+        fds.push(c.sock.as_fd());
+        self.poller.deregister(self.id, &fds);
     }
 
     /// Publishes message `committed` of `len` bytes: from the slot, or from
@@ -379,7 +459,7 @@ impl SocketSend {
                 direct: direct.is_some(),
                 sent: 0,
             };
-            self.queue_piece(s, p, n == 1);
+            self.queue_piece(s, p);
         }
         Ok(())
     }
@@ -405,7 +485,10 @@ impl SendChannel for SocketSend {
     fn poll_acquire(&mut self) -> Result<Option<SlotBuf>> {
         self.check()?;
         if !self.has_credit() {
-            return Ok(None);
+            self.pump_ctrl();
+            if !self.has_credit() {
+                return Ok(None);
+            }
         }
         let i = (self.committed % self.slots as u64) as usize;
         Ok(Some(SlotBuf {
@@ -432,12 +515,17 @@ impl SendChannel for SocketSend {
         if self.shared.released.load(Ordering::Acquire) == self.committed {
             return Ok(true);
         }
+        self.pump_ctrl();
+        if self.shared.released.load(Ordering::Acquire) == self.committed {
+            return Ok(true);
+        }
         self.check()?;
         Ok(false)
     }
 
     fn check_peer(&mut self) -> Result<()> {
-        match self.health.error() {
+        self.pump_ctrl();
+        match self.shared.health.error() {
             Some(e) => Err(e),
             None => Ok(()),
         }
@@ -461,8 +549,8 @@ impl SendChannel for SocketSend {
 
 impl DirectSend for SocketSend {
     fn costs_receiver(&self) -> bool {
-        // The helpers write from the caller's memory instead of a slot; the
-        // receiver reads the same bytes from its sockets either way.
+        // The progress thread writes from the caller's memory instead of a
+        // slot; the receiver reads the same bytes from its sockets either way.
         false
     }
 
@@ -485,24 +573,18 @@ impl DirectSend for SocketSend {
 
 impl Drop for SocketSend {
     fn drop(&mut self) {
-        if self.aborted.is_none() {
+        if self.aborted.is_none() && !self.stopped {
             // Let queued pieces leave (normally there are none: the engine
             // waits for poll_drained), bounded.
-            for q in &self.queues {
-                lock(&q.st).closing = true;
-                q.cv.notify_all();
-            }
             let until = Instant::now() + DROP_FLUSH;
             while Instant::now() < until
-                && !self.health.failed.load(Ordering::Acquire)
-                && self.threads.iter().skip(1).any(|t| !t.is_finished())
+                && self.shared.health.error().is_none()
+                && self.shared.data.iter().any(|d| !lock(d).items.is_empty())
             {
                 std::thread::sleep(Duration::from_millis(1));
             }
             self.stop(Some((CtrlKind::Close, "the sender closed its end")));
         }
-        for t in self.threads.drain(..) {
-            let _ = t.join();
-        }
+        self.stop(None);
     }
 }

@@ -1,0 +1,1120 @@
+//! The rank-to-rank layer of the bootstrap (protocol v3): every rank
+//! listens on a socket of its own; the ranks form a ring (each connects to
+//! its successor, whose address the root handed out) and all-gather round
+//! it, so the root sends O(p) bytes in all; and any two ranks exchange
+//! messages point to point ([`Peers::exchange`]: the lower rank connects
+//! to the higher, sends its message and reads the answer on the same
+//! connection), which is how links connect on first use.
+//!
+//! Every frame between ranks carries a proof of the job's secret
+//! ([`PeerFrame`]); a connection whose first frame does not prove it is
+//! dropped. Every wait has a deadline and looks at the abort flag; a rank
+//! that is gone is named: its ring connection ends (and the root, which
+//! sees its connection end too, says who left), or connecting to its
+//! listener is refused.
+
+use std::collections::BTreeMap;
+use std::io::{self, Read, Write};
+use std::net::{IpAddr, Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::os::fd::AsFd;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use nix::poll::{PollFd, PollFlags};
+
+use super::id::random_bytes;
+use super::wire::{
+    data_header, parse_data, FrameBuf, PeerFrame, K_DATA, K_ERROR, K_LEFT, K_PROBE, K_RING_HELLO,
+    K_XCHG, K_XREPLY, MAX_PEER_FRAME,
+};
+use super::{fmt_dur, poll_ms, remaining};
+use crate::error::{Error, Result};
+
+/// Connections to a rank's listener whose first frame is still arriving,
+/// at most (the oldest makes room).
+const MAX_ARRIVALS: usize = 256;
+/// How long a connection may take to send its first frame.
+const ARRIVAL_TIMEOUT: Duration = Duration::from_secs(10);
+/// The longest single wait in a loop (the abort flag is looked at between).
+const TICK: Duration = Duration::from_millis(50);
+/// How often a rank waiting for another's exchange request checks that the
+/// other's listener is still there.
+const PROBE_EVERY: Duration = Duration::from_millis(250);
+/// The listener's backlog (the kernel caps it at `somaxconn`): every rank
+/// of a large job may connect to one rank at once.
+const BACKLOG: i32 = 4096;
+/// Bytes read from a socket at a time.
+const READ_BUF: usize = 64 << 10;
+
+/// Why an exchange failed.
+#[derive(Debug)]
+pub(crate) enum ExchangeError {
+    /// `peer` is gone, closed the connection, broke the protocol or did not
+    /// answer in time (`timed_out`).
+    Peer {
+        peer: u32,
+        what: String,
+        timed_out: Option<Duration>,
+    },
+    /// The caller's abort flag was set.
+    Aborted,
+    /// Something local (a socket, the clock).
+    Local(Error),
+}
+
+impl std::fmt::Display for ExchangeError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ExchangeError::Peer { what, .. } => f.write_str(what),
+            ExchangeError::Aborted => f.write_str("aborted by the caller"),
+            ExchangeError::Local(e) => write!(f, "{e}"),
+        }
+    }
+}
+
+impl From<ExchangeError> for Error {
+    fn from(e: ExchangeError) -> Error {
+        match e {
+            ExchangeError::Local(e) => e,
+            ExchangeError::Aborted => Error::Unusable("aborted by the caller".into()),
+            e => Error::Bootstrap(e.to_string()),
+        }
+    }
+}
+
+/// One message for [`Peers::exchange`]: `msg` to `peer`, whose answer is
+/// the result; both ranks must call with the same `tag` for each other.
+#[derive(Clone, Debug)]
+pub(crate) struct Ask {
+    pub peer: u32,
+    pub tag: u64,
+    pub msg: Vec<u8>,
+}
+
+/// A connection to our listener whose first frame is arriving.
+struct Arrival {
+    sock: TcpStream,
+    buf: FrameBuf,
+    since: Instant,
+}
+
+/// A proven exchange request, waiting for this rank to want it.
+struct Request {
+    sock: TcpStream,
+    nonce: [u8; 16],
+    payload: Vec<u8>,
+}
+
+/// The root connection, watched while a round waits on the ring: the root
+/// says why a round failed (a rank left, a rank is late).
+pub(super) struct RootWatch<'a> {
+    pub stream: &'a mut TcpStream,
+    pub addr: SocketAddr,
+    pub rbuf: FrameBuf,
+    /// The root's last word was [`K_LEFT`]: a rank left after its last
+    /// round, which fails no round under way.
+    pub left: bool,
+}
+
+impl RootWatch<'_> {
+    /// Reads what the root sent (the stream is readable): its error, or
+    /// "closed".
+    fn read(&mut self, what: &str) -> Error {
+        let mut b = [0u8; 4096];
+        loop {
+            match self.stream.read(&mut b) {
+                Ok(0) => {
+                    return Error::Bootstrap(format!(
+                        "the bootstrap root at {} closed the connection while {what} (did the \
+                         root process exit?)",
+                        self.addr
+                    ))
+                }
+                Ok(n) => {
+                    self.rbuf.buf.extend_from_slice(&b[..n]);
+                    match self.rbuf.next_frame() {
+                        Ok(Some((k @ (K_ERROR | K_LEFT), body))) => {
+                            self.left = k == K_LEFT;
+                            return Error::Bootstrap(format!(
+                                "{} (reported by the bootstrap root at {})",
+                                String::from_utf8_lossy(&body),
+                                self.addr
+                            ));
+                        }
+                        Ok(Some((kind, _))) => {
+                            return Error::Bootstrap(format!(
+                                "the bootstrap root at {} sent an unexpected message (kind \
+                                 {kind}) while {what} (protocol error)",
+                                self.addr
+                            ))
+                        }
+                        Ok(None) => {
+                            // Only part of a frame: the rest follows at once.
+                            let _ = self.stream.set_read_timeout(Some(TICK));
+                        }
+                        Err(e) => {
+                            return Error::Bootstrap(format!(
+                                "the bootstrap root at {} sent garbage ({e}) while {what}",
+                                self.addr
+                            ))
+                        }
+                    }
+                }
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => {
+                    return Error::BootstrapIo {
+                        what: format!(
+                            "reading from the bootstrap root at {} while {what}",
+                            self.addr
+                        ),
+                        source: e,
+                    }
+                }
+            }
+        }
+    }
+
+    /// Waits up to `grace` for the root's word on a failure seen on the
+    /// ring (it names the rank that left).
+    fn verdict(&mut self, grace: Duration, what: &str) -> Option<Error> {
+        let mut fds = [PollFd::new(self.stream.as_fd(), PollFlags::POLLIN)];
+        match nix::poll::poll(&mut fds, poll_ms(grace)) {
+            Ok(n) if n > 0 => Some(self.read(what)),
+            _ => None,
+        }
+    }
+}
+
+/// A rank's listener, its ring connections, and the requests other ranks
+/// sent it.
+pub(super) struct Peers {
+    rank: u32,
+    nranks: u32,
+    secret: [u8; 16],
+    listener: TcpListener,
+    /// This rank's listening address.
+    pub addr: SocketAddr,
+    /// Every rank's listening address (after the first round).
+    pub addrs: Vec<SocketAddr>,
+    /// To the successor: frames go out through `out`.
+    next: Option<TcpStream>,
+    out: Vec<u8>,
+    out_at: usize,
+    /// From the predecessor.
+    prev: Option<TcpStream>,
+    prev_buf: FrameBuf,
+    arrivals: Vec<Arrival>,
+    /// A proven ring hello from the predecessor, before the ring is up,
+    /// and the bytes that followed it.
+    early_prev: Option<(TcpStream, Vec<u8>)>,
+    requests: BTreeMap<(u32, u64), Request>,
+    /// What the root reported while a round went on (the round may still
+    /// have completed).
+    root_said: Option<String>,
+    /// `root_said` is a [`K_LEFT`]: no reason to give up on a round that
+    /// still moves.
+    root_said_left: bool,
+    /// Rate limit of the warning about connections that did not prove the
+    /// secret.
+    warned: Option<Instant>,
+}
+
+impl std::fmt::Debug for Peers {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Peers")
+            .field("rank", &self.rank)
+            .field("addr", &self.addr)
+            .field("requests", &self.requests.len())
+            .finish_non_exhaustive()
+    }
+}
+
+fn io_err(what: String) -> impl FnOnce(io::Error) -> Error {
+    move |source| Error::BootstrapIo { what, source }
+}
+
+fn would_block(e: &io::Error) -> bool {
+    matches!(
+        e.kind(),
+        io::ErrorKind::WouldBlock | io::ErrorKind::Interrupted | io::ErrorKind::TimedOut
+    )
+}
+
+/// Writes what is left of `buf` from `*at` without blocking; `Ok(true)`
+/// once all of it is out.
+fn flush(sock: &mut TcpStream, buf: &[u8], at: &mut usize) -> io::Result<bool> {
+    while *at < buf.len() {
+        match sock.write(&buf[*at..]) {
+            Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+            Ok(n) => *at += n,
+            Err(e) if would_block(&e) => return Ok(false),
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(true)
+}
+
+/// Reads what is there into `buf` without blocking: `Ok(false)` at the end
+/// of the stream.
+fn fill(sock: &mut TcpStream, buf: &mut FrameBuf) -> io::Result<bool> {
+    let mut b = vec![0u8; READ_BUF];
+    loop {
+        match sock.read(&mut b) {
+            Ok(0) => return Ok(false),
+            Ok(n) => {
+                buf.buf.extend_from_slice(&b[..n]);
+                if n < b.len() {
+                    return Ok(true);
+                }
+            }
+            Err(e) if would_block(&e) => return Ok(true),
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+fn poll(fds: &mut [PollFd<'_>], wait: Duration) -> Result<()> {
+    match nix::poll::poll(fds, poll_ms(wait)) {
+        Ok(_) | Err(nix::errno::Errno::EINTR) => Ok(()),
+        Err(e) => Err(Error::BootstrapIo {
+            what: "poll in the bootstrap".into(),
+            source: e.into(),
+        }),
+    }
+}
+
+fn readable(fd: &PollFd<'_>) -> bool {
+    fd.revents().is_some_and(|r| !r.is_empty())
+}
+
+impl Peers {
+    /// Listens on `ip` (the address this rank reaches the root from, which
+    /// the other ranks reach it at), port 0.
+    pub fn bind(rank: u32, nranks: u32, secret: [u8; 16], ip: IpAddr) -> Result<Peers> {
+        let listener = TcpListener::bind(SocketAddr::new(ip, 0)).map_err(io_err(format!(
+            "rank {rank}: cannot listen on {ip} for other ranks"
+        )))?;
+        // A larger backlog than std's: every rank may connect at once.
+        let _ = nix::sys::socket::listen(
+            &listener,
+            nix::sys::socket::Backlog::new(BACKLOG).unwrap_or(nix::sys::socket::Backlog::MAXCONN),
+        );
+        listener
+            .set_nonblocking(true)
+            .map_err(io_err("a nonblocking bootstrap listener".into()))?;
+        let addr = listener
+            .local_addr()
+            .map_err(io_err("the bootstrap listener's address".into()))?;
+        Ok(Peers {
+            rank,
+            nranks,
+            secret,
+            listener,
+            addr,
+            addrs: Vec::new(),
+            next: None,
+            out: Vec::new(),
+            out_at: 0,
+            prev: None,
+            prev_buf: FrameBuf::default(),
+            arrivals: Vec::new(),
+            early_prev: None,
+            requests: BTreeMap::new(),
+            root_said: None,
+            root_said_left: false,
+            warned: None,
+        })
+    }
+
+    fn prev_rank(&self) -> u32 {
+        (self.rank + self.nranks - 1) % self.nranks
+    }
+
+    fn next_rank(&self) -> u32 {
+        (self.rank + 1) % self.nranks
+    }
+
+    fn nonce() -> Result<[u8; 16]> {
+        random_bytes()
+    }
+
+    fn stranger(&mut self, why: &str) {
+        let now = Instant::now();
+        if self
+            .warned
+            .is_none_or(|t| now.duration_since(t) >= Duration::from_secs(1))
+        {
+            self.warned = Some(now);
+            tracing::warn!(
+                rank = self.rank,
+                "bootstrap: dropped a connection to this rank's listener: {why}"
+            );
+        } else {
+            tracing::debug!(rank = self.rank, "bootstrap: dropped a connection: {why}");
+        }
+    }
+
+    /// Accepts what is queued and reads the first frames that are arriving;
+    /// files proven ring hellos and exchange requests, drops the rest.
+    fn pump(&mut self) {
+        loop {
+            match self.listener.accept() {
+                Ok((sock, _)) => {
+                    if sock.set_nonblocking(true).is_err() {
+                        continue;
+                    }
+                    if self.arrivals.len() >= MAX_ARRIVALS {
+                        self.arrivals.remove(0);
+                    }
+                    self.arrivals.push(Arrival {
+                        sock,
+                        buf: FrameBuf::default(),
+                        since: Instant::now(),
+                    });
+                }
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                // WouldBlock: nothing more; anything else (ECONNABORTED,
+                // EMFILE): that connection is lost, its sender will say.
+                Err(_) => break,
+            }
+        }
+        let now = Instant::now();
+        let mut i = 0;
+        while i < self.arrivals.len() {
+            let a = &mut self.arrivals[i];
+            let open = fill(&mut a.sock, &mut a.buf).unwrap_or(false);
+            let frame = a.buf.next_frame();
+            let done = match frame {
+                Ok(Some(f)) => Some(Ok(f)),
+                Ok(None) if !open => Some(Err(String::new())),
+                Ok(None) if now.duration_since(a.since) >= ARRIVAL_TIMEOUT => Some(Err(format!(
+                    "no complete first frame within {}",
+                    fmt_dur(ARRIVAL_TIMEOUT)
+                ))),
+                Ok(None) if a.buf.buf.len() > MAX_PEER_FRAME + 5 => {
+                    Some(Err("a first frame over the limit".into()))
+                }
+                Ok(None) => None,
+                Err(e) => Some(Err(e)),
+            };
+            let Some(done) = done else {
+                i += 1;
+                continue;
+            };
+            let a = self.arrivals.swap_remove(i);
+            match done {
+                Ok((kind, body)) => self.file(a.sock, kind, &body, a.buf.buf),
+                // A probe or a sender that gave up: nothing to say.
+                Err(e) if e.is_empty() => {}
+                Err(e) => self.stranger(&e),
+            }
+        }
+    }
+
+    /// Files one connection by its first frame.
+    fn file(&mut self, sock: TcpStream, kind: u8, body: &[u8], rest: Vec<u8>) {
+        match kind {
+            K_PROBE => {}
+            K_RING_HELLO | K_XCHG => {
+                let f = match PeerFrame::parse(body) {
+                    Ok(f) => f,
+                    Err(e) => return self.stranger(&e),
+                };
+                if !f.proves(kind, &self.secret) {
+                    return self.stranger("it did not prove the secret (another job's rank?)");
+                }
+                if f.to != self.rank || f.from >= self.nranks {
+                    return self.stranger(&format!(
+                        "a message from rank {} to rank {} reached rank {} (ranks disagree on \
+                         their addresses?)",
+                        f.from, f.to, self.rank
+                    ));
+                }
+                if kind == K_RING_HELLO {
+                    if f.from == self.prev_rank()
+                        && f.word == u64::from(self.nranks)
+                        && self.prev.is_none()
+                    {
+                        // The ring's first round may follow at once.
+                        self.early_prev = Some((sock, rest));
+                    } else {
+                        self.stranger(&format!(
+                            "an unexpected ring connection from rank {}",
+                            f.from
+                        ));
+                    }
+                    return;
+                }
+                if f.from >= self.rank {
+                    return self.stranger(&format!(
+                        "an exchange request from rank {}, which is not below this rank",
+                        f.from
+                    ));
+                }
+                self.requests.insert(
+                    (f.from, f.word),
+                    Request {
+                        sock,
+                        nonce: f.nonce,
+                        payload: f.payload,
+                    },
+                );
+            }
+            _ => self.stranger(&format!("a first frame of kind {kind}")),
+        }
+    }
+
+    fn listener_fd(&self) -> PollFd<'_> {
+        PollFd::new(self.listener.as_fd(), PollFlags::POLLIN)
+    }
+
+    /// Connects to the successor at `next_addr`, says who we are, and waits
+    /// for the predecessor's connection.
+    pub fn setup_ring(
+        &mut self,
+        next_addr: SocketAddr,
+        deadline: Instant,
+        root: &mut RootWatch<'_>,
+        abort: Option<&AtomicBool>,
+    ) -> Result<()> {
+        if self.nranks == 1 {
+            return Ok(());
+        }
+        let next = self.next_rank();
+        let what = format!(
+            "connecting the bootstrap ring (rank {} of {})",
+            self.rank, self.nranks
+        );
+        let mut sock = self
+            .dial(next, next_addr, deadline, abort)
+            .map_err(Error::from)?;
+        let hello = PeerFrame::sealed(
+            K_RING_HELLO,
+            &self.secret,
+            self.rank,
+            next,
+            u64::from(self.nranks),
+            Self::nonce()?,
+            &[],
+        );
+        let mut at = 0;
+        loop {
+            match flush(&mut sock, &hello, &mut at) {
+                Ok(true) => break,
+                Ok(false) => std::thread::sleep(Duration::from_millis(1)),
+                Err(e) => {
+                    return Err(Error::Bootstrap(format!(
+                    "rank {next} closed its bootstrap connection while {what} ({e}); did it exit?"
+                )))
+                }
+            }
+            if remaining(deadline).is_none() {
+                return Err(Error::Bootstrap(format!(
+                    "rank {next} did not take the ring connection within the timeout while {what}"
+                )));
+            }
+        }
+        self.next = Some(sock);
+        let prev = self.prev_rank();
+        loop {
+            self.pump();
+            if let Some((s, rest)) = self.early_prev.take() {
+                self.prev = Some(s);
+                self.prev_buf.buf = rest;
+                return Ok(());
+            }
+            if abort.is_some_and(|a| a.load(Ordering::Relaxed)) {
+                return Err(Error::Unusable(format!(
+                    "aborted by the caller while {what}"
+                )));
+            }
+            let Some(left) = remaining(deadline) else {
+                return Err(Error::Bootstrap(format!(
+                    "rank {prev} did not connect to rank {} within the timeout while {what}",
+                    self.rank
+                )));
+            };
+            let mut fds = vec![
+                self.listener_fd(),
+                PollFd::new(root.stream.as_fd(), PollFlags::POLLIN),
+            ];
+            for a in &self.arrivals {
+                fds.push(PollFd::new(a.sock.as_fd(), PollFlags::POLLIN));
+            }
+            poll(&mut fds, left.min(TICK))?;
+            let root_said = readable(&fds[1]);
+            drop(fds);
+            if root_said {
+                return Err(root.read(&what));
+            }
+        }
+    }
+
+    /// Connects to rank `peer` at `addr`: refused means it is gone.
+    fn dial(
+        &self,
+        peer: u32,
+        addr: SocketAddr,
+        deadline: Instant,
+        abort: Option<&AtomicBool>,
+    ) -> std::result::Result<TcpStream, ExchangeError> {
+        let start = Instant::now();
+        loop {
+            if abort.is_some_and(|a| a.load(Ordering::Relaxed)) {
+                return Err(ExchangeError::Aborted);
+            }
+            let Some(left) = remaining(deadline) else {
+                return Err(ExchangeError::Peer {
+                    peer,
+                    what: format!(
+                        "rank {peer} could not be reached at its bootstrap address {addr} within {}",
+                        fmt_dur(start.elapsed())
+                    ),
+                    timed_out: Some(start.elapsed()),
+                });
+            };
+            match TcpStream::connect_timeout(&addr, left.min(Duration::from_secs(1))) {
+                Ok(s) => {
+                    let _ = s.set_nodelay(true);
+                    s.set_nonblocking(true)
+                        .map_err(|e| ExchangeError::Local(io_err("nonblocking".into())(e)))?;
+                    return Ok(s);
+                }
+                Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => {
+                    return Err(ExchangeError::Peer {
+                        peer,
+                        what: format!(
+                            "rank {peer} is gone: nothing listens at its bootstrap address {addr} \
+                             any more (its process exited or was killed)"
+                        ),
+                        timed_out: None,
+                    })
+                }
+                Err(e) if would_block(&e) => {}
+                Err(e) => {
+                    return Err(ExchangeError::Peer {
+                        peer,
+                        what: format!("rank {peer} cannot be reached at {addr}: {e}"),
+                        timed_out: None,
+                    })
+                }
+            }
+        }
+    }
+
+    /// One all-gather round over the ring: sends `data` on, forwards what
+    /// arrives from the predecessor, until every rank's contribution is
+    /// here (in rank order).
+    ///
+    /// Watches the root too: when it reports a failure (a rank that left,
+    /// a rank late for the round, by `deadline`), the round still completes
+    /// if the ring keeps moving (the ranks of a finished job leave one by
+    /// one, each after its last round, while others finish theirs); once
+    /// the ring stands still for `grace`, or the predecessor's connection
+    /// ends, the root's word is the error. It is kept for the next round.
+    pub fn ring_allgather(
+        &mut self,
+        round: u64,
+        data: &[u8],
+        deadline: Instant,
+        grace: Duration,
+        root: &mut RootWatch<'_>,
+        abort: Option<&AtomicBool>,
+    ) -> Result<Vec<Vec<u8>>> {
+        let p = self.nranks as usize;
+        let me = self.rank as usize;
+        let mut got: Vec<Option<Vec<u8>>> = vec![None; p];
+        got[me] = Some(data.to_vec());
+        if p == 1 {
+            return Ok(got.into_iter().flatten().collect());
+        }
+        let (prev, next) = (self.prev_rank(), self.next_rank());
+        let started = Instant::now();
+        let deadline = deadline + grace;
+        let what = format!(
+            "in bootstrap round {round} (rank {} of {})",
+            self.rank, self.nranks
+        );
+        self.out.drain(..self.out_at);
+        self.out_at = 0;
+        self.out
+            .extend_from_slice(&data_header(round, self.rank, data.len()));
+        self.out.extend_from_slice(data);
+        let mut have = 1;
+        let mut moved = Instant::now();
+        loop {
+            // Out to the successor.
+            if let Some(s) = self.next.as_mut() {
+                let before = self.out_at;
+                if let Err(e) = flush(s, &self.out, &mut self.out_at) {
+                    return Err(self.root_word(root, grace, &what).unwrap_or_else(|| {
+                        Error::Bootstrap(format!(
+                            "rank {next} left the bootstrap (its ring connection failed: {e}) {what}"
+                        ))
+                    }));
+                }
+                if self.out_at != before {
+                    moved = Instant::now();
+                }
+                if self.out_at == self.out.len() {
+                    self.out.clear();
+                    self.out_at = 0;
+                }
+            }
+            // In from the predecessor.
+            let before = self.prev_buf.buf.len();
+            let open = match self.prev.as_mut() {
+                Some(s) => fill(s, &mut self.prev_buf).unwrap_or(false),
+                None => false,
+            };
+            if self.prev_buf.buf.len() != before {
+                moved = Instant::now();
+            }
+            // Frames of the next round may follow: they stay buffered.
+            while have < p {
+                let f = self.prev_buf.next_frame().map_err(|e| {
+                    Error::Bootstrap(format!("rank {prev} sent garbage ({e}) {what}"))
+                })?;
+                let Some((kind, body)) = f else { break };
+                if kind == K_ERROR {
+                    return Err(Error::Bootstrap(
+                        String::from_utf8_lossy(&body).into_owned(),
+                    ));
+                }
+                let (src, bytes) = parse_round_data(kind, &body, round, p).map_err(|e| {
+                    Error::Bootstrap(format!("rank {prev} sent {e} {what} (protocol error)"))
+                })?;
+                if src == me || got[src].is_some() {
+                    return Err(Error::Bootstrap(format!(
+                        "rank {prev} forwarded rank {src}'s contribution twice {what} (protocol error)"
+                    )));
+                }
+                if src != next as usize {
+                    self.out
+                        .extend_from_slice(&data_header(round, src as u32, bytes.len()));
+                    self.out.extend_from_slice(bytes);
+                }
+                got[src] = Some(bytes.to_vec());
+                have += 1;
+            }
+            if have == p && self.out.is_empty() {
+                return Ok(got.into_iter().flatten().collect());
+            }
+            if !open && have < p {
+                return Err(self.root_word(root, grace, &what).unwrap_or_else(|| {
+                    Error::Bootstrap(format!(
+                        "rank {prev} left the bootstrap (its ring connection to rank {} closed) {what}",
+                        self.rank
+                    ))
+                }));
+            }
+            if let Some(word) = &self.root_said {
+                // A rank that left after its last round (the end of a job)
+                // leaves the round to the ring: its own closed connection
+                // or the deadline ends it if it cannot complete. A failure
+                // (a late rank) ends it once the ring stands still.
+                if !self.root_said_left && moved.elapsed() >= grace {
+                    return Err(Error::Bootstrap(word.clone()));
+                }
+            }
+            if abort.is_some_and(|a| a.load(Ordering::Relaxed)) {
+                return Err(Error::Unusable(format!("aborted by the caller {what}")));
+            }
+            let Some(left) = remaining(deadline) else {
+                let missing: Vec<u32> = (0..p as u32)
+                    .filter(|&r| got[r as usize].is_none())
+                    .collect();
+                return Err(Error::Bootstrap(format!(
+                    "bootstrap round {round} did not complete within {}: the contributions of {} \
+                     did not arrive (through rank {prev}; this is rank {})",
+                    fmt_dur(started.elapsed()),
+                    super::fmt_ranks(&missing),
+                    self.rank
+                )));
+            };
+            let watch_root = self.root_said.is_none();
+            let mut fds = vec![self.listener_fd()];
+            if watch_root {
+                fds.push(PollFd::new(root.stream.as_fd(), PollFlags::POLLIN));
+            }
+            if let Some(s) = self.prev.as_ref() {
+                fds.push(PollFd::new(s.as_fd(), PollFlags::POLLIN));
+            }
+            if let (Some(s), false) = (self.next.as_ref(), self.out.is_empty()) {
+                fds.push(PollFd::new(s.as_fd(), PollFlags::POLLOUT));
+            }
+            poll(&mut fds, left.min(TICK))?;
+            let listener_ready = readable(&fds[0]);
+            let root_ready = watch_root && readable(&fds[1]);
+            drop(fds);
+            if root_ready {
+                self.root_said = Some(match root.read(&what) {
+                    Error::Bootstrap(m) => m,
+                    e => e.to_string(),
+                });
+                self.root_said_left = root.left;
+            }
+            if listener_ready || !self.arrivals.is_empty() {
+                self.pump();
+            }
+        }
+    }
+
+    /// The root's word on a failure seen on the ring: what it said
+    /// already, or what it says within `grace`.
+    fn root_word(
+        &mut self,
+        root: &mut RootWatch<'_>,
+        grace: Duration,
+        what: &str,
+    ) -> Option<Error> {
+        if let Some(w) = &self.root_said {
+            return Some(Error::Bootstrap(w.clone()));
+        }
+        root.verdict(grace, what)
+    }
+
+    /// What the root reported in an earlier round (its connection is gone
+    /// since): every later round fails with it.
+    pub fn root_said(&self) -> Option<&str> {
+        self.root_said.as_deref()
+    }
+
+    /// Exchanges one message with each peer of `asks` (none twice): the
+    /// lower rank of each pair connects and sends, the higher answers on the
+    /// same connection. Returns the peers' messages in the order of `asks`.
+    /// Waits for all of them together, so ranks that need each other in any
+    /// order all get through; a peer that is gone is named at once, one
+    /// that does not answer within `deadline` is named then.
+    pub fn exchange(
+        &mut self,
+        asks: &[Ask],
+        deadline: Instant,
+        abort: Option<&AtomicBool>,
+    ) -> std::result::Result<Vec<Vec<u8>>, ExchangeError> {
+        let mut done = vec![false; asks.len()];
+        match self.exchange_inner(asks, deadline, abort, &mut done) {
+            Err(ExchangeError::Peer {
+                peer,
+                mut what,
+                timed_out: None,
+            }) => {
+                // A rank that gave up because a third one is gone exits
+                // and so looks gone itself: name every rank of this
+                // exchange that is gone, so the first cause is among them.
+                let gone: Vec<u32> = asks
+                    .iter()
+                    .zip(&done)
+                    .filter(|(a, d)| !**d && a.peer != peer && self.probe(a.peer).is_err())
+                    .map(|(a, _)| a.peer)
+                    .collect();
+                if !gone.is_empty() {
+                    what += &format!(
+                        "; {} of this exchange {} gone too",
+                        super::fmt_ranks(&gone),
+                        if gone.len() == 1 { "is" } else { "are" }
+                    );
+                }
+                Err(ExchangeError::Peer {
+                    peer,
+                    what,
+                    timed_out: None,
+                })
+            }
+            other => other,
+        }
+    }
+
+    fn exchange_inner(
+        &mut self,
+        asks: &[Ask],
+        deadline: Instant,
+        abort: Option<&AtomicBool>,
+        done: &mut [bool],
+    ) -> std::result::Result<Vec<Vec<u8>>, ExchangeError> {
+        enum St {
+            /// We asked on `sock`; the answer arrives into `buf`.
+            Asked {
+                sock: TcpStream,
+                nonce: [u8; 16],
+                out: Vec<u8>,
+                at: usize,
+                buf: FrameBuf,
+            },
+            /// We wait for the peer's request.
+            Waiting,
+            /// We answer on `sock`.
+            Answering {
+                sock: TcpStream,
+                out: Vec<u8>,
+                at: usize,
+                theirs: Vec<u8>,
+            },
+            Done(Vec<u8>),
+        }
+        let start = Instant::now();
+        let mut sts: Vec<St> = Vec::with_capacity(asks.len());
+        for a in asks {
+            if a.peer >= self.nranks || a.peer == self.rank {
+                return Err(ExchangeError::Local(Error::InvalidArgument(format!(
+                    "bootstrap exchange with rank {} (this is rank {} of {})",
+                    a.peer, self.rank, self.nranks
+                ))));
+            }
+            let Some(&addr) = self.addrs.get(a.peer as usize) else {
+                return Err(ExchangeError::Local(Error::Bootstrap(
+                    "exchange before the ranks' addresses are known".into(),
+                )));
+            };
+            if a.peer > self.rank {
+                let sock = self.dial(a.peer, addr, deadline, abort)?;
+                let nonce = Self::nonce().map_err(ExchangeError::Local)?;
+                let out = PeerFrame::sealed(
+                    K_XCHG,
+                    &self.secret,
+                    self.rank,
+                    a.peer,
+                    a.tag,
+                    nonce,
+                    &a.msg,
+                );
+                sts.push(St::Asked {
+                    sock,
+                    nonce,
+                    out,
+                    at: 0,
+                    buf: FrameBuf::default(),
+                });
+            } else {
+                sts.push(St::Waiting);
+            }
+        }
+        let mut next_probe = Instant::now() + PROBE_EVERY;
+        loop {
+            self.pump();
+            let mut all = true;
+            for (i, (a, st)) in asks.iter().zip(sts.iter_mut()).enumerate() {
+                let peer = a.peer;
+                let gone = |e: io::Error| ExchangeError::Peer {
+                    peer,
+                    what: format!(
+                        "rank {peer} closed its bootstrap connection before answering ({e}); \
+                         did it exit?"
+                    ),
+                    timed_out: None,
+                };
+                match st {
+                    St::Done(_) => continue,
+                    St::Waiting => {
+                        if let Some(r) = self.requests.remove(&(peer, a.tag)) {
+                            let out = PeerFrame::sealed(
+                                K_XREPLY,
+                                &self.secret,
+                                self.rank,
+                                peer,
+                                a.tag,
+                                r.nonce,
+                                &a.msg,
+                            );
+                            *st = St::Answering {
+                                sock: r.sock,
+                                out,
+                                at: 0,
+                                theirs: r.payload,
+                            };
+                        }
+                    }
+                    _ => {}
+                }
+                match st {
+                    St::Answering {
+                        sock,
+                        out,
+                        at,
+                        theirs,
+                    } => {
+                        let sent = flush(sock, out, at).map_err(gone)?;
+                        if sent {
+                            let _ = sock.shutdown(Shutdown::Write);
+                            *st = St::Done(std::mem::take(theirs));
+                        }
+                    }
+                    St::Asked {
+                        sock,
+                        nonce,
+                        out,
+                        at,
+                        buf,
+                    } => {
+                        flush(sock, out, at).map_err(gone)?;
+                        let open = fill(sock, buf).map_err(gone)?;
+                        match buf.next_frame() {
+                            Ok(Some((K_XREPLY, body))) => {
+                                let f = PeerFrame::parse(&body).ok().filter(|f| {
+                                    f.proves(K_XREPLY, &self.secret)
+                                        && f.from == peer
+                                        && f.to == self.rank
+                                        && f.word == a.tag
+                                        && f.nonce == *nonce
+                                });
+                                let Some(f) = f else {
+                                    return Err(ExchangeError::Peer {
+                                        peer,
+                                        what: format!(
+                                            "rank {peer} answered with an invalid message (protocol error)"
+                                        ),
+                                        timed_out: None,
+                                    });
+                                };
+                                *st = St::Done(f.payload);
+                            }
+                            Ok(Some((kind, _))) => {
+                                return Err(ExchangeError::Peer {
+                                    peer,
+                                    what: format!(
+                                        "rank {peer} answered with a message of kind {kind} (protocol error)"
+                                    ),
+                                    timed_out: None,
+                                })
+                            }
+                            Ok(None) if !open => {
+                                return Err(gone(io::ErrorKind::UnexpectedEof.into()))
+                            }
+                            Ok(None) => {}
+                            Err(e) => {
+                                return Err(ExchangeError::Peer {
+                                    peer,
+                                    what: format!("rank {peer} answered with garbage ({e})"),
+                                    timed_out: None,
+                                })
+                            }
+                        }
+                    }
+                    _ => {}
+                }
+                done[i] = matches!(st, St::Done(_));
+                all &= done[i];
+            }
+            if all {
+                return Ok(sts
+                    .into_iter()
+                    .map(|s| match s {
+                        St::Done(v) => v,
+                        _ => Vec::new(),
+                    })
+                    .collect());
+            }
+            if abort.is_some_and(|a| a.load(Ordering::Relaxed)) {
+                return Err(ExchangeError::Aborted);
+            }
+            let Some(left) = remaining(deadline) else {
+                let (peer, asked) = asks
+                    .iter()
+                    .zip(&sts)
+                    .find(|(_, s)| !matches!(s, St::Done(_)))
+                    .map(|(a, s)| (a.peer, matches!(s, St::Asked { .. })))
+                    .unwrap_or((0, false));
+                let waited = start.elapsed();
+                return Err(ExchangeError::Peer {
+                    peer,
+                    what: format!(
+                        "rank {peer} did not {} within {} (is it stuck, or in another operation?)",
+                        if asked {
+                            "answer this rank's connection request"
+                        } else {
+                            "send its connection request"
+                        },
+                        fmt_dur(waited)
+                    ),
+                    timed_out: Some(waited),
+                });
+            };
+            // Ranks we wait for: still there?
+            if Instant::now() >= next_probe {
+                next_probe = Instant::now() + PROBE_EVERY;
+                for (a, st) in asks.iter().zip(&sts) {
+                    if matches!(st, St::Waiting) {
+                        self.probe(a.peer)?;
+                    }
+                }
+            }
+            let mut fds = vec![self.listener_fd()];
+            for a in &self.arrivals {
+                fds.push(PollFd::new(a.sock.as_fd(), PollFlags::POLLIN));
+            }
+            for st in &sts {
+                match st {
+                    St::Asked { sock, out, at, .. } => {
+                        let mut f = PollFlags::POLLIN;
+                        if *at < out.len() {
+                            f |= PollFlags::POLLOUT;
+                        }
+                        fds.push(PollFd::new(sock.as_fd(), f));
+                    }
+                    St::Answering { sock, .. } => {
+                        fds.push(PollFd::new(sock.as_fd(), PollFlags::POLLOUT))
+                    }
+                    _ => {}
+                }
+            }
+            let wait = left
+                .min(TICK)
+                .min(next_probe.saturating_duration_since(Instant::now()));
+            poll(&mut fds, wait).map_err(ExchangeError::Local)?;
+        }
+    }
+
+    /// Whether rank `peer`'s listener is still open: a refused connection
+    /// means its process is gone.
+    fn probe(&self, peer: u32) -> std::result::Result<(), ExchangeError> {
+        let Some(&addr) = self.addrs.get(peer as usize) else {
+            return Ok(());
+        };
+        match TcpStream::connect_timeout(&addr, Duration::from_millis(100)) {
+            Ok(mut s) => {
+                let _ = s.set_nonblocking(true);
+                let _ = s.write(&super::wire::frame_header(K_PROBE, 0));
+                Ok(())
+            }
+            Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => Err(ExchangeError::Peer {
+                peer,
+                what: format!(
+                    "rank {peer} is gone: nothing listens at its bootstrap address {addr} any more \
+                     (its process exited or was killed)"
+                ),
+                timed_out: None,
+            }),
+            // Slow or unreachable for now: the deadline decides.
+            Err(_) => Ok(()),
+        }
+    }
+
+    /// Shuts the ring connections (after a failed round): the neighbours
+    /// see it at once.
+    pub fn shut_ring(&mut self) {
+        for s in [self.next.as_ref(), self.prev.as_ref()]
+            .into_iter()
+            .flatten()
+        {
+            let _ = s.shutdown(Shutdown::Both);
+        }
+    }
+}
+
+/// One ring `DATA` frame of `round` from any rank below `p`: its rank and
+/// bytes.
+fn parse_round_data(
+    kind: u8,
+    body: &[u8],
+    round: u64,
+    p: usize,
+) -> std::result::Result<(usize, &[u8]), String> {
+    if kind != K_DATA || body.len() < 12 {
+        return Err(format!("a message of kind {kind}"));
+    }
+    let src = u32::from_le_bytes([body[8], body[9], body[10], body[11]]);
+    if src as usize >= p {
+        return Err(format!("a contribution of rank {src}"));
+    }
+    parse_data(kind, body, round, src).map(|d| (src as usize, d))
+}
