@@ -1,0 +1,1 @@
+//! Timed simulation (in progress).
