@@ -48,7 +48,7 @@ pub(super) fn btree(n: usize, v: usize) -> (Option<usize>, Vec<usize>) {
 /// mirrored (`n − 1 − v`) when `n` is even — every inner node of one tree is
 /// a leaf of the other — and shifted by one when it is odd.
 pub(super) fn btree_second(n: usize, v: usize) -> (Option<usize>, Vec<usize>) {
-    let even = n % 2 == 0;
+    let even = n.is_multiple_of(2);
     let to = |x: usize| if even { n - 1 - x } else { (x + 1) % n };
     let from = |x: usize| if even { n - 1 - x } else { (x + n - 1) % n };
     let (p, k) = btree(n, to(v));
@@ -63,11 +63,13 @@ impl Ctx<'_> {
     /// children reduces the first child's piece into `rbuf` and passes the
     /// second child's, reduced on the fly, to its parent; roots finalize.
     ///
-    /// Order: slot `j` holds, one op per stage, the up steps of piece `j`
-    /// of tree 0 and tree 1, then the down steps of piece `j − L` of each
-    /// (`L` = [`tree_lag`]): every link carries its messages in the same
-    /// (slot, tree, direction) order on both ends, and up steps run `L`
-    /// pieces ahead of the answers coming down.
+    /// Order, one op per stage: the up steps of every piece (piece `j` of
+    /// tree 0, then of tree 1, for `j = 0, 1, …`), then the down steps in
+    /// the same order, so every link carries its messages in the same order
+    /// on both ends. Up and down steps do not overlap: with one op at a
+    /// time, a rank interleaving them would wait for each piece's round
+    /// trip to the root before sending the next one up (the timed
+    /// simulator showed it), which costs more than the overlap gains.
     pub(super) fn all_reduce_tree(&self, prog: &mut Program, count: usize) {
         let p = self.p;
         if p == 1 {
@@ -93,17 +95,11 @@ impl Ctx<'_> {
             })
             .collect();
         let np = halves[0].len().max(halves[1].len());
-        let lag = tree_lag(p, np);
-        for j in 0..np + lag {
-            for tree in &steps {
-                if let Some((up, _)) = tree.get(j) {
-                    up.iter().for_each(|&op| prog.push(op));
-                }
-            }
-            if let Some(k) = j.checked_sub(lag) {
+        for phase in 0..2 {
+            for j in 0..np {
                 for tree in &steps {
-                    if let Some((_, down)) = tree.get(k) {
-                        down.iter().for_each(|&op| prog.push(op));
+                    if let Some(ops) = tree.get(j).map(|s| if phase == 0 { &s.0 } else { &s.1 }) {
+                        ops.iter().for_each(|&op| prog.push(op));
                     }
                 }
             }
@@ -117,22 +113,22 @@ impl Ctx<'_> {
     }
 
     /// The rank at virtual index `v` of a binomial tree rooted at `root`.
-    fn from_rel(&self, root: u32, v: usize) -> u32 {
+    fn rank_at_rel(&self, root: u32, v: usize) -> u32 {
         self.ring[(self.ring_pos(root) + v) % self.p]
     }
 
     /// Binomial-tree Broadcast: virtual index `v` (ring distance from the
     /// root) receives from `v − 2^⌊log2 v⌋` and sends to `v + 2^k` for every
-    /// `2^k > v`, largest subtree first; ⌈log2 p⌉ steps. Stage `k` receives
-    /// piece `k` and forwards piece `k − 1`.
+    /// `2^k > v`, nearest first (the nearest child heads the largest
+    /// subtree); ⌈log2 p⌉ steps. Stage `k` receives piece `k` and forwards
+    /// piece `k − 1`.
     pub(super) fn broadcast_binomial(&self, prog: &mut Program, count: usize, root: u32) {
         let p = self.p;
         let v = self.rel(root);
         let pieces = self.pieces(0, count);
         let (parent, kids) = binomial(p, v);
-        let parent = parent.map(|u| self.from_rel(root, u));
-        let mut kids: Vec<u32> = kids.iter().map(|&k| self.from_rel(root, k)).collect();
-        kids.reverse();
+        let parent = parent.map(|u| self.rank_at_rel(root, u));
+        let kids: Vec<u32> = kids.iter().map(|&k| self.rank_at_rel(root, k)).collect();
         for k in 0..=pieces.len() {
             match parent {
                 Some(par) => {
@@ -172,7 +168,8 @@ impl Ctx<'_> {
     }
 
     /// Binomial-tree Reduce, the Broadcast's tree run backwards: a rank
-    /// reduces its children's pieces (smallest subtree first) into its
+    /// reduces its children's pieces (farthest first: the smallest
+    /// subtrees finish first) into its
     /// accumulator and passes the last one on to its parent reduced on the
     /// fly. The root accumulates in the receive buffer; other ranks with
     /// two or more children in [`SCRATCH`] (a non-root rank's receive
@@ -184,8 +181,12 @@ impl Ctx<'_> {
         }
         let v = self.rel(root);
         let (parent, kids) = binomial(p, v);
-        let parent = parent.map(|u| self.from_rel(root, u));
-        let kids: Vec<u32> = kids.iter().map(|&k| self.from_rel(root, k)).collect();
+        let parent = parent.map(|u| self.rank_at_rel(root, u));
+        let kids: Vec<u32> = kids
+            .iter()
+            .rev()
+            .map(|&k| self.rank_at_rel(root, k))
+            .collect();
         let acc_buf = if parent.is_none() { RECV } else { SCRATCH };
         for (o, n) in self.pieces(0, count) {
             let s = self.reg(SEND, o, n);
@@ -283,17 +284,10 @@ fn tree_piece_ops(par: Option<u32>, kids: &[u32], s: Region, d: Region) -> (Vec<
     (up, down)
 }
 
-/// How many pieces the up steps of the double binary tree run ahead of the
-/// down steps: enough for a piece to reach the root and come back (twice
-/// the depth) before a rank waits for it, at most every piece.
-pub(super) fn tree_lag(p: usize, pieces: usize) -> usize {
-    let depth = (usize::BITS - (p.max(1) - 1).leading_zeros()) as usize;
-    (2 * depth + 2).min(pieces)
-}
-
 /// Parent and children of virtual index `v` in the binomial tree over
 /// `0..p` rooted at 0: the parent clears `v`'s highest bit; the children
-/// are `v + 2^k` for every `2^k > v` below `p`, smallest first.
+/// are `v + 2^k` for every `2^k > v` below `p`, nearest first (the
+/// nearest heads the largest subtree).
 pub(super) fn binomial(p: usize, v: usize) -> (Option<usize>, Vec<usize>) {
     let parent = (v > 0).then(|| v - (1usize << (usize::BITS - 1 - v.leading_zeros())));
     let mut kids = Vec::new();
@@ -350,7 +344,7 @@ mod tests {
                     assert!(nodes.iter().all(|x| x.1.len() <= 2), "{name} n={n}");
                 }
             }
-            if n % 2 == 0 && n > 2 {
+            if n.is_multiple_of(2) && n > 2 {
                 for v in 0..n {
                     let inner0 = !btree(n, v).1.is_empty();
                     let inner1 = !btree_second(n, v).1.is_empty();
