@@ -229,6 +229,9 @@ impl Communicator {
         } else {
             piece
         };
+        // The tuner's settings, the same on every rank (one more round).
+        let algos = super::algo::Algos::from_env(&topo_plan, piece, move_piece)?;
+        algos.agree(&boot, rank)?;
         let transports = choice
             .iter()
             .map(|c| c.map_or("self", |k| k.name()))
@@ -284,10 +287,13 @@ impl Communicator {
                     broken: None,
                     cache: HashMap::new(),
                     last: None,
+                    tune: Default::default(),
+                    plan_scratch: Vec::new(),
                 }),
                 bootstrap: Mutex::new(boot),
                 transports,
                 topo_plan,
+                algos,
                 topo_cluster,
                 transport_policy: policy,
                 children: Mutex::new(Vec::new()),
