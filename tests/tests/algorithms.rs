@@ -212,3 +212,74 @@ fn across_emulated_hosts() {
     assert_eq!(p.len(), 2, "{p:?}");
     assert!(p.iter().all(|l| l.ends_with("by model")), "{p:?}");
 }
+
+/// The emulated-host measurement in small (the full table is
+/// `scripts/algo-bench.sh`): four hosts of one rank, each link delayed
+/// 0.5 ms each way and limited to 200 Mbit/s. At latency-bound sizes the
+/// tuner's pick (log2 p steps) must take at most 0.6 × the ring's time
+/// (2(p − 1) steps; the model expects a third), and no forced algorithm
+/// may beat it by more than 25% (the emulation is noisy on a shared VM).
+#[test]
+fn emulated_hosts_the_tuner_beats_the_ring_when_latency_bound() {
+    use braid_tests::algobench::{make_hosts, measure_cell, table, Cell, Setup};
+    let _g = serial();
+    if let Err(why) = Hosts::available() {
+        println!("skipping: emulated hosts unavailable: {why}");
+        return;
+    }
+    let delayer = std::path::PathBuf::from(env!("CARGO_BIN_EXE_braid-netdelay"));
+    let perf = delayer.with_file_name("braid-perf");
+    if !perf.exists() {
+        println!(
+            "skipping: {} not built (cargo build -p braid-perf)",
+            perf.display()
+        );
+        return;
+    }
+    let s = Setup {
+        hosts: 4,
+        per_host: 1,
+        delay_us: 500,
+        rate_mbit: 200,
+        perf,
+        delayer,
+        iters: |_| 10,
+        workdir: std::env::temp_dir().join(format!("braid-algo-ci-{}", std::process::id())),
+    };
+    std::fs::create_dir_all(&s.workdir).unwrap();
+    let h = make_hosts(&s).expect("emulated hosts");
+    let mut port = 21000 + (std::process::id() % 10000) as u16;
+    let mut rows = Vec::new();
+    for cell in ["all_reduce:8", "all_reduce:1K"] {
+        let cell = Cell::parse(cell).unwrap();
+        let ms = measure_cell(&h, &s, &cell, &mut port, 1).unwrap_or_else(|e| panic!("{e}"));
+        rows.push((cell, ms));
+    }
+    println!("{}", table(&s, &rows));
+    for (cell, ms) in &rows {
+        let t = |a: Option<&str>| {
+            ms.iter()
+                .find(|m| m.forced.as_deref() == a)
+                .map(|m| m.time_us)
+                .unwrap()
+        };
+        let tuner = t(None);
+        let best = ms
+            .iter()
+            .filter(|m| m.forced.is_some())
+            .map(|m| m.time_us)
+            .fold(f64::INFINITY, f64::min);
+        assert!(
+            tuner <= 0.6 * t(Some("ring")),
+            "{}: tuner {tuner} µs, ring {}",
+            cell.name(),
+            t(Some("ring"))
+        );
+        assert!(
+            tuner <= 1.25 * best,
+            "{}: tuner {tuner} µs, best forced {best}",
+            cell.name()
+        );
+    }
+    let _ = std::fs::remove_dir_all(&s.workdir);
+}

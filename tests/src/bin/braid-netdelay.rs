@@ -2,7 +2,7 @@
 //! `tc qdisc … netem delay` on kernels built without `sch_netem` (this
 //! project's VMs have `NFQUEUE` but no netem).
 //!
-//!   braid-netdelay QUEUE DELAY_MS
+//!   braid-netdelay QUEUE DELAY_MS       (fractions allowed: 0.5)
 //!
 //! Run it inside a network namespace, then send that namespace's packets to
 //! the queue, e.g. `iptables -A OUTPUT -o eth0 -j NFQUEUE --queue-num QUEUE`.
@@ -333,14 +333,17 @@ fn run(queue: u16, delay: Duration) -> Result<u64, String> {
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     let parsed = match (args.get(1), args.get(2)) {
-        (Some(q), Some(d)) => q.parse::<u16>().ok().zip(d.parse::<u64>().ok()),
+        (Some(q), Some(d)) => q
+            .parse::<u16>()
+            .ok()
+            .zip(d.parse::<f64>().ok().filter(|d| d.is_finite() && *d >= 0.0)),
         _ => None,
     };
     let Some((queue, delay_ms)) = parsed else {
         eprintln!("usage: braid-netdelay QUEUE DELAY_MS");
         std::process::exit(2);
     };
-    match run(queue, Duration::from_millis(delay_ms)) {
+    match run(queue, Duration::from_secs_f64(delay_ms / 1e3)) {
         Ok(n) => println!("delayed {n} packets"),
         Err(e) => {
             eprintln!("braid-netdelay: {e}");
