@@ -377,3 +377,69 @@ fn unsupported_pairs_and_bad_hosts_are_errors() {
     let a2a = Collective::AllToAll { count: 2 };
     assert!(plan_with(&a2a, DataType::F32, &params, Choice::of(Algo::Bruck), &[]).is_ok());
 }
+
+/// Determinism (docs/algorithms.md): with inputs whose sums round (random
+/// f32), every AllReduce algorithm gives every rank the same bits, and the
+/// same bits whichever order the ranks take their turns in (arrival order
+/// never decides a bracketing). Different algorithms may differ.
+#[test]
+fn floating_point_results_are_the_same_bits_on_every_rank_and_schedule() {
+    let p = 7usize;
+    let n = 1000usize;
+    let input = |r: usize| -> Vec<u8> {
+        (0..n)
+            .flat_map(|i| {
+                let x = ((r * 7919 + i * 104_729) % 1_000_003) as f32 / 997.0 + 1e-3 * i as f32;
+                x.to_ne_bytes()
+            })
+            .collect()
+    };
+    let coll = Collective::AllReduce {
+        count: n,
+        op: RedOp::Sum,
+    };
+    let hosts: Vec<u32> = (0..p as u32).map(|r| r / 3).collect();
+    for choice in [
+        Choice::of(Algo::Ring),
+        Choice::of(Algo::Rd),
+        Choice::of(Algo::Rabenseifner),
+        Choice::of(Algo::Tree),
+        Choice::hier(Algo::Rabenseifner),
+    ] {
+        let mut seen: Option<Vec<u8>> = None;
+        for reverse in [false, true] {
+            for depth in [2, 5] {
+                let setups = (0..p)
+                    .map(|r| RankSetup {
+                        program: plan_with(
+                            &coll,
+                            DataType::F32,
+                            &PlanParams::new(r as u32, p as u32, 256),
+                            choice,
+                            &hosts,
+                        )
+                        .unwrap(),
+                        storages: vec![input(r), vec![0; n * 4]],
+                        buffers: vec![(0, 0), (1, 0)],
+                    })
+                    .collect();
+                let opts = SimOptions {
+                    fifo_depth: depth,
+                    check_references: false,
+                    reverse,
+                };
+                let rep = run_with(setups, opts).unwrap();
+                for r in 0..p {
+                    let got = &rep.storages[r][1];
+                    match &seen {
+                        None => seen = Some(got.clone()),
+                        Some(s) => assert_eq!(
+                            got, s,
+                            "{choice}: rank {r}, reverse={reverse} depth={depth}"
+                        ),
+                    }
+                }
+            }
+        }
+    }
+}

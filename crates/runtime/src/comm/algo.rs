@@ -317,7 +317,16 @@ impl Communicator {
         // SAFETY: `bufs` point into live vectors of the caller's, of the
         // lengths given, that the program's regions fit (it was planned for
         // them) and that nothing else touches meanwhile.
-        unsafe { host::execute(prog, &mut st.chans, &ex, &mut st.header_flags) }.map_err(|source| {
+        let res = unsafe { host::execute(prog, &mut st.chans, &ex, &mut st.header_flags) };
+        res.map_err(|source| {
+            // As a failed collective: the peers hear why, and the
+            // communicator is unusable from now on.
+            let origin = match &source {
+                CoreError::PeerAborted { reason, .. } => reason.clone(),
+                other => format!("rank {}: {other}", sh.rank),
+            };
+            st.chans.abort_all(&origin);
+            st.broken = Some(format!("the tuner's network measurement failed: {source}"));
             Error::Operation {
                 rank: sh.rank,
                 op: "tuner measurement".into(),
