@@ -1,5 +1,6 @@
 //! Integration test helpers.
 
+pub mod algobench;
 pub mod netns;
 pub mod ranks;
 pub mod workload;

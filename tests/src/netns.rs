@@ -217,6 +217,18 @@ impl Hosts {
         rate_mbit: u32,
         delayer: &str,
     ) -> Result<Delay, String> {
+        self.netem_us(h, delay_ms * 1000, rate_mbit, delayer)
+    }
+
+    /// [`Hosts::netem`] with the delay in microseconds (half a millisecond
+    /// each way makes a 1 ms round trip).
+    pub fn netem_us(
+        &mut self,
+        h: usize,
+        delay_us: u32,
+        rate_mbit: u32,
+        delayer: &str,
+    ) -> Result<Delay, String> {
         let ns = self.names[h].clone();
         let in_ns = |prog: &str, args: &[&str]| {
             run(Command::new("ip")
@@ -225,7 +237,7 @@ impl Hosts {
         };
         let root = ["qdisc", "add", "dev", "eth0", "root"];
         let rate = format!("{rate_mbit}mbit");
-        let delay = format!("{delay_ms}ms");
+        let delay = format!("{delay_us}us");
         let netem = [&root[..], &["netem", "delay", &delay, "rate", &rate]].concat();
         match in_ns("tc", &netem) {
             Ok(()) => return Ok(Delay::Netem),
@@ -240,7 +252,14 @@ impl Hosts {
         in_ns("tc", &tbf)?;
         let queue = (1000 + h).to_string();
         let mut child = Command::new("ip")
-            .args(["netns", "exec", &ns, delayer, &queue, &delay_ms.to_string()])
+            .args([
+                "netns",
+                "exec",
+                &ns,
+                delayer,
+                &queue,
+                &(f64::from(delay_us) / 1e3).to_string(),
+            ])
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())

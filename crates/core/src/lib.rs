@@ -11,6 +11,7 @@
 //! - [`config`]: how `BRAID_*` values are read (booleans, numbers, NCCL's
 //!   device lists), the same way in every crate.
 //! - [`wire`]: reading and writing the connect-info blobs.
+//! - [`tune`]: the tuner's cost model (which algorithm for which call).
 
 pub mod config;
 pub mod copy;
@@ -21,6 +22,7 @@ pub mod reference;
 pub mod sim;
 pub mod topo;
 pub mod transport;
+pub mod tune;
 pub mod types;
 pub mod wire;
 

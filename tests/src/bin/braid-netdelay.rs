@@ -2,7 +2,7 @@
 //! `tc qdisc … netem delay` on kernels built without `sch_netem` (this
 //! project's VMs have `NFQUEUE` but no netem).
 //!
-//!   braid-netdelay QUEUE DELAY_MS
+//!   braid-netdelay QUEUE DELAY_MS       (fractions allowed: 0.5)
 //!
 //! Run it inside a network namespace, then send that namespace's packets to
 //! the queue, e.g. `iptables -A OUTPUT -o eth0 -j NFQUEUE --queue-num QUEUE`.
@@ -274,12 +274,17 @@ fn run(queue: u16, delay: Duration) -> Result<u64, String> {
             ))
             .map_err(|e| format!("verdict: {e}"))?;
         }
-        let wait_ms = match pending.front() {
+        // The wait until the next packet is due, to the microsecond (a
+        // millisecond poll would hold a 0.5 ms delay for 1-2 ms).
+        let wait = match pending.front() {
             Some(&(due, _)) => due
                 .saturating_duration_since(Instant::now())
-                .as_millis()
-                .max(1) as i32,
-            None => 100,
+                .max(Duration::from_micros(1)),
+            None => Duration::from_millis(100),
+        };
+        let ts = libc::timespec {
+            tv_sec: wait.as_secs() as libc::time_t,
+            tv_nsec: wait.subsec_nanos() as libc::c_long,
         };
         let mut fds = [
             libc::pollfd {
@@ -293,8 +298,9 @@ fn run(queue: u16, delay: Duration) -> Result<u64, String> {
                 revents: 0,
             },
         ];
-        // SAFETY: `fds` is a valid array of two pollfds.
-        let r = unsafe { libc::poll(fds.as_mut_ptr(), 2, wait_ms) };
+        // SAFETY: `fds` is a valid array of two pollfds, `ts` a valid
+        // timespec; the signal mask is left alone (null).
+        let r = unsafe { libc::ppoll(fds.as_mut_ptr(), 2, &ts, std::ptr::null()) };
         if r < 0 {
             let e = std::io::Error::last_os_error();
             if e.raw_os_error() == Some(libc::EINTR) {
@@ -333,14 +339,17 @@ fn run(queue: u16, delay: Duration) -> Result<u64, String> {
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     let parsed = match (args.get(1), args.get(2)) {
-        (Some(q), Some(d)) => q.parse::<u16>().ok().zip(d.parse::<u64>().ok()),
+        (Some(q), Some(d)) => q
+            .parse::<u16>()
+            .ok()
+            .zip(d.parse::<f64>().ok().filter(|d| d.is_finite() && *d >= 0.0)),
         _ => None,
     };
     let Some((queue, delay_ms)) = parsed else {
         eprintln!("usage: braid-netdelay QUEUE DELAY_MS");
         std::process::exit(2);
     };
-    match run(queue, Duration::from_millis(delay_ms)) {
+    match run(queue, Duration::from_secs_f64(delay_ms / 1e3)) {
         Ok(n) => println!("delayed {n} packets"),
         Err(e) => {
             eprintln!("braid-netdelay: {e}");

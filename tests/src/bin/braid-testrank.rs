@@ -8,7 +8,10 @@
 //! Suites:
 //! - `matrix SIZES`: every collective × datatype × op × size, in place and
 //!   out of place, checked against `braid_core::reference`; prints one line
-//!   per failure and exits 1 if any.
+//!   per failure and exits 1 if any; then prints the algorithm an
+//!   AllReduce of each size runs (`rank R allreduce N f32: ALGO by SOURCE`).
+//! - `quick-matrix SIZES`: the same over three datatypes (f32, i8, f64) and
+//!   the operators sum and avg.
 //! - `loop ITERS COUNT`: AllReduce over and over (the kill test kills one rank
 //!   in the middle); prints `ready` after the first, and on error prints
 //!   `error: ...` and exits 3.
@@ -162,17 +165,25 @@ fn case(
     Ok(())
 }
 
-fn matrix(comm: &Communicator, sizes: &[usize]) -> u32 {
+fn matrix(comm: &Communicator, sizes: &[usize], quick: bool) -> u32 {
     let mut failures = 0;
     let mut cases = 0;
     let t0 = Instant::now();
     for &n in sizes {
         for kind in Kind::ALL {
             let ops: &[RedOp] = match kind {
+                Kind::AllReduce | Kind::ReduceScatter | Kind::Reduce if quick => {
+                    &[RedOp::Sum, RedOp::Avg]
+                }
                 Kind::AllReduce | Kind::ReduceScatter | Kind::Reduce => &RedOp::ALL,
                 _ => &[RedOp::Sum],
             };
-            for dt in DataType::ALL {
+            let dts: &[DataType] = if quick {
+                &[DataType::F32, DataType::I8, DataType::F64]
+            } else {
+                &DataType::ALL
+            };
+            for &dt in dts {
                 for &op in ops {
                     let prep = match prepare(comm, kind, dt, op, n) {
                         Ok(p) => p,
@@ -386,9 +397,25 @@ fn main() -> ExitCode {
     );
     let extra: Vec<usize> = args[5..].iter().filter_map(|s| s.parse().ok()).collect();
     match args[1].as_str() {
-        "matrix" => {
-            if matrix(&comm, &extra) > 0 {
+        suite @ ("matrix" | "quick-matrix") => {
+            if matrix(&comm, &extra, suite == "quick-matrix") > 0 {
                 return ExitCode::from(1);
+            }
+            // The algorithm an AllReduce of each size runs, and what chose
+            // it (run once more: the matrix's many calls evict plans).
+            for &n in &extra {
+                let c = Collective::AllReduce {
+                    count: n,
+                    op: RedOp::Sum,
+                };
+                let (send, mut recv) = (vec![1.0f32; n], vec![0.0f32; n]);
+                if let Err(e) = comm.all_reduce(&send, &mut recv, RedOp::Sum) {
+                    println!("error: {e}");
+                    return ExitCode::from(1);
+                }
+                if let Some((name, by)) = comm.algorithm(&c, DataType::F32) {
+                    println!("rank {rank} allreduce {n} f32: {name} by {by}");
+                }
             }
         }
         "loop" => {

@@ -687,6 +687,11 @@ impl<'a> Runner<'a> {
             o.cycles,
         );
         h += &format!("# buffers: {buffers}\n");
+        for var in ["BRAID_ALGO", "BRAID_TUNING_FILE"] {
+            if let Some(v) = std::env::var(var).ok().filter(|v| !v.trim().is_empty()) {
+                h += &format!("# algorithm: {var}={v} (see the per-size list after the table)\n");
+            }
+        }
         h += &format!(
             "# binding: {}\n",
             std::env::var(crate::launch::BINDING_ENV)
@@ -883,6 +888,7 @@ impl<'a> Runner<'a> {
             (true, RootSel::All) => (0..p).collect(),
         };
         let mut rows = Vec::new();
+        let mut algos: Vec<(u64, &str, String)> = Vec::new();
         let (mut wrong_total, mut bw_sum, mut bw_n) = (0u64, 0f64, 0u64);
         let mut cycle = 0u32;
         while o.cycles == 0 || cycle < o.cycles {
@@ -930,6 +936,16 @@ impl<'a> Runner<'a> {
                                 m_ip.as_ref(),
                             );
                             self.print(&(line + "\n"))?;
+                            let algorithm = match (&sh.coll, self.dev.is_none()) {
+                                (Some(c), true) => self
+                                    .comm
+                                    .algorithm(c, dt)
+                                    .map(|(a, by)| format!("{a} ({by})")),
+                                _ => None,
+                            };
+                            if let Some(a) = &algorithm {
+                                algos.push((sh.size, dt.name(), a.clone()));
+                            }
                             rows.push(Row {
                                 collective: o.bench.name().into(),
                                 nranks: p,
@@ -941,6 +957,7 @@ impl<'a> Runner<'a> {
                                 cycle,
                                 out_of_place: Some(JsonMeas::from(&m_oop)),
                                 in_place: m_ip.as_ref().map(JsonMeas::from),
+                                algorithm,
                             });
                         }
                     }
@@ -949,6 +966,14 @@ impl<'a> Runner<'a> {
             cycle = cycle.saturating_add(1);
         }
         let avg = if bw_n > 0 { bw_sum / bw_n as f64 } else { 0.0 };
+        if !algos.is_empty() {
+            let mut t = String::from("# algorithm (chosen by) per size:\n");
+            algos.dedup();
+            for (size, dt, a) in &algos {
+                t += &format!("# {size:>12}  {dt:>8}  {a}\n");
+            }
+            self.print(&t)?;
+        }
         self.print(&format::footer(wrong_total, avg))?;
         Ok(Summary {
             report: Report {

@@ -50,6 +50,10 @@ pub struct Row {
     /// null where not measured (e.g. in-place alltoall).
     pub out_of_place: Option<JsonMeas>,
     pub in_place: Option<JsonMeas>,
+    /// The algorithm braid ran and what chose it (`rd (model)`), where the
+    /// collective has a choice.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub algorithm: Option<String>,
 }
 
 /// A whole run.
@@ -190,6 +194,7 @@ pub fn import_mpi_csv(text: &str, label: Option<&str>) -> Result<Report, String>
             cycle: 0,
             out_of_place,
             in_place,
+            algorithm: None,
         });
     }
     if rows.is_empty() {

@@ -6,7 +6,8 @@
 //! connect-info point to point through the bootstrap
 //! ([`Bootstrap::exchange`]: no round, no barrier, nothing from the other
 //! ranks), and connect (send ends first, which never wait, then receive
-//! ends). Both ranks decide alike that an operation uses a link, since rank
+//! ends), and say so to each other (a second exchange: a send end then knows
+//! whether its receiver's single-copy probe succeeded). Both ranks decide alike that an operation uses a link, since rank
 //! a's program sends to b exactly when b's receives from a; each pair
 //! counts its exchanges, so the n-th on one side meets the n-th on the
 //! other. `BRAID_CONNECT=eager` connects every pair at creation instead.
@@ -112,6 +113,8 @@ const MSG_VERSION: u8 = 1;
 const SENDS: u8 = 1;
 /// Flag: the sender of the message receives from its receiver.
 const RECEIVES: u8 = 2;
+/// The second message of a first use: "my ends of our links are connected".
+const CONNECTED: u8 = 4;
 
 /// One pair's part of a connection: our pending ends and what we ask.
 struct PairPlan {
@@ -368,6 +371,31 @@ impl Connector {
         for (plan, (their_send, _)) in plans.iter_mut().zip(&infos) {
             if let (Some(pr), Some(info)) = (plan.recv.take(), their_send) {
                 chans.recv[plan.peer as usize] = Some(pr.connect(info, deadline)?);
+            }
+        }
+        // Every receive end here has run its single-copy probe: a second
+        // exchange tells the peers, so their send ends know whether the link
+        // passes references before its first piece (plans cut pieces larger
+        // than a slot for links that do), as the barrier after creation does
+        // for the first links.
+        let done: Vec<Ask> = pairs
+            .iter()
+            .map(|&(q, ..)| Ask {
+                peer: q,
+                tag: self.xchg[q as usize],
+                msg: vec![MSG_VERSION, CONNECTED],
+            })
+            .collect();
+        let replies = boot.exchange(&done).map_err(|e| self.exchange_error(e))?;
+        for a in &done {
+            self.xchg[a.peer as usize] += 1;
+        }
+        for (a, reply) in done.iter().zip(&replies) {
+            if reply[..] != [MSG_VERSION, CONNECTED] {
+                return Err(CoreError::Protocol {
+                    peer: a.peer,
+                    detail: "malformed confirmation of a link used for the first time".into(),
+                });
             }
         }
         let (s, r): (Vec<u32>, Vec<u32>) = (

@@ -215,6 +215,11 @@ impl Communicator {
         } else {
             piece as usize
         };
+        // The tuner's settings, the same on every rank (one more round);
+        // its piece for pure data movement is set with the communicator's,
+        // once the first links are connected (below).
+        let algos = super::algo::Algos::from_env(&topo_plan, piece, piece)?;
+        algos.agree(&boot, rank)?;
         let transports = choice
             .iter()
             .map(|c| c.map_or("self", |k| k.name()))
@@ -276,10 +281,13 @@ impl Communicator {
                     broken: None,
                     cache: HashMap::new(),
                     last: None,
+                    tune: Default::default(),
+                    plan_scratch: Vec::new(),
                 }),
                 bootstrap: Mutex::new(boot),
                 transports,
                 topo_plan,
+                algos,
                 topo_cluster,
                 transport_policy: policy,
                 children: Mutex::new(Vec::new()),
@@ -322,6 +330,7 @@ impl Communicator {
             .ok_or_else(|| Error::Unusable("the communicator was shared during creation".into()))?;
         sh.move_piece = move_piece;
         sh.direct_moves = direct_moves;
+        sh.algos.shape.move_piece = move_piece;
         {
             // Plans made before this used the provisional pieces.
             let mut st = comm.lock()?;

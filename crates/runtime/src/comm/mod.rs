@@ -21,7 +21,7 @@ use braid_core::topo::{CpuSet, TransportPolicy};
 use braid_core::transport::{PeerDesc, PendingRecv, PendingSend};
 use braid_core::types::Element;
 use braid_core::{CoreError, DataType, RedOp};
-use tracing::{debug, info, info_span};
+use tracing::{debug, info, info_span, warn};
 
 use crate::bootstrap::{
     create_unique_id, create_unique_id_with_timeout, Bootstrap, RootServer, UniqueId,
@@ -37,6 +37,7 @@ use crate::slot_stores::{self, SlotStores};
 use crate::topology;
 use crate::transports::TransportTable;
 
+mod algo;
 mod config;
 mod connect;
 mod create;
@@ -91,6 +92,8 @@ struct Shared {
     bootstrap: Mutex<Bootstrap>,
     transports: Vec<&'static str>,
     topo_plan: braid_core::topo::Plan,
+    /// `BRAID_ALGO`, the rules file and the job's shape for the tuner.
+    algos: algo::Algos,
     /// The fused topology of every rank (without GPUs) and the transport
     /// policy it was planned under, for device communicators.
     topo_cluster: braid_core::topo::Cluster,
@@ -132,24 +135,40 @@ struct State {
     /// The last collective run and its plan: a loop of the same call skips
     /// hashing.
     last: Option<(Collective, DataType, Planned)>,
+    /// The tuner's measured link costs.
+    tune: algo::TuneState,
+    /// Scratch memory of plans that keep partial results (`plan::SCRATCH`).
+    plan_scratch: Vec<u64>,
 }
 
-/// A collective's plan, whether it moves data single-copy, and the links
-/// it uses.
+/// A collective's plan, whether it moves data single-copy, the links it
+/// uses, and its algorithm with what chose it.
 #[derive(Clone, Debug)]
 struct Planned {
     prog: Arc<Program>,
     single_copy: bool,
     links: Arc<connect::LinkSet>,
+    algo: Option<(braid_core::plan::Choice, braid_core::tune::Source)>,
+    /// Bytes of scratch memory the plan uses (`plan::SCRATCH`).
+    scratch: usize,
 }
 
 impl Planned {
-    fn new(prog: Program, single_copy: bool) -> Planned {
+    /// `picked`: an algorithm chose it (its plans may use `plan::SCRATCH`;
+    /// braid's defaults and groups, whose buffer 2 is a caller's, do not).
+    fn new(
+        prog: Program,
+        single_copy: bool,
+        algo: Option<(braid_core::plan::Choice, braid_core::tune::Source)>,
+        picked: bool,
+    ) -> Planned {
         let (send, recv) = prog.peers();
         Planned {
+            scratch: if picked { prog.scratch_bytes() } else { 0 },
             prog: Arc::new(prog),
             single_copy,
             links: Arc::new(connect::LinkSet { send, recv }),
+            algo,
         }
     }
 }
@@ -417,6 +436,24 @@ impl Communicator {
             true
         };
         let buf_bytes = bufs.iter().map(|b| b.len).sum::<usize>();
+        let with_scratch;
+        let bufs = if planned.scratch > 0 {
+            let words = planned.scratch.div_ceil(8);
+            if st.plan_scratch.len() < words {
+                st.plan_scratch.resize(words, 0);
+            }
+            with_scratch = [
+                bufs[0],
+                bufs[1],
+                RawBuf {
+                    ptr: st.plan_scratch.as_mut_ptr().cast(),
+                    len: planned.scratch,
+                },
+            ];
+            &with_scratch[..]
+        } else {
+            bufs
+        };
         let ex = Exec {
             bufs,
             policy: &sh.policy,
@@ -539,6 +576,7 @@ impl Communicator {
             }
         }
         let single_copy = self.single_copy(coll, dt);
+        let picked = self.pick(st, coll, dt)?;
         let params = PlanParams {
             rank: sh.rank,
             ring: sh.ring.clone(),
@@ -553,7 +591,43 @@ impl Communicator {
                             .saturating_mul(dt.size())
                             <= FLAT_ALLGATHER_MAX_BYTES)),
         };
-        let planned = Planned::new(plan::plan(coll, dt, &params)?, single_copy);
+        let planned = match picked {
+            Some(pk) => {
+                let prog = plan::plan_with(coll, dt, &params, pk.choice, &sh.algos.hosts)?;
+                let log = |msg: &str| {
+                    if sh.rank == 0 {
+                        info!(
+                            op = coll.name(),
+                            bytes = algo::coll_bytes(coll, dt, sh.nranks),
+                            nranks = sh.nranks,
+                            hosts = sh.algos.shape.nhosts,
+                            algorithm = %pk.choice,
+                            by = pk.source.name(),
+                            model_us = pk.estimate_us,
+                            "{msg}"
+                        );
+                    } else {
+                        debug!(algorithm = %pk.choice, by = pk.source.name(), "{msg}");
+                    }
+                };
+                log("braid: algorithm");
+                Planned::new(
+                    prog,
+                    single_copy && pk.choice.single_copy_safe(),
+                    Some((pk.choice, pk.source)),
+                    true,
+                )
+            }
+            None => {
+                let algo = braid_core::plan::CollKind::of(coll).map(|_| {
+                    (
+                        algo::default_choice(coll, dt, &params),
+                        braid_core::tune::Source::Default,
+                    )
+                });
+                Planned::new(plan::plan(coll, dt, &params)?, single_copy, algo, false)
+            }
+        };
         if cacheable {
             if st.cache.len() >= 256 {
                 st.cache.clear();

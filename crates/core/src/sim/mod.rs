@@ -7,6 +7,17 @@
 //! simulator also proves that plans cannot deadlock with FIFOs of that depth.
 //! It counts the bytes each rank sends, which the volume tests check against
 //! the formulas of the seed ((p−1)·S/p, 2(p−1)·S/p, …).
+//!
+//! [`run_with`] can also check that plans may send by reference (single
+//! copy): every message that a rank sent from its buffers must still match
+//! those buffers when the receiver takes it — a rank that rewrites a region
+//! before the peer read it would have corrupted a by-reference transfer.
+//! And it can run the ranks' turns in reverse order, another interleaving.
+//!
+//! [`clock`] runs the same programs without data on a timed model of hosts
+//! and links (LogGP-style) to predict how long each algorithm takes.
+
+pub mod clock;
 
 use std::collections::{HashMap, VecDeque};
 
@@ -106,10 +117,42 @@ impl RankState {
     }
 }
 
-type Fifos = HashMap<(u32, u32), VecDeque<Vec<u8>>>;
+/// A message in flight: its bytes and, for data sent from the sender's
+/// buffers, where they came from (storage index and byte range).
+struct Msg {
+    data: Vec<u8>,
+    from_buffer: Option<(usize, std::ops::Range<usize>)>,
+}
+
+type Fifos = HashMap<(u32, u32), VecDeque<Msg>>;
+
+/// How [`run_with`] runs the programs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SimOptions {
+    /// Messages each directed link holds.
+    pub fifo_depth: usize,
+    /// Fail if a rank rewrites a region it sent before the receiver took
+    /// the message (see the module docs).
+    pub check_references: bool,
+    /// Ranks take their turns from the last to the first.
+    pub reverse: bool,
+}
 
 /// Run all ranks' programs together with FIFOs of `fifo_depth` messages.
 pub fn run(setups: Vec<RankSetup>, fifo_depth: usize) -> Result<SimReport> {
+    run_with(
+        setups,
+        SimOptions {
+            fifo_depth,
+            check_references: false,
+            reverse: false,
+        },
+    )
+}
+
+/// Run all ranks' programs together as `opts` say.
+pub fn run_with(setups: Vec<RankSetup>, opts: SimOptions) -> Result<SimReport> {
+    let fifo_depth = opts.fifo_depth;
     if fifo_depth == 0 {
         return Err(CoreError::InvalidArgument("fifo depth must be ≥ 1".into()));
     }
@@ -127,11 +170,14 @@ pub fn run(setups: Vec<RankSetup>, fifo_depth: usize) -> Result<SimReport> {
         .collect();
     let mut fifos: Fifos = HashMap::new();
     let mut max_message = 0;
+    let n = ranks.len();
     loop {
         let mut progressed = false;
         let mut all_done = true;
-        for (r, st) in ranks.iter_mut().enumerate() {
-            while st.stage < st.setup.program.stage_ends.len() {
+        for turn in 0..n {
+            let r = if opts.reverse { n - 1 - turn } else { turn };
+            while ranks[r].stage < ranks[r].setup.program.stage_ends.len() {
+                let st = &ranks[r];
                 let start = if st.stage == 0 {
                     0
                 } else {
@@ -143,18 +189,18 @@ pub fn run(setups: Vec<RankSetup>, fifo_depth: usize) -> Result<SimReport> {
                 // while an earlier blocked op of its stage uses the same link.
                 let mut claimed: Vec<(Option<u32>, Option<u32>)> = Vec::new();
                 for i in start..end {
-                    if st.done[i] {
+                    if ranks[r].done[i] {
                         continue;
                     }
-                    let op = st.setup.program.ops[i];
+                    let op = ranks[r].setup.program.ops[i];
                     let (rp, sp) = (op.recv_peer(), op.send_peer());
                     let overlaps = claimed
                         .iter()
                         .any(|&(cr, cs)| (rp.is_some() && rp == cr) || (sp.is_some() && sp == cs));
                     if !overlaps
-                        && try_op(r as u32, st, op, &mut fifos, fifo_depth, &mut max_message)?
+                        && try_op(r as u32, &mut ranks, op, &mut fifos, opts, &mut max_message)?
                     {
-                        st.done[i] = true;
+                        ranks[r].done[i] = true;
                         progressed = true;
                     } else {
                         stage_done = false;
@@ -162,12 +208,12 @@ pub fn run(setups: Vec<RankSetup>, fifo_depth: usize) -> Result<SimReport> {
                     }
                 }
                 if stage_done {
-                    st.stage += 1;
+                    ranks[r].stage += 1;
                 } else {
                     break;
                 }
             }
-            if st.stage < st.setup.program.stage_ends.len() {
+            if ranks[r].stage < ranks[r].setup.program.stage_ends.len() {
                 all_done = false;
             }
         }
@@ -200,13 +246,13 @@ pub fn run(setups: Vec<RankSetup>, fifo_depth: usize) -> Result<SimReport> {
     })
 }
 
-/// Run `op` if its input is there and its output has room.
+/// Run `op` of rank `me` if its input is there and its output has room.
 fn try_op(
     me: u32,
-    st: &mut RankState,
+    ranks: &mut [RankState],
     op: Op,
     fifos: &mut Fifos,
-    depth: usize,
+    opts: SimOptions,
     max_message: &mut usize,
 ) -> Result<bool> {
     if let Some(from) = op.recv_peer() {
@@ -215,7 +261,10 @@ fn try_op(
         }
     }
     if let Some(to) = op.send_peer() {
-        if fifos.get(&(me, to)).is_some_and(|q| q.len() >= depth) {
+        if fifos
+            .get(&(me, to))
+            .is_some_and(|q| q.len() >= opts.fifo_depth)
+        {
             return Ok(false);
         }
     }
@@ -224,45 +273,61 @@ fn try_op(
             let msg = fifos
                 .get_mut(&(from, me))
                 .and_then(|q| q.pop_front())
-                .unwrap_or_default();
-            if msg.len() != op.wire_len() {
+                .ok_or_else(|| sim_err(me as usize, "message vanished".into()))?;
+            if msg.data.len() != op.wire_len() {
                 return Err(sim_err(
                     me as usize,
                     format!(
                         "rank {me} expected {} bytes from rank {from}, got {}",
                         op.wire_len(),
-                        msg.len()
+                        msg.data.len()
                     ),
                 ));
             }
-            msg
+            if let (true, Some((sti, range))) = (opts.check_references, &msg.from_buffer) {
+                let now = ranks
+                    .get(from as usize)
+                    .and_then(|s| s.setup.storages.get(*sti))
+                    .and_then(|s| s.get(range.clone()));
+                if now != Some(&msg.data[..]) {
+                    return Err(sim_err(
+                        from as usize,
+                        format!(
+                            "rank {from} rewrote bytes {range:?} of its storage {sti} that it had sent to rank {me} before rank {me} took them: a by-reference transfer would have been corrupted"
+                        ),
+                    ));
+                }
+            }
+            msg.data
         }
         None => Vec::new(),
     };
-    let out = match op {
+    let st = &mut ranks[me as usize];
+    let source = |st: &RankState, r: Region| st.range(r).ok();
+    let (out, from_buffer) = match op {
         Op::Copy { src, dst, finalize } => {
             let mut d = st.read(src)?;
             st.finalize(&mut d, finalize)?;
             st.write(dst, &d)?;
-            None
+            (None, None)
         }
-        Op::Send { src, .. } => Some(st.read(src)?),
+        Op::Send { src, .. } => (Some(st.read(src)?), source(st, src)),
         Op::Recv { dst, .. } => {
             st.write(dst, &input)?;
-            None
+            (None, None)
         }
-        Op::RecvReduceSend { src, .. } => Some(st.reduce(&input, &st.read(src)?)?),
+        Op::RecvReduceSend { src, .. } => (Some(st.reduce(&input, &st.read(src)?)?), None),
         Op::RecvReduceCopy {
             src, dst, finalize, ..
         } => {
             let mut d = st.reduce(&input, &st.read(src)?)?;
             st.finalize(&mut d, finalize)?;
             st.write(dst, &d)?;
-            None
+            (None, None)
         }
         Op::RecvCopySend { dst, .. } => {
             st.write(dst, &input)?;
-            Some(input)
+            (Some(input), source(st, dst))
         }
         Op::RecvReduceCopySend {
             src, dst, finalize, ..
@@ -270,13 +335,16 @@ fn try_op(
             let mut d = st.reduce(&input, &st.read(src)?)?;
             st.finalize(&mut d, finalize)?;
             st.write(dst, &d)?;
-            Some(d)
+            (Some(d), source(st, dst))
         }
     };
     if let (Some(data), Some(to)) = (out, op.send_peer()) {
         st.sent += data.len() as u64;
         *max_message = (*max_message).max(data.len());
-        fifos.entry((me, to)).or_default().push_back(data);
+        fifos
+            .entry((me, to))
+            .or_default()
+            .push_back(Msg { data, from_buffer });
     }
     Ok(true)
 }

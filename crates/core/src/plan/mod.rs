@@ -28,6 +28,25 @@
 //! NCCL defines them (AllGather: send = recv + rank·count; ReduceScatter: recv
 //! = send + rank·recvcount); the plans are written to be correct under that
 //! aliasing, and a copy whose source and destination coincide is a no-op.
+//!
+//! Algorithms: [`plan`] makes braid's default plans (rings and chains,
+//! recursive doubling for small AllReduce, the direct AllGather and
+//! Broadcast where [`PlanParams::direct_moves`] says so); [`plan_with`]
+//! makes the plan of a named [`Algo`] — ring, direct, recursive doubling,
+//! Rabenseifner, double binary tree / binomial tree, Bruck, hierarchical —
+//! one file each (`ring.rs`, `halving.rs`, `tree.rs`, `bruck.rs`,
+//! `hier.rs`; `algo.rs` names them and says which collective each runs).
+//! Some algorithms keep partial results in a scratch buffer, buffer
+//! [`SCRATCH`], which the executor provides ([`Program::scratch_bytes`]).
+
+mod algo;
+mod bruck;
+mod halving;
+mod hier;
+mod ring;
+mod tree;
+
+pub use algo::{Algo, Choice, CollKind};
 
 use crate::error::{CoreError, Result};
 use crate::types::{DataType, RedOp};
@@ -36,6 +55,10 @@ use crate::types::{DataType, RedOp};
 pub const SEND: u16 = 0;
 /// Buffer index of the receive buffer of a collective.
 pub const RECV: u16 = 1;
+/// Buffer index of the scratch buffer some algorithms keep partial
+/// results in (binomial Reduce, Bruck ReduceScatter): memory of the
+/// executor's, [`Program::scratch_bytes`] long, that no other rank sees.
+pub const SCRATCH: u16 = 2;
 
 /// A byte range of one of the operation's buffers.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -106,6 +129,18 @@ impl Op {
             | Op::RecvReduceCopySend { to, .. } => Some(to),
             _ => None,
         }
+    }
+
+    /// The buffer regions this op reads or writes.
+    pub fn regions(&self) -> impl Iterator<Item = Region> {
+        let (a, b) = match *self {
+            Op::Copy { src, dst, .. }
+            | Op::RecvReduceCopy { src, dst, .. }
+            | Op::RecvReduceCopySend { src, dst, .. } => (Some(src), Some(dst)),
+            Op::Send { src, .. } | Op::RecvReduceSend { src, .. } => (Some(src), None),
+            Op::Recv { dst, .. } | Op::RecvCopySend { dst, .. } => (Some(dst), None),
+        };
+        a.into_iter().chain(b)
     }
 
     /// Bytes this op moves through a transport (the piece length).
@@ -513,6 +548,18 @@ impl Program {
         }
         (send, recv)
     }
+
+    /// Bytes of [`SCRATCH`] the program uses (0: none): the end of the
+    /// furthest scratch region.
+    pub fn scratch_bytes(&self) -> usize {
+        self.ops
+            .iter()
+            .flat_map(|o| o.regions())
+            .filter(|r| r.buf == SCRATCH)
+            .map(|r| r.offset + r.len)
+            .max()
+            .unwrap_or(0)
+    }
 }
 
 /// Plan one rank's part of `coll` on elements of `dtype`.
@@ -541,6 +588,8 @@ pub fn plan(coll: &Collective, dtype: DataType, params: &PlanParams) -> Result<P
         p: p as usize,
         es,
         piece,
+        sbuf: SEND,
+        rbuf: RECV,
     };
     match *coll {
         Collective::AllReduce { count, .. }
@@ -566,12 +615,113 @@ pub fn plan(coll: &Collective, dtype: DataType, params: &PlanParams) -> Result<P
     Ok(prog)
 }
 
+/// Plan one rank's part of `coll` with the algorithm `choice` names (see
+/// [`Algo`]): the tuner's and `BRAID_ALGO`'s entry point. `hosts` gives
+/// the host (any index) of every rank, for [`Algo::Hier`]; empty means a
+/// host per rank. Point-to-point groups, AllToAll and the barrier have one
+/// plan each, as [`plan`] makes it, whatever the choice. An algorithm that
+/// cannot run `coll` is an error saying which can.
+///
+/// Algorithms other than the ring ignore [`PlanParams::small_allreduce_bytes`]
+/// and [`PlanParams::direct_moves`]; trees, halving and Bruck number the
+/// ranks by their ring position (so ranks of a host, adjacent on the ring,
+/// exchange with each other first).
+pub fn plan_with(
+    coll: &Collective,
+    dtype: DataType,
+    params: &PlanParams,
+    choice: Choice,
+    hosts: &[u32],
+) -> Result<Program> {
+    let Some(kind) = CollKind::of(coll) else {
+        return plan(coll, dtype, params);
+    };
+    choice.check(kind)?;
+    let pos = params.check()?;
+    let p = params.nranks();
+    coll.validate(dtype, params.rank, p)?;
+    if !hosts.is_empty() && hosts.len() != p as usize {
+        return Err(CoreError::InvalidArgument(format!(
+            "hosts names {} ranks, the communicator has {p}",
+            hosts.len()
+        )));
+    }
+    let es = dtype.size();
+    let piece_bytes = if coll.red_op().is_none() {
+        params.move_piece_bytes.max(params.piece_bytes)
+    } else {
+        params.piece_bytes
+    };
+    let mut prog = Program::new(dtype, coll.red_op(), p);
+    let ctx = Ctx {
+        ring: &params.ring,
+        pos,
+        p: p as usize,
+        es,
+        piece: (piece_bytes / es).max(1),
+        sbuf: SEND,
+        rbuf: RECV,
+    };
+    let rank = params.rank;
+    let pr = &mut prog;
+    match (choice.algo, coll) {
+        (Algo::Ring, &Collective::AllReduce { count, .. }) => ctx.all_reduce(pr, count),
+        (Algo::Ring, &Collective::ReduceScatter { recv_count, .. }) => {
+            ctx.reduce_scatter(pr, recv_count)
+        }
+        (Algo::Ring, &Collective::AllGather { send_count }) => ctx.all_gather(pr, send_count),
+        (Algo::Ring, &Collective::Broadcast { count, root }) => ctx.broadcast(pr, count, root),
+        (Algo::Ring, &Collective::Reduce { count, root, .. }) => ctx.reduce(pr, count, root),
+        (Algo::Direct, &Collective::AllGather { send_count }) => {
+            ctx.all_gather_direct(pr, rank, send_count)
+        }
+        (Algo::Direct, &Collective::Broadcast { count, root }) => {
+            ctx.broadcast_direct(pr, rank, count, root)
+        }
+        (Algo::Rd, &Collective::AllReduce { count, .. }) => ctx.all_reduce_rd(pr, count),
+        (Algo::Rabenseifner, &Collective::AllReduce { count, .. }) => {
+            ctx.all_reduce_rabenseifner(pr, count)
+        }
+        (Algo::Tree, &Collective::AllReduce { count, .. }) => ctx.all_reduce_tree(pr, count),
+        (Algo::Tree, &Collective::Broadcast { count, root }) => {
+            ctx.broadcast_binomial(pr, count, root)
+        }
+        (Algo::Tree, &Collective::Reduce { count, root, .. }) => {
+            ctx.reduce_binomial(pr, count, root)
+        }
+        (Algo::Bruck, &Collective::AllGather { send_count }) => {
+            ctx.all_gather_bruck(pr, send_count)
+        }
+        (Algo::Bruck, &Collective::ReduceScatter { recv_count, .. }) => {
+            ctx.reduce_scatter_bruck(pr, recv_count)
+        }
+        (Algo::Hier, &Collective::AllReduce { count, .. }) => {
+            ctx.all_reduce_hier(pr, count, hosts, choice.inner.unwrap_or(Algo::Ring))
+        }
+        _ => return Err(choice.algo.unsupported(kind)),
+    }
+    Ok(prog)
+}
+
+/// What an algorithm's code needs: the team it runs among (`ring`, in the
+/// algorithm's order: a ring, or the ranks whose virtual index is their
+/// position), this rank's position in it, the element size, the piece
+/// (elements) and the buffers AllReduce reads and writes (`sbuf`, `rbuf`:
+/// send and receive, or the receive buffer twice for the leaders' step of
+/// the hierarchical AllReduce).
 struct Ctx<'a> {
     ring: &'a [u32],
     pos: usize,
     p: usize,
     es: usize,
     piece: usize,
+    sbuf: u16,
+    rbuf: u16,
+}
+
+/// The largest power of two not above `p` (`p` ≥ 1).
+fn pow2_floor(p: usize) -> usize {
+    1usize << (usize::BITS - 1 - p.leading_zeros())
 }
 
 impl Ctx<'_> {
@@ -599,449 +749,9 @@ impl Ctx<'_> {
 
     fn whole_copy(&self, prog: &mut Program, count: usize) {
         prog.push(Op::Copy {
-            src: self.reg(SEND, 0, count),
-            dst: self.reg(RECV, 0, count),
+            src: self.reg(self.sbuf, 0, count),
+            dst: self.reg(self.rbuf, 0, count),
             finalize: true,
         });
-    }
-
-    /// Ring AllReduce = ring ReduceScatter followed by ring AllGather, done
-    /// loop by loop over `p` chunks of at most one piece each so the two
-    /// phases pipeline.
-    fn all_reduce(&self, prog: &mut Program, count: usize) {
-        let p = self.p;
-        if p == 1 {
-            return self.whole_copy(prog, count);
-        }
-        let (next, prev) = (self.next(), self.prev());
-        let loop_size = p * self.piece;
-        let mut base = 0;
-        while base < count {
-            let rem = count - base;
-            let real = self.piece.min(rem.div_ceil(p));
-            // Chunk `c` (a ring position) of this loop.
-            let chunk = |c: usize| {
-                let start = (c * real).min(rem);
-                let n = real.min(rem - start);
-                (base + start, n)
-            };
-            let region = |buf: u16, c: usize| {
-                let (o, n) = chunk(c);
-                self.reg(buf, o, n)
-            };
-            // Reduce-scatter phase.
-            prog.push(Op::Send {
-                to: next,
-                src: region(SEND, self.at(-1)),
-            });
-            for k in 1..p - 1 {
-                let c = self.at(-1 - k as isize);
-                prog.push(Op::RecvReduceSend {
-                    from: prev,
-                    to: next,
-                    src: region(SEND, c),
-                });
-            }
-            let c = self.pos;
-            prog.push(Op::RecvReduceCopySend {
-                from: prev,
-                to: next,
-                src: region(SEND, c),
-                dst: region(RECV, c),
-                finalize: true,
-            });
-            // All-gather phase.
-            for k in 1..p - 1 {
-                let c = self.at(-(k as isize));
-                prog.push(Op::RecvCopySend {
-                    from: prev,
-                    to: next,
-                    dst: region(RECV, c),
-                });
-            }
-            prog.push(Op::Recv {
-                from: prev,
-                dst: region(RECV, self.at(1)),
-            });
-            base += loop_size.min(rem);
-        }
-    }
-
-    /// Recursive doubling for small AllReduce (the whole buffer is one
-    /// piece). With p not a power of two, the `p − p'` ranks above the largest
-    /// power of two `p'` first hand their data to a partner below it and get
-    /// the result back at the end. Every rank combines the same operands in
-    /// the same bracketing, so floating-point results agree bit for bit.
-    fn all_reduce_rd(&self, prog: &mut Program, count: usize) {
-        let p = self.p;
-        if p == 1 {
-            return self.whole_copy(prog, count);
-        }
-        let pp = 1usize << (usize::BITS - 1 - p.leading_zeros());
-        let pos = self.pos;
-        let (send, recv) = (self.reg(SEND, 0, count), self.reg(RECV, 0, count));
-        if pos >= pp {
-            let partner = self.ring[pos - pp];
-            prog.push(Op::Send {
-                to: partner,
-                src: send,
-            });
-            prog.push(Op::Recv {
-                from: partner,
-                dst: recv,
-            });
-            return;
-        }
-        let extra = (pos + pp < p).then(|| self.ring[pos + pp]);
-        let mut cur = send;
-        if let Some(e) = extra {
-            prog.push(Op::RecvReduceCopy {
-                from: e,
-                src: cur,
-                dst: recv,
-                finalize: false,
-            });
-            cur = recv;
-        }
-        let mut mask = 1;
-        while mask < pp {
-            let partner = self.ring[pos ^ mask];
-            // Separate stages: the send reads `cur` before the reduction
-            // overwrites it.
-            prog.push(Op::Send {
-                to: partner,
-                src: cur,
-            });
-            prog.push(Op::RecvReduceCopy {
-                from: partner,
-                src: cur,
-                dst: recv,
-                finalize: mask * 2 == pp,
-            });
-            cur = recv;
-            mask *= 2;
-        }
-        if let Some(e) = extra {
-            prog.push(Op::Send { to: e, src: recv });
-        }
-    }
-
-    /// Ring ReduceScatter: block `b` of the result ends on rank `b`.
-    fn reduce_scatter(&self, prog: &mut Program, rc: usize) {
-        let p = self.p;
-        if p == 1 {
-            return self.whole_copy(prog, rc);
-        }
-        let (next, prev) = (self.next(), self.prev());
-        let mut off = 0;
-        while off < rc {
-            let n = self.piece.min(rc - off);
-            let src = |c: usize| self.reg(SEND, self.ring[c] as usize * rc + off, n);
-            prog.push(Op::Send {
-                to: next,
-                src: src(self.at(-1)),
-            });
-            for k in 1..p - 1 {
-                prog.push(Op::RecvReduceSend {
-                    from: prev,
-                    to: next,
-                    src: src(self.at(-1 - k as isize)),
-                });
-            }
-            prog.push(Op::RecvReduceCopy {
-                from: prev,
-                src: src(self.pos),
-                dst: self.reg(RECV, off, n),
-                finalize: true,
-            });
-            off += n;
-        }
-    }
-
-    /// Ring AllGather: block `b` of the result comes from rank `b`.
-    fn all_gather(&self, prog: &mut Program, sc: usize) {
-        let p = self.p;
-        let me = self.ring[self.pos] as usize;
-        if p == 1 {
-            return prog.push(Op::Copy {
-                src: self.reg(SEND, 0, sc),
-                dst: self.reg(RECV, me * sc, sc),
-                finalize: false,
-            });
-        }
-        let (next, prev) = (self.next(), self.prev());
-        let mut off = 0;
-        while off < sc {
-            let n = self.piece.min(sc - off);
-            let dst = |c: usize| self.reg(RECV, self.ring[c] as usize * sc + off, n);
-            prog.push(Op::Send {
-                to: next,
-                src: self.reg(SEND, off, n),
-            });
-            // Our own block, piece by piece while the piece is in cache (a
-            // no-op in place: the send buffer is that block).
-            prog.push(Op::Copy {
-                src: self.reg(SEND, off, n),
-                dst: self.reg(RECV, me * sc + off, n),
-                finalize: false,
-            });
-            for k in 1..p - 1 {
-                prog.push(Op::RecvCopySend {
-                    from: prev,
-                    to: next,
-                    dst: dst(self.at(-(k as isize))),
-                });
-            }
-            prog.push(Op::Recv {
-                from: prev,
-                dst: dst(self.at(1)),
-            });
-            off += n;
-        }
-    }
-
-    /// Position of this rank in the chain that starts at ring position
-    /// `start`, and the chain's length.
-    fn chain_index(&self, start: usize) -> usize {
-        (self.pos + self.p - start) % self.p
-    }
-
-    fn ring_pos(&self, rank: u32) -> usize {
-        self.ring.iter().position(|&r| r == rank).unwrap_or(0)
-    }
-
-    /// Pipelined chain from the root along the ring.
-    fn broadcast(&self, prog: &mut Program, count: usize, root: u32) {
-        let p = self.p;
-        let ci = self.chain_index(self.ring_pos(root));
-        let (next, prev) = (self.next(), self.prev());
-        let mut off = 0;
-        while p > 1 && off < count {
-            let n = self.piece.min(count - off);
-            if ci == 0 {
-                // The root's own copy piece by piece, while it is in cache
-                // (a no-op in place).
-                prog.push(Op::Send {
-                    to: next,
-                    src: self.reg(SEND, off, n),
-                });
-                prog.push(Op::Copy {
-                    src: self.reg(SEND, off, n),
-                    dst: self.reg(RECV, off, n),
-                    finalize: false,
-                });
-                off += n;
-                continue;
-            }
-            prog.push(if ci < p - 1 {
-                Op::RecvCopySend {
-                    from: prev,
-                    to: next,
-                    dst: self.reg(RECV, off, n),
-                }
-            } else {
-                Op::Recv {
-                    from: prev,
-                    dst: self.reg(RECV, off, n),
-                }
-            });
-            off += n;
-        }
-        if p == 1 {
-            prog.push(Op::Copy {
-                src: self.reg(SEND, 0, count),
-                dst: self.reg(RECV, 0, count),
-                finalize: false,
-            });
-        }
-    }
-
-    /// Pipelined chain along the ring that ends at the root.
-    fn reduce(&self, prog: &mut Program, count: usize, root: u32) {
-        let p = self.p;
-        if p == 1 {
-            return self.whole_copy(prog, count);
-        }
-        let ci = self.chain_index((self.ring_pos(root) + 1) % p);
-        let (next, prev) = (self.next(), self.prev());
-        let mut off = 0;
-        while off < count {
-            let n = self.piece.min(count - off);
-            let src = self.reg(SEND, off, n);
-            prog.push(if ci == 0 {
-                Op::Send { to: next, src }
-            } else if ci < p - 1 {
-                Op::RecvReduceSend {
-                    from: prev,
-                    to: next,
-                    src,
-                }
-            } else {
-                Op::RecvReduceCopy {
-                    from: prev,
-                    src,
-                    dst: self.reg(RECV, off, n),
-                    finalize: true,
-                }
-            });
-            off += n;
-        }
-    }
-
-    /// Pieces of at most one piece each covering `count` elements from
-    /// element offset `base`: `(offset, len)` in elements.
-    fn pieces(&self, base: usize, count: usize) -> Vec<(usize, usize)> {
-        let mut v = Vec::with_capacity(count.div_ceil(self.piece));
-        let mut off = 0;
-        while off < count {
-            let n = self.piece.min(count - off);
-            v.push((base + off, n));
-            off += n;
-        }
-        v
-    }
-
-    /// The send buffer's `count` elements, piece by piece, to every peer in
-    /// the pairwise order `rank + s`, then our own copy of them to element
-    /// `at` of the receive buffer (while the peers read): the first half
-    /// of a direct plan's stage.
-    fn send_to_all(&self, prog: &mut Program, r: usize, count: usize, at: usize) {
-        let p = self.p;
-        for s in 1..p {
-            for (off, n) in self.pieces(0, count) {
-                prog.push_in_stage(Op::Send {
-                    to: ((r + s) % p) as u32,
-                    src: self.reg(SEND, off, n),
-                });
-            }
-        }
-        prog.push_in_stage(Op::Copy {
-            src: self.reg(SEND, 0, count),
-            dst: self.reg(RECV, at, count),
-            finalize: false,
-        });
-    }
-
-    /// Direct AllGather (see [`PlanParams::direct_moves`]): our block goes
-    /// by reference to every peer, in the pairwise order `rank + s`; our own
-    /// copy runs while the peers read; then every peer's block is read from
-    /// that peer, `rank − s`. One stage, as in [`Ctx::all_to_all`].
-    fn all_gather_direct(&self, prog: &mut Program, rank: u32, sc: usize) {
-        let p = self.p;
-        let r = rank as usize;
-        self.send_to_all(prog, r, sc, r * sc);
-        for s in 1..p {
-            let from = (r + p - s) % p;
-            for (at, n) in self.pieces(from * sc, sc) {
-                prog.push_in_stage(Op::Recv {
-                    from: from as u32,
-                    dst: self.reg(RECV, at, n),
-                });
-            }
-        }
-        prog.end_stage();
-    }
-
-    /// Direct Broadcast (see [`PlanParams::direct_moves`]): the root sends
-    /// every piece to every peer by reference, starting with the peer after
-    /// it, and copies its own buffer meanwhile; every other rank reads from
-    /// the root.
-    fn broadcast_direct(&self, prog: &mut Program, rank: u32, count: usize, root: u32) {
-        if rank == root {
-            self.send_to_all(prog, rank as usize, count, 0);
-        } else {
-            for (at, n) in self.pieces(0, count) {
-                prog.push_in_stage(Op::Recv {
-                    from: root,
-                    dst: self.reg(RECV, at, n),
-                });
-            }
-        }
-        prog.end_stage();
-    }
-
-    /// Every piece to and from every peer in one stage: the executor moves
-    /// whichever is ready (pieces to or from one peer keep their order), so
-    /// a rank that is late — descheduled, when ranks outnumber cores — holds
-    /// up only its own pieces, not a lock-step of pairwise exchanges. Sends
-    /// come first (by reference they cost nothing until read), peers in the
-    /// pairwise order `rank + s`; our own block is copied while the peers
-    /// read; then the receives, from `rank − s`.
-    fn all_to_all(&self, prog: &mut Program, rank: u32, count: usize) {
-        let p = self.p;
-        let r = rank as usize;
-        let pieces = |peer: usize| self.pieces(peer * count, count);
-        for s in 1..p {
-            let to = (r + s) % p;
-            for (at, n) in pieces(to) {
-                prog.push_in_stage(Op::Send {
-                    to: to as u32,
-                    src: self.reg(SEND, at, n),
-                });
-            }
-        }
-        prog.push_in_stage(Op::Copy {
-            src: self.reg(SEND, r * count, count),
-            dst: self.reg(RECV, r * count, count),
-            finalize: false,
-        });
-        for s in 1..p {
-            let from = (r + p - s) % p;
-            for (at, n) in pieces(from) {
-                prog.push_in_stage(Op::Recv {
-                    from: from as u32,
-                    dst: self.reg(RECV, at, n),
-                });
-            }
-        }
-        prog.end_stage();
-    }
-
-    /// A group of sends and receives: transfers to and from oneself become
-    /// copies (the i-th send to self feeds the i-th receive from self); the
-    /// rest advance one piece of every transfer per stage.
-    fn group(&self, prog: &mut Program, rank: u32, ops: &[P2p]) {
-        let self_sends = ops
-            .iter()
-            .enumerate()
-            .filter(|(_, o)| o.peer == rank && o.kind == P2pKind::Send);
-        let self_recvs = ops
-            .iter()
-            .enumerate()
-            .filter(|(_, o)| o.peer == rank && o.kind == P2pKind::Recv);
-        for ((si, s), (ri, r)) in self_sends.zip(self_recvs) {
-            let n = s.count.min(r.count);
-            prog.push(Op::Copy {
-                src: self.reg(si as u16, 0, n),
-                dst: self.reg(ri as u16, 0, n),
-                finalize: false,
-            });
-        }
-        let rounds = ops
-            .iter()
-            .filter(|o| o.peer != rank)
-            .map(|o| o.count.div_ceil(self.piece))
-            .max()
-            .unwrap_or(0);
-        for j in 0..rounds {
-            let off = j * self.piece;
-            for (i, o) in ops.iter().enumerate() {
-                if o.peer == rank || off >= o.count {
-                    continue;
-                }
-                let region = self.reg(i as u16, off, self.piece.min(o.count - off));
-                prog.push_in_stage(match o.kind {
-                    P2pKind::Send => Op::Send {
-                        to: o.peer,
-                        src: region,
-                    },
-                    P2pKind::Recv => Op::Recv {
-                        from: o.peer,
-                        dst: region,
-                    },
-                });
-            }
-            prog.end_stage();
-        }
     }
 }

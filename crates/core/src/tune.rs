@@ -1,0 +1,930 @@
+//! The tuner's cost model: how long each algorithm takes for a collective
+//! of a given size on a given shape of job, from the per-message latency,
+//! per-byte cost and per-message CPU overhead of the two kinds of link
+//! (inside a host, between hosts) — the step structure of each plan in
+//! closed form, as NCCL's `tuning.cc` models its algorithms (a latency per
+//! step plus bytes over a bandwidth), with the pipelining and the sharing
+//! of a host's network interface that [`crate::sim::clock`] simulates.
+//! [`best`] picks the fastest candidate; the runtime caches its answer per
+//! call shape. Pure: the runtime supplies the link costs (measured at
+//! first use, or [`Costs::defaults`]) and the shape.
+//!
+//! The model is checked against the timed simulator by
+//! `crates/core/tests/sim_clock.rs` and its golden table: in every cell
+//! the pick's simulated time is within 10% of the best algorithm's.
+
+use serde::{Deserialize, Serialize};
+
+use crate::plan::{Algo, Choice, CollKind};
+use crate::sim::clock::{Link, Machine};
+use crate::transport::TransportKind;
+
+/// What the model knows of the links and CPUs.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Costs {
+    /// Links inside a host.
+    pub shm: Link,
+    /// Links between hosts.
+    pub net: Link,
+    /// CPU copy speed, GB/s.
+    pub copy_gbps: f64,
+    /// CPU reduction speed, GB/s.
+    pub reduce_gbps: f64,
+}
+
+impl Costs {
+    /// Defaults for a job whose hosts talk over `net` (the network
+    /// transport in use), for when nothing was measured: shared memory
+    /// 0.5 µs and 20 GB/s per pair; sockets 25 µs and 1.25 GB/s (10 Gb/s
+    /// Ethernet); InfiniBand 3 µs and 12.5 GB/s.
+    pub fn defaults(net: TransportKind) -> Costs {
+        let net = match net {
+            TransportKind::Ib => Link {
+                latency_us: 3.0,
+                gbps: 12.5,
+                overhead_us: 1.0,
+            },
+            _ => Link {
+                latency_us: 25.0,
+                gbps: 1.25,
+                overhead_us: 3.0,
+            },
+        };
+        Costs {
+            shm: Link {
+                latency_us: 0.5,
+                gbps: 20.0,
+                overhead_us: 0.2,
+            },
+            net,
+            copy_gbps: 20.0,
+            reduce_gbps: 10.0,
+        }
+    }
+
+    /// The costs of `m`'s links and CPUs.
+    pub fn of_machine(m: &Machine) -> Costs {
+        Costs {
+            shm: m.shm,
+            net: m.net,
+            copy_gbps: m.copy_gbps,
+            reduce_gbps: m.reduce_gbps,
+        }
+    }
+}
+
+/// The shape of a job as the model sees it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Shape {
+    /// Ranks.
+    pub nranks: usize,
+    /// Hosts.
+    pub nhosts: usize,
+    /// Ranks on the fullest host.
+    pub per_host: usize,
+    /// Largest piece of reducing collectives (the smallest slot), bytes.
+    pub piece: usize,
+    /// Largest piece of collectives that only move data, bytes.
+    pub move_piece: usize,
+}
+
+impl Shape {
+    /// `nhosts` hosts of `per_host` ranks, pieces of `piece` bytes.
+    pub fn uniform(nhosts: usize, per_host: usize, piece: usize) -> Shape {
+        Shape {
+            nranks: nhosts * per_host,
+            nhosts,
+            per_host,
+            piece,
+            move_piece: piece,
+        }
+    }
+}
+
+/// One exchange step's costs, µs.
+#[derive(Clone, Copy, Debug, Default)]
+struct Step {
+    /// CPU, and the pieces after the first.
+    cpu: f64,
+    /// The first piece on the wire, behind the host's other ranks' pieces.
+    wire: f64,
+    /// The part of `wire` spent behind the other ranks' pieces.
+    queued: f64,
+    latency: f64,
+}
+
+/// Link classes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Via {
+    Shm,
+    /// The network, with this many ranks of a host using its interface at
+    /// once.
+    Net(usize),
+}
+
+struct Model<'a> {
+    c: &'a Costs,
+    s: &'a Shape,
+}
+
+/// Bytes → µs at `gbps`.
+fn at(bytes: f64, gbps: f64) -> f64 {
+    bytes / (gbps * 1e3)
+}
+
+impl Model<'_> {
+    fn link(&self, v: Via) -> (Link, f64) {
+        match v {
+            Via::Shm => (self.c.shm, 1.0),
+            Via::Net(share) => (self.c.net, share.max(1) as f64),
+        }
+    }
+
+    /// CPU time of one message of `b` bytes at one end.
+    fn cpu(&self, v: Via, b: f64) -> f64 {
+        self.link(v).0.overhead_us + at(b, self.c.copy_gbps)
+    }
+
+    fn red(&self, b: f64) -> f64 {
+        at(b, self.c.reduce_gbps)
+    }
+
+    /// One exchange step: every rank sends `bytes` and receives as much
+    /// (reducing it when `reduce`) over `v`, in pieces of `piece`, both
+    /// directions in one stage. A sequence of steps adds up with
+    /// [`Model::steps`].
+    fn exchange(&self, v: Via, bytes: f64, piece: usize, reduce: bool) -> Step {
+        if bytes <= 0.0 {
+            return Step::default();
+        }
+        let (lk, share) = self.link(v);
+        let np = (bytes / piece as f64).ceil().max(1.0);
+        let b = bytes / np;
+        let cpu = 2.0 * self.cpu(v, b) + if reduce { self.red(b) } else { 0.0 };
+        let wire = at(b, lk.gbps) * share;
+        Step {
+            cpu: cpu + (np - 1.0) * cpu.max(wire),
+            wire,
+            queued: wire - wire / share,
+            latency: lk.latency_us,
+        }
+    }
+
+    /// A sequence of exchange steps, each waiting for the one before. Each
+    /// costs its CPU, wire and latency, except that where ranks of a host
+    /// share its interface, the next step's messages of the ranks done
+    /// first queue behind the others' while their latency passes.
+    fn steps(&self, steps: &[Step]) -> f64 {
+        let mut t = 0.0;
+        let mut queued = 0.0f64;
+        for s in steps {
+            t += s.cpu + s.wire + s.latency - queued.min(s.latency);
+            queued = s.queued;
+        }
+        t
+    }
+
+    /// How a rank reaches the partner `d` ring positions away when ranks
+    /// are numbered host by host: inside the host if `d` stays inside
+    /// every host's block, else the network, shared by the ranks of a host
+    /// that cross at once.
+    fn via_distance(&self, d: usize) -> Via {
+        let (h, ppn) = (self.s.nhosts, self.s.per_host.max(1));
+        if h <= 1 || (d < ppn && ppn.is_multiple_of(2 * d)) {
+            Via::Shm
+        } else {
+            Via::Net(d.min(ppn))
+        }
+    }
+
+    /// One hop of a pipelined chain of `b`-byte pieces over `v`: the
+    /// sender's and receiver's CPU, the wire and the latency.
+    fn hop(&self, v: Via, b: f64, reduce: bool) -> f64 {
+        let (lk, share) = self.link(v);
+        lk.latency_us
+            + 2.0 * self.cpu(v, b)
+            + if reduce { self.red(b) } else { 0.0 }
+            + at(b, lk.gbps) * share
+    }
+
+    /// A hop of a ring over every rank: the network for the share of hops
+    /// that leave a host, shared memory for the others.
+    fn ring_hop(&self, b: f64, reduce: bool) -> f64 {
+        let (p, h) = (self.s.nranks as f64, self.s.nhosts as f64);
+        if self.s.nhosts <= 1 {
+            return self.hop(Via::Shm, b, reduce);
+        }
+        let f = h / p;
+        f * self.hop(Via::Net(1), b, reduce) + (1.0 - f) * self.hop(Via::Shm, b, reduce)
+    }
+
+    /// A chain of `m` ranks inside a host moving `bytes` in pieces.
+    fn chain(&self, v: Via, m: usize, bytes: f64, piece: usize, reduce: bool) -> f64 {
+        if m <= 1 || bytes <= 0.0 {
+            return 0.0;
+        }
+        let np = (bytes / piece as f64).ceil().max(1.0);
+        let b = bytes / np;
+        let per = 2.0 * self.cpu(v, b) + if reduce { self.red(b) } else { 0.0 };
+        let (lk, share) = self.link(v);
+        let wire = at(b, lk.gbps) * share;
+        (m - 1) as f64 * self.hop(v, b, reduce) + (np - 1.0) * per.max(wire)
+    }
+
+    /// Recursive doubling over `p` ranks (`ppn` per host).
+    fn rd(&self, p: usize, bytes: f64) -> f64 {
+        if p <= 1 {
+            return 0.0;
+        }
+        let pp = 1usize << (usize::BITS - 1 - p.leading_zeros());
+        let mut st = Vec::new();
+        let fold = self.exchange(self.via_distance(pp), bytes, self.s.piece, false);
+        if pp < p {
+            st.push(fold);
+        }
+        let mut m = 1;
+        while m < pp {
+            st.push(self.exchange(self.via_distance(m), bytes, self.s.piece, true));
+            m *= 2;
+        }
+        if pp < p {
+            st.push(fold);
+        }
+        self.steps(&st)
+    }
+
+    /// Rabenseifner over `p` ranks.
+    fn rab(&self, p: usize, bytes: f64) -> f64 {
+        if p <= 1 {
+            return 0.0;
+        }
+        let pp = 1usize << (usize::BITS - 1 - p.leading_zeros());
+        let fold = self.exchange(self.via_distance(pp), bytes, self.s.piece, false);
+        let mut rs = Vec::new();
+        let mut ag = Vec::new();
+        let mut m = 1;
+        let mut part = bytes;
+        while m < pp {
+            part /= 2.0;
+            let v = self.via_distance(m);
+            rs.push(self.exchange(v, part, self.s.piece, true));
+            ag.push(self.exchange(v, part, self.s.piece, false));
+            m *= 2;
+        }
+        ag.reverse();
+        let mut st = Vec::new();
+        if pp < p {
+            st.push(fold);
+        }
+        st.extend(rs);
+        st.extend(ag);
+        if pp < p {
+            st.push(fold);
+        }
+        self.steps(&st)
+    }
+
+    /// Ring AllReduce over every rank.
+    fn ring_allreduce(&self, bytes: f64) -> f64 {
+        let p = self.s.nranks;
+        if p <= 1 {
+            return 0.0;
+        }
+        let loops = (bytes / (p * self.s.piece) as f64).ceil().max(1.0);
+        let c = bytes / (loops * p as f64);
+        loops * self.ring_steps(p - 1, c, true).max(0.0) + loops * self.ring_steps(p - 1, c, false)
+    }
+
+    /// `n` steps of a ring over every rank moving `c`-byte chunks: the
+    /// longer of the critical path (the network's share of hops at its
+    /// latency, the rest inside hosts) and the bandwidth bound (every step
+    /// crosses the slowest link once, one chunk per step).
+    fn ring_steps(&self, n: usize, c: f64, reduce: bool) -> f64 {
+        let n = n as f64;
+        let path = n * self.ring_hop(c, reduce);
+        let v = if self.s.nhosts > 1 {
+            Via::Net(1)
+        } else {
+            Via::Shm
+        };
+        let (lk, _) = self.link(v);
+        let per = 2.0 * self.cpu(v, c) + if reduce { self.red(c) } else { 0.0 };
+        let bound = n * per.max(at(c, lk.gbps)) + lk.latency_us;
+        path.max(bound)
+    }
+
+    /// Double binary tree: every piece up both trees, then down.
+    fn tree_allreduce(&self, bytes: f64) -> f64 {
+        let p = self.s.nranks;
+        if p <= 1 {
+            return 0.0;
+        }
+        let depth = (usize::BITS - (p - 1).leading_zeros()) as f64;
+        let v = if self.s.nhosts > 1 {
+            Via::Net(1)
+        } else {
+            Via::Shm
+        };
+        let half = bytes / 2.0;
+        let np = (half / self.s.piece as f64).ceil().max(1.0);
+        let b = half / np;
+        // A rank handles each piece of both trees in turn: two children's
+        // pieces reduced and one sent up in one tree, one sent up in the
+        // other; down, one received and two sent, and one received.
+        let wire = 2.0 * at(b, self.link(v).0.gbps) * self.s.per_host as f64;
+        let up = 2.0 * depth * self.hop(v, b, true)
+            + (np - 1.0) * (5.0 * self.cpu(v, b) + 2.0 * self.red(b)).max(wire);
+        let down =
+            2.0 * depth * self.hop(v, b, false) + (np - 1.0) * (5.0 * self.cpu(v, b)).max(wire);
+        up + down
+    }
+
+    fn hier_allreduce(&self, bytes: f64, inner: Algo) -> f64 {
+        let m = self.s.per_host;
+        let h = self.s.nhosts;
+        let leaders = Shape {
+            nranks: h,
+            nhosts: h,
+            per_host: 1,
+            ..*self.s
+        };
+        let lead = Model {
+            c: self.c,
+            s: &leaders,
+        };
+        let inner_t = match inner {
+            Algo::Rd => lead.rd(h, bytes),
+            Algo::Rabenseifner => lead.rab(h, bytes),
+            Algo::Tree => lead.tree_allreduce(bytes),
+            _ => lead.ring_allreduce(bytes),
+        };
+        self.chain(Via::Shm, m, bytes, self.s.piece, true)
+            + inner_t
+            + self.chain(Via::Shm, m, bytes, self.s.piece, false)
+    }
+
+    /// Bruck AllGather / ReduceScatter: `total` is the whole gathered (or
+    /// scattered) buffer.
+    fn bruck(&self, total: f64, reduce: bool) -> f64 {
+        let p = self.s.nranks;
+        let block = total / p as f64;
+        let piece = if reduce {
+            self.s.piece
+        } else {
+            self.s.move_piece
+        };
+        // The partner is `d` ring positions away (not a bit flip): the
+        // `d` ranks at the end of every host cross to the next, sharing its
+        // interface. Steps below a host's size move a chain of blocks less
+        // than a host's width, so one of them at most adds a network
+        // latency to the critical path; the others pay the host's.
+        let ppn = self.s.per_host.max(1);
+        let mut st = Vec::new();
+        let mut d = 1;
+        while d < p {
+            let cnt = d.min(p - d) as f64;
+            let v = if self.s.nhosts > 1 {
+                Via::Net(d.min(ppn))
+            } else {
+                Via::Shm
+            };
+            let mut step = self.exchange(v, cnt * block, piece, reduce);
+            if self.s.nhosts > 1 && 2 * d < ppn {
+                let b = cnt * block;
+                step.latency = self.c.shm.latency_us;
+                step.cpu -= 2.0
+                    * (self.c.net.overhead_us - self.c.shm.overhead_us)
+                    * (b / piece as f64).ceil().max(1.0);
+            }
+            st.push(step);
+            d *= 2;
+        }
+        if reduce {
+            st.reverse();
+        }
+        self.steps(&st)
+    }
+
+    /// Ring AllGather / ReduceScatter: per piece of a block, p − 1 steps.
+    fn ring_moves(&self, total: f64, reduce: bool) -> f64 {
+        let p = self.s.nranks;
+        if p <= 1 {
+            return 0.0;
+        }
+        let block = total / p as f64;
+        let piece = if reduce {
+            self.s.piece
+        } else {
+            self.s.move_piece
+        };
+        let loops = (block / piece as f64).ceil().max(1.0);
+        let c = block / loops;
+        loops * self.ring_steps(p - 1, c, reduce)
+    }
+
+    /// A chain along the ring from the root (Broadcast, or Reduce toward
+    /// it): h − 1 hops between hosts and p − h inside them for the first
+    /// piece, then a piece per the slowest link's or CPU's time.
+    fn ring_chain(&self, bytes: f64, reduce: bool, piece: usize) -> f64 {
+        let (p, h) = (self.s.nranks, self.s.nhosts.max(1));
+        let np = (bytes / piece as f64).ceil().max(1.0);
+        let b = bytes / np;
+        // A Reduce's chain starts after the root and ends at it, so it
+        // crosses one more host boundary (with the root first on its host).
+        let cross = if reduce { h.min(p - 1) } else { h - 1 };
+        let first = cross as f64 * self.hop(Via::Net(1), b, reduce)
+            + (p - 1 - cross) as f64 * self.hop(Via::Shm, b, reduce);
+        let v = if h > 1 { Via::Net(1) } else { Via::Shm };
+        let per = 2.0 * self.cpu(v, b) + if reduce { self.red(b) } else { 0.0 };
+        first + (np - 1.0) * per.max(at(b, self.link(v).0.gbps))
+    }
+
+    /// Direct AllGather: every block to every rank in one stage.
+    fn direct_allgather(&self, total: f64) -> f64 {
+        let p = self.s.nranks;
+        if p <= 1 {
+            return 0.0;
+        }
+        let block = total / p as f64;
+        let ppn = self.s.per_host.max(1);
+        let remote = p.saturating_sub(ppn) as f64;
+        let local = (ppn - 1) as f64;
+        let cpu =
+            remote * 2.0 * self.cpu(Via::Net(1), block) + local * 2.0 * self.cpu(Via::Shm, block);
+        let nic = at(block * remote * ppn as f64, self.c.net.gbps);
+        let lat = if remote > 0.0 {
+            self.c.net.latency_us
+        } else {
+            self.c.shm.latency_us
+        };
+        // Sends go first, receives as messages come in: the latency hides
+        // behind the sends once they take longer.
+        let last = self.cpu(Via::Net(1), block);
+        (cpu + last).max(nic + lat).max(lat + cpu / 2.0 + last)
+    }
+
+    /// Binomial Broadcast (or Reduce, `reduce`): ⌈log2 p⌉ levels, level
+    /// `m` between ranks `m` apart (the network, shared by every rank of a
+    /// host, once `m` reaches a host's size); pieces pipeline behind the
+    /// first, at the pace of the busiest rank (the root, sending each piece
+    /// to every child) or of a host's interface.
+    fn binomial(&self, bytes: f64, reduce: bool, piece: usize) -> f64 {
+        let p = self.s.nranks;
+        let np = (bytes / piece as f64).ceil().max(1.0);
+        let b = bytes / np;
+        let mut first = 0.0;
+        let mut nic = 0.0;
+        let mut levels = 0.0;
+        let mut m = 1;
+        while m < p {
+            // Every rank of a host sends across at that level, though
+            // (broadcasting) not all at the same moment.
+            let share = if reduce {
+                self.s.per_host
+            } else {
+                (3 * self.s.per_host).div_ceil(4)
+            };
+            let v = match self.via_distance(m) {
+                Via::Net(_) => Via::Net(share),
+                v => v,
+            };
+            first += self.hop(v, b, reduce);
+            if let Via::Net(share) = v {
+                nic += share as f64 * at(b, self.c.net.gbps);
+            }
+            levels += 1.0;
+            m *= 2;
+        }
+        let v = if self.s.nhosts > 1 {
+            Via::Net(1)
+        } else {
+            Via::Shm
+        };
+        let per = levels * (self.cpu(v, b) + if reduce { self.red(b) } else { 0.0 });
+        first + (np - 1.0) * per.max(nic)
+    }
+
+    /// Direct Broadcast: the root sends every piece to every rank and
+    /// copies its own buffer, all in one stage.
+    fn direct_broadcast(&self, bytes: f64) -> f64 {
+        let p = self.s.nranks;
+        let piece = self.s.move_piece;
+        let np = (bytes / piece as f64).ceil().max(1.0);
+        let b = bytes / np;
+        let ppn = self.s.per_host.max(1);
+        let remote = p.saturating_sub(ppn) as f64;
+        let local = (ppn - 1) as f64;
+        let local_cpu = np * local * self.cpu(Via::Shm, b);
+        let cpu = np * remote * self.cpu(Via::Net(1), b) + local_cpu + at(bytes, self.c.copy_gbps);
+        let nic = at(remote * bytes, self.c.net.gbps);
+        let (lat, last) = if remote > 0.0 {
+            (self.c.net.latency_us, self.cpu(Via::Net(1), b))
+        } else {
+            (self.c.shm.latency_us, self.cpu(Via::Shm, b))
+        };
+        // The root's peers on its host come first (rank order), so its
+        // interface starts after their copies.
+        lat + cpu.max(local_cpu + self.cpu(Via::Net(1), b) + nic) + last
+    }
+
+    fn estimate(&self, kind: CollKind, choice: Choice, bytes: f64) -> f64 {
+        let p = self.s.nranks;
+        match (kind, choice.algo) {
+            (CollKind::AllReduce, Algo::Ring) => self.ring_allreduce(bytes),
+            (CollKind::AllReduce, Algo::Rd) => self.rd(p, bytes),
+            (CollKind::AllReduce, Algo::Rabenseifner) => self.rab(p, bytes),
+            (CollKind::AllReduce, Algo::Tree) => self.tree_allreduce(bytes),
+            (CollKind::AllReduce, Algo::Hier) => {
+                self.hier_allreduce(bytes, choice.inner.unwrap_or(Algo::Ring))
+            }
+            (CollKind::AllGather, Algo::Ring) => self.ring_moves(bytes, false),
+            (CollKind::ReduceScatter, Algo::Ring) => self.ring_moves(bytes, true),
+            (CollKind::AllGather, Algo::Bruck) => self.bruck(bytes, false),
+            (CollKind::ReduceScatter, Algo::Bruck) => self.bruck(bytes, true),
+            (CollKind::AllGather, Algo::Direct) => self.direct_allgather(bytes),
+            (CollKind::Broadcast, Algo::Direct) => self.direct_broadcast(bytes),
+            (CollKind::Broadcast, Algo::Ring) => self.ring_chain(bytes, false, self.s.move_piece),
+            (CollKind::Reduce, Algo::Ring) => self.ring_chain(bytes, true, self.s.piece),
+            (CollKind::Broadcast, Algo::Tree) => self.binomial(bytes, false, self.s.move_piece),
+            (CollKind::Reduce, Algo::Tree) => self.binomial(bytes, true, self.s.piece),
+            _ => f64::INFINITY,
+        }
+    }
+}
+
+/// The model's time, µs, for `choice` running `kind` over `bytes` (the
+/// whole buffer, as nccl-tests count it: the AllGather's result, the
+/// ReduceScatter's input) on `shape`. Infinite when the algorithm cannot
+/// run the collective.
+pub fn estimate(costs: &Costs, shape: &Shape, kind: CollKind, choice: Choice, bytes: usize) -> f64 {
+    if shape.nranks <= 1 {
+        return 0.0;
+    }
+    Model { c: costs, s: shape }.estimate(kind, choice, bytes as f64)
+}
+
+/// Ranks up to which the direct algorithms (p − 1 messages per rank in
+/// one stage) are candidates.
+pub const DIRECT_MAX_RANKS: usize = 64;
+
+/// The choices the tuner weighs for `kind` on `shape`: every algorithm
+/// that runs it, the hierarchical one with each leaders' algorithm where
+/// hosts hold several ranks, the direct ones up to [`DIRECT_MAX_RANKS`].
+pub fn candidates(kind: CollKind, shape: &Shape) -> Vec<Choice> {
+    let mut out = Vec::new();
+    for a in kind.algorithms() {
+        match a {
+            Algo::Hier => {
+                if shape.nhosts > 1 && shape.per_host > 1 {
+                    for inner in [Algo::Ring, Algo::Rd, Algo::Rabenseifner, Algo::Tree] {
+                        out.push(Choice::hier(inner));
+                    }
+                }
+            }
+            Algo::Direct if shape.nranks > DIRECT_MAX_RANKS => {}
+            a => out.push(Choice::of(a)),
+        }
+    }
+    out
+}
+
+/// The fastest of `choices` by the model, with its time (the first of
+/// equals; `None` if `choices` is empty).
+pub fn fastest(
+    costs: &Costs,
+    shape: &Shape,
+    kind: CollKind,
+    bytes: usize,
+    choices: &[Choice],
+) -> Option<(Choice, f64)> {
+    let mut best: Option<(Choice, f64)> = None;
+    for &c in choices {
+        let t = estimate(costs, shape, kind, c, bytes);
+        if best.is_none_or(|(_, b)| t < b) {
+            best = Some((c, t));
+        }
+    }
+    best
+}
+
+/// The tuner's pick for `kind` of `bytes` on `shape`: the fastest of the
+/// [`candidates`].
+pub fn best(costs: &Costs, shape: &Shape, kind: CollKind, bytes: usize) -> (Choice, f64) {
+    fastest(costs, shape, kind, bytes, &candidates(kind, shape))
+        .unwrap_or((Choice::of(Algo::Ring), f64::INFINITY))
+}
+
+/// The leaders' algorithm for a hierarchical AllReduce forced without
+/// one: the fastest flat algorithm among the `shape`'s host leaders.
+pub fn hier_inner(costs: &Costs, shape: &Shape, bytes: usize) -> Algo {
+    let lead = Shape {
+        nranks: shape.nhosts,
+        nhosts: shape.nhosts,
+        per_host: 1,
+        ..*shape
+    };
+    let flat: Vec<Choice> = [Algo::Ring, Algo::Rd, Algo::Rabenseifner, Algo::Tree]
+        .map(Choice::of)
+        .to_vec();
+    fastest(costs, &lead, CollKind::AllReduce, bytes, &flat).map_or(Algo::Ring, |(c, _)| c.algo)
+}
+
+/// How a choice was made, for logs and `braid-perf`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Source {
+    /// `BRAID_ALGO`.
+    Forced,
+    /// A rule of the rules file.
+    Rule,
+    /// The cost model.
+    Model,
+    /// braid's defaults for one host (rings, recursive doubling for small
+    /// AllReduce, direct moves), kept where nothing else decides.
+    Default,
+}
+
+impl Source {
+    /// Lower-case name.
+    pub const fn name(self) -> &'static str {
+        match self {
+            Source::Forced => "forced",
+            Source::Rule => "rule",
+            Source::Model => "model",
+            Source::Default => "default",
+        }
+    }
+}
+
+/// A choice as `BRAID_ALGO` and rules files write it: `ring`, or
+/// `hier(rd)` for the hierarchical AllReduce with the leaders running
+/// recursive doubling (`hier` alone leaves the leaders' algorithm to the
+/// model).
+pub fn parse_choice(s: &str) -> crate::error::Result<Choice> {
+    let t = s.trim();
+    if let Some(rest) = t.strip_suffix(')') {
+        if let Some((outer, inner)) = rest.split_once('(') {
+            let c = Choice {
+                algo: Algo::parse(outer)?,
+                inner: Some(Algo::parse(inner)?),
+            };
+            c.check(CollKind::AllReduce)?;
+            return Ok(c);
+        }
+    }
+    Ok(Choice::of(Algo::parse(t)?))
+}
+
+/// `BRAID_ALGO`: algorithms forced for every collective that can run them
+/// and per collective, e.g. `tree`, `allreduce:rabenseifner`,
+/// `ring,allreduce:hier(rd)` (items separated by `,` or `;`; a
+/// collective's own item wins over a bare one).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Forced {
+    /// Items without a collective, in order.
+    pub all: Vec<Choice>,
+    /// Per collective.
+    pub per: Vec<(CollKind, Choice)>,
+}
+
+impl Forced {
+    /// Parses `BRAID_ALGO`'s value. Unknown algorithms and collectives are
+    /// errors that list the known ones; a collective paired with an
+    /// algorithm that cannot run it is an error saying which can.
+    pub fn parse(s: &str) -> crate::error::Result<Forced> {
+        let mut f = Forced::default();
+        for item in s.split([',', ';']).map(str::trim).filter(|i| !i.is_empty()) {
+            match item.split_once(':') {
+                Some((k, a)) => {
+                    let kind = CollKind::parse(k)?;
+                    let c = parse_choice(a)?;
+                    c.check(kind)?;
+                    f.per.push((kind, c));
+                }
+                None => f.all.push(parse_choice(item)?),
+            }
+        }
+        Ok(f)
+    }
+
+    /// Nothing forced.
+    pub fn is_empty(&self) -> bool {
+        self.all.is_empty() && self.per.is_empty()
+    }
+
+    /// The choice forced for `kind`: its own item, else the first bare
+    /// item that runs it. `Err` carries the bare items that cannot run
+    /// `kind` (for the log: "tree cannot run allgather").
+    pub fn get(&self, kind: CollKind) -> Result<Option<Choice>, Vec<Choice>> {
+        if let Some((_, c)) = self.per.iter().find(|(k, _)| *k == kind) {
+            return Ok(Some(*c));
+        }
+        if let Some(c) = self.all.iter().find(|c| c.check(kind).is_ok()) {
+            return Ok(Some(*c));
+        }
+        if self.all.is_empty() {
+            Ok(None)
+        } else {
+            Err(self.all.clone())
+        }
+    }
+}
+
+/// One rule of a rules file (`BRAID_TUNING_FILE`): for this collective,
+/// sizes and rank counts (bounds inclusive, absent: unbounded), use this
+/// algorithm.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Rule {
+    /// `allreduce`, `reducescatter`, `allgather`, `broadcast`, `reduce`.
+    pub collective: String,
+    /// The algorithm, as `BRAID_ALGO` names it (`hier(rd)` too).
+    pub algorithm: String,
+    #[serde(default)]
+    pub min_bytes: Option<u64>,
+    #[serde(default)]
+    pub max_bytes: Option<u64>,
+    #[serde(default)]
+    pub min_ranks: Option<u32>,
+    #[serde(default)]
+    pub max_ranks: Option<u32>,
+    #[serde(default)]
+    pub min_hosts: Option<u32>,
+    #[serde(default)]
+    pub max_hosts: Option<u32>,
+}
+
+/// Link costs a rules file may give instead of measuring them.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LinkCosts {
+    #[serde(default)]
+    pub shm: Option<Link>,
+    #[serde(default)]
+    pub net: Option<Link>,
+}
+
+/// A rules file: rules, first match wins, and optionally the link costs
+/// the model should assume.
+///
+/// ```json
+/// { "rules": [
+///     { "collective": "allreduce", "max_bytes": 65536, "algorithm": "rd" },
+///     { "collective": "allreduce", "min_ranks": 64, "algorithm": "hier(rabenseifner)" }
+///   ],
+///   "links": { "net": { "latency_us": 500, "gbps": 0.025, "overhead_us": 20 } } }
+/// ```
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Rules {
+    #[serde(default)]
+    pub rules: Vec<Rule>,
+    #[serde(default)]
+    pub links: Option<LinkCosts>,
+    /// Checked rules (filled by [`Rules::parse`]).
+    #[serde(skip)]
+    checked: Vec<(CollKind, Choice)>,
+}
+
+impl Rules {
+    /// Parses and checks a rules file's text: JSON, unknown fields,
+    /// collectives and algorithms are errors naming the rule.
+    pub fn parse(text: &str) -> crate::error::Result<Rules> {
+        let mut r: Rules = serde_json::from_str(text)
+            .map_err(|e| crate::CoreError::InvalidArgument(format!("rules file: {e}")))?;
+        let mut checked = Vec::new();
+        for (i, rule) in r.rules.iter().enumerate() {
+            let at = |e: crate::CoreError| {
+                crate::CoreError::InvalidArgument(format!("rules file, rule #{i}: {e}"))
+            };
+            let kind = CollKind::parse(&rule.collective).map_err(at)?;
+            let c = parse_choice(&rule.algorithm).map_err(at)?;
+            c.check(kind).map_err(at)?;
+            checked.push((kind, c));
+        }
+        r.checked = checked;
+        Ok(r)
+    }
+
+    /// The first rule for `kind` that matches, with its index.
+    pub fn get(&self, kind: CollKind, bytes: u64, shape: &Shape) -> Option<(usize, Choice)> {
+        let inside = |v: u64, lo: Option<u64>, hi: Option<u64>| {
+            lo.is_none_or(|l| v >= l) && hi.is_none_or(|h| v <= h)
+        };
+        self.rules
+            .iter()
+            .zip(&self.checked)
+            .enumerate()
+            .find(|(_, (r, (k, _)))| {
+                *k == kind
+                    && inside(bytes, r.min_bytes, r.max_bytes)
+                    && inside(
+                        shape.nranks as u64,
+                        r.min_ranks.map(u64::from),
+                        r.max_ranks.map(u64::from),
+                    )
+                    && inside(
+                        shape.nhosts as u64,
+                        r.min_hosts.map(u64::from),
+                        r.max_hosts.map(u64::from),
+                    )
+            })
+            .map(|(i, (_, (_, c)))| (i, *c))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn braid_algo_forms() {
+        let f = Forced::parse("tree").unwrap();
+        assert_eq!(f.get(CollKind::AllReduce), Ok(Some(Choice::of(Algo::Tree))));
+        assert_eq!(f.get(CollKind::Broadcast), Ok(Some(Choice::of(Algo::Tree))));
+        assert_eq!(
+            f.get(CollKind::AllGather),
+            Err(vec![Choice::of(Algo::Tree)])
+        );
+        let f = Forced::parse(" ring ; allreduce:hier(rd), allgather:bruck").unwrap();
+        assert_eq!(f.get(CollKind::AllReduce), Ok(Some(Choice::hier(Algo::Rd))));
+        assert_eq!(
+            f.get(CollKind::AllGather),
+            Ok(Some(Choice::of(Algo::Bruck)))
+        );
+        assert_eq!(f.get(CollKind::Reduce), Ok(Some(Choice::of(Algo::Ring))));
+        assert_eq!(Forced::parse("").unwrap().get(CollKind::Reduce), Ok(None));
+        let e = Forced::parse("butterfly").unwrap_err().to_string();
+        assert!(e.contains("known ones are ring, direct, rd"), "{e}");
+        let e = Forced::parse("allgather:tree").unwrap_err().to_string();
+        assert!(e.contains("tree cannot run allgather"), "{e}");
+        assert!(
+            e.contains("algorithms for allgather: ring, direct, bruck"),
+            "{e}"
+        );
+        assert!(Forced::parse("alltoall:ring").is_err());
+        assert!(Forced::parse("hier(bruck)").is_err());
+    }
+
+    #[test]
+    fn rules_match_in_order_and_bad_files_are_errors() {
+        let r = Rules::parse(
+            r#"{ "rules": [
+                { "collective": "all_reduce", "max_bytes": 65536, "algorithm": "rd" },
+                { "collective": "allreduce", "min_ranks": 64, "algorithm": "hier(tree)" },
+                { "collective": "broadcast", "min_hosts": 2, "algorithm": "tree" } ],
+              "links": { "net": { "latency_us": 500, "gbps": 0.025, "overhead_us": 20 } } }"#,
+        )
+        .unwrap();
+        let s = Shape::uniform(4, 1, 1 << 19);
+        assert_eq!(
+            r.get(CollKind::AllReduce, 8, &s),
+            Some((0, Choice::of(Algo::Rd)))
+        );
+        assert_eq!(r.get(CollKind::AllReduce, 1 << 20, &s), None);
+        let big = Shape::uniform(16, 8, 1 << 17);
+        assert_eq!(
+            r.get(CollKind::AllReduce, 1 << 20, &big),
+            Some((1, Choice::hier(Algo::Tree)))
+        );
+        assert_eq!(r.get(CollKind::Broadcast, 1, &s).map(|x| x.0), Some(2));
+        assert_eq!(
+            r.get(CollKind::Broadcast, 1, &Shape::uniform(1, 4, 4096)),
+            None
+        );
+        assert_eq!(
+            r.links.and_then(|l| l.net).map(|n| n.latency_us),
+            Some(500.0)
+        );
+        for bad in [
+            "{",
+            r#"{ "rulez": [] }"#,
+            r#"{ "rules": [ { "collective": "allreduce", "algorithm": "fast" } ] }"#,
+            r#"{ "rules": [ { "collective": "allgather", "algorithm": "tree" } ] }"#,
+            r#"{ "rules": [ { "collective": "allreduce", "algorithm": "rd", "max_byte": 1 } ] }"#,
+        ] {
+            assert!(Rules::parse(bad).is_err(), "{bad}");
+        }
+    }
+
+    /// The model's estimates grow with size and its picks follow the
+    /// known regimes: latency-bound sizes avoid the ring on many hosts.
+    #[test]
+    fn the_model_prefers_log_steps_when_latency_bound() {
+        let c = Costs::defaults(TransportKind::Socket);
+        let s = Shape::uniform(16, 1, 1 << 19);
+        let (small, _) = best(&c, &s, CollKind::AllReduce, 8);
+        assert_ne!(small.algo, Algo::Ring, "{small}");
+        for k in CollKind::ALL {
+            for a in k.algorithms() {
+                let ch = if a == Algo::Hier {
+                    Choice::hier(Algo::Ring)
+                } else {
+                    Choice::of(a)
+                };
+                let t1 = estimate(&c, &s, k, ch, 1 << 10);
+                let t2 = estimate(&c, &s, k, ch, 1 << 24);
+                assert!(t1.is_finite() && t1 > 0.0 && t2 > t1, "{k} {a}: {t1} {t2}");
+            }
+        }
+    }
+}

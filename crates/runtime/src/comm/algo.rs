@@ -1,0 +1,456 @@
+//! Which algorithm runs each collective (see `docs/algorithms.md`):
+//! `BRAID_ALGO` first, then the rules file (`BRAID_TUNING_FILE`), then —
+//! on jobs over several hosts — the cost model of [`braid_core::tune`],
+//! with the network's latency and bandwidth measured at the first call
+//! that needs them (`BRAID_TUNE_MEASURE=0`: per-transport defaults). On one
+//! host braid keeps its defaults (rings, recursive doubling for small
+//! AllReduce, direct moves), which the model does not improve on there.
+//! The answer is cached with the plan, per collective and datatype.
+
+use braid_core::config;
+use braid_core::plan::{Algo, Choice, CollKind};
+use braid_core::transport::TransportKind;
+use braid_core::tune::{self, Costs, Forced, Rules, Shape, Source};
+
+use super::*;
+
+/// `BRAID_ALGO`, the rules file and the shape of the job, fixed at
+/// creation.
+#[derive(Debug)]
+pub(super) struct Algos {
+    forced: Forced,
+    forced_text: String,
+    rules: Rules,
+    rules_path: Option<String>,
+    measure: bool,
+    /// Host (index) of every rank, from the transports: ranks joined by
+    /// anything but a network share a host.
+    pub(super) hosts: Vec<u32>,
+    pub(super) shape: Shape,
+    /// The network transport between hosts, if any.
+    net: Option<TransportKind>,
+}
+
+/// The cost-model state of a communicator (under its operation lock).
+#[derive(Debug, Default)]
+pub(super) struct TuneState {
+    /// Link costs, once measured (or defaulted).
+    costs: Option<Costs>,
+    /// Collectives for which a bare `BRAID_ALGO` item was said not to run.
+    warned: Vec<CollKind>,
+}
+
+/// What decided a plan's algorithm.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Picked {
+    pub(super) choice: Choice,
+    pub(super) source: Source,
+    /// The model's estimate, µs (NaN when the model was not asked).
+    pub(super) estimate_us: f64,
+}
+
+/// A small stable hash (FNV-1a), to compare settings across ranks.
+fn fnv(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+    })
+}
+
+impl Algos {
+    /// Reads `BRAID_ALGO`, `BRAID_TUNING_FILE` and `BRAID_TUNE_MEASURE`;
+    /// errors name the variable (or the file) and what is wrong.
+    pub(super) fn from_env(
+        plan: &braid_core::topo::Plan,
+        piece: usize,
+        move_piece: usize,
+    ) -> Result<Algos> {
+        let env = &config::process_env;
+        let forced_text = config::value(env, "BRAID_ALGO").unwrap_or_default();
+        let forced = Forced::parse(&forced_text)
+            .map_err(|e| Error::Env(format!("BRAID_ALGO={forced_text}: {e}")))?;
+        let rules_path = config::value(env, "BRAID_TUNING_FILE");
+        let rules = match &rules_path {
+            None => Rules::default(),
+            Some(p) => {
+                let text = std::fs::read_to_string(p).map_err(|e| {
+                    Error::Env(format!("BRAID_TUNING_FILE={p}: cannot read it: {e}"))
+                })?;
+                Rules::parse(&text)
+                    .map_err(|e| Error::Env(format!("BRAID_TUNING_FILE={p}: {e}")))?
+            }
+        };
+        let measure = config::flag(env, "BRAID_TUNE_MEASURE", true)?;
+        let (hosts, net) = hosts_of(plan);
+        let nhosts = hosts.iter().max().map_or(1, |&h| h as usize + 1);
+        let mut per = vec![0usize; nhosts];
+        for &h in &hosts {
+            per[h as usize] += 1;
+        }
+        let shape = Shape {
+            nranks: hosts.len(),
+            nhosts,
+            per_host: per.into_iter().max().unwrap_or(1),
+            piece,
+            move_piece,
+        };
+        Ok(Algos {
+            forced,
+            forced_text,
+            rules,
+            rules_path,
+            measure,
+            hosts,
+            shape,
+            net,
+        })
+    }
+
+    /// What every rank must agree on: the forced algorithms, the rules and
+    /// whether the network is measured (the measurement itself is agreed
+    /// on when it is taken).
+    pub(super) fn fingerprint(&self) -> u64 {
+        let rules = format!("{:?}", self.rules);
+        fnv(format!("{}|{rules}|{}", self.forced_text, self.measure).as_bytes())
+    }
+
+    /// Checks that every rank has the same settings (a mismatch would make
+    /// ranks run different plans).
+    pub(super) fn agree(&self, boot: &Bootstrap, rank: u32) -> Result<()> {
+        let all = boot.allgather(&self.fingerprint().to_le_bytes())?;
+        if let Some(r) = all.iter().position(|b| b[..] != all[rank as usize][..]) {
+            return Err(Error::Env(format!(
+                "BRAID_ALGO, BRAID_TUNING_FILE or BRAID_TUNE_MEASURE differ between rank {rank} and rank {r} (here: BRAID_ALGO={:?}, BRAID_TUNING_FILE={:?}); set them alike on every rank",
+                self.forced_text, self.rules_path
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// Host index of every rank (ranks linked by anything but a network
+/// transport share a host), and the network transport in use.
+fn hosts_of(plan: &braid_core::topo::Plan) -> (Vec<u32>, Option<TransportKind>) {
+    let p = plan.transports.len();
+    let mut root: Vec<usize> = (0..p).collect();
+    fn find(root: &mut [usize], mut x: usize) -> usize {
+        while root[x] != x {
+            root[x] = root[root[x]];
+            x = root[x];
+        }
+        x
+    }
+    let mut net = None;
+    for (a, row) in plan.transports.iter().enumerate() {
+        for (b, t) in row.iter().enumerate() {
+            match t {
+                Some(k) if k.is_network() => net = net.or(Some(*k)),
+                Some(_) => {
+                    let (x, y) = (find(&mut root, a), find(&mut root, b));
+                    root[x.max(y)] = x.min(y);
+                }
+                None => {}
+            }
+        }
+    }
+    let mut index = vec![u32::MAX; p];
+    let mut next = 0;
+    let hosts = (0..p)
+        .map(|r| {
+            let g = find(&mut root, r);
+            if index[g] == u32::MAX {
+                index[g] = next;
+                next += 1;
+            }
+            index[g]
+        })
+        .collect();
+    (hosts, net)
+}
+
+/// nccl-tests' size of a collective: the whole array.
+pub(super) fn coll_bytes(coll: &Collective, dt: DataType, nranks: u32) -> u64 {
+    let n = match *coll {
+        Collective::AllReduce { count, .. }
+        | Collective::Broadcast { count, .. }
+        | Collective::Reduce { count, .. } => count,
+        Collective::AllGather { send_count } => send_count.saturating_mul(nranks as usize),
+        Collective::ReduceScatter { recv_count, .. } => recv_count.saturating_mul(nranks as usize),
+        _ => 0,
+    };
+    (n as u64).saturating_mul(dt.size() as u64)
+}
+
+/// The algorithm `plan::plan` picks by itself (braid's defaults), named.
+pub(super) fn default_choice(coll: &Collective, dt: DataType, params: &PlanParams) -> Choice {
+    let p = params.nranks();
+    match *coll {
+        Collective::AllReduce { count, .. }
+            if count.saturating_mul(dt.size())
+                <= params.small_allreduce_bytes.min(params.piece_bytes) =>
+        {
+            Choice::of(Algo::Rd)
+        }
+        Collective::AllGather { .. } | Collective::Broadcast { .. }
+            if params.direct_moves && p > 2 =>
+        {
+            Choice::of(Algo::Direct)
+        }
+        _ => Choice::of(Algo::Ring),
+    }
+}
+
+impl Communicator {
+    /// The algorithm for `coll` (of a kind the tuner chooses for), or
+    /// `None` for braid's defaults (`plan::plan`).
+    pub(super) fn pick(
+        &self,
+        st: &mut State,
+        coll: &Collective,
+        dt: DataType,
+    ) -> Result<Option<Picked>> {
+        let sh = &*self.shared;
+        let Some(kind) = CollKind::of(coll) else {
+            return Ok(None);
+        };
+        let a = &sh.algos;
+        let bytes = coll_bytes(coll, dt, sh.nranks);
+        let mut picked = None;
+        match a.forced.get(kind) {
+            Ok(Some(c)) => picked = Some((c, Source::Forced)),
+            Ok(None) => {}
+            Err(items) => {
+                if !st.tune.warned.contains(&kind) {
+                    st.tune.warned.push(kind);
+                    let names: Vec<String> = items.iter().map(|c| c.to_string()).collect();
+                    let able: Vec<&str> = kind.algorithms().iter().map(|x| x.name()).collect();
+                    warn!(
+                        rank = sh.rank,
+                        "braid: BRAID_ALGO={}: {} cannot run {kind} (algorithms for {kind}: {}); it is chosen as without BRAID_ALGO",
+                        a.forced_text,
+                        names.join(", "),
+                        able.join(", ")
+                    );
+                }
+            }
+        }
+        if picked.is_none() {
+            if let Some((_, c)) = a.rules.get(kind, bytes, &a.shape) {
+                picked = Some((c, Source::Rule));
+            }
+        }
+        let (mut choice, source, mut estimate_us) = match picked {
+            Some((c, s)) => (c, s, f64::NAN),
+            None if a.shape.nhosts <= 1 => return Ok(None),
+            None => {
+                let costs = self.costs(st)?;
+                let (c, t) = tune::best(&costs, &a.shape, kind, bytes as usize);
+                (c, Source::Model, t)
+            }
+        };
+        if choice.algo == Algo::Hier && choice.inner.is_none() {
+            choice.inner = Some(if a.shape.nhosts <= 1 {
+                Algo::Ring
+            } else {
+                let costs = self.costs(st)?;
+                tune::hier_inner(&costs, &a.shape, bytes as usize)
+            });
+        }
+        if estimate_us.is_nan() && a.shape.nhosts > 1 {
+            if let Some(costs) = st.tune.costs {
+                estimate_us = tune::estimate(&costs, &a.shape, kind, choice, bytes as usize);
+            }
+        }
+        Ok(Some(Picked {
+            choice,
+            source,
+            estimate_us,
+        }))
+    }
+
+    /// The model's link costs: measured at the first call that needs them
+    /// (every rank calls it at the same collective), or the defaults of the
+    /// network transport, or the rules file's.
+    fn costs(&self, st: &mut State) -> Result<Costs> {
+        if let Some(c) = st.tune.costs {
+            return Ok(c);
+        }
+        let a = &self.shared.algos;
+        let mut c = Costs::defaults(a.net.unwrap_or(TransportKind::Socket));
+        let given = a.rules.links;
+        if let Some(l) = given.and_then(|l| l.shm) {
+            c.shm = l;
+        }
+        if let Some(l) = given.and_then(|l| l.net) {
+            c.net = l;
+        } else if a.measure && a.shape.nhosts > 1 {
+            let (lat, gbps) = self.measure_network(st)?;
+            c.net.latency_us = (lat - 2.0 * c.net.overhead_us).max(1.0);
+            c.net.gbps = gbps;
+            info!(
+                rank = self.shared.rank,
+                latency_us = c.net.latency_us,
+                gbps = c.net.gbps,
+                "braid: tuner: network measured ({} µs one way, {} GB/s per host)",
+                format!("{:.1}", c.net.latency_us),
+                format!("{:.3}", c.net.gbps)
+            );
+        }
+        st.tune.costs = Some(c);
+        Ok(c)
+    }
+
+    /// Run `prog` over `bufs` without operation headers (all ranks run the
+    /// same internal programs at the same point).
+    fn run_internal(&self, st: &mut State, prog: &Program, bufs: &[RawBuf]) -> Result<()> {
+        let sh = &*self.shared;
+        // Its links (the ring's, connected at creation) on first use, as
+        // for any collective.
+        let (send, recv) = prog.peers();
+        let links = super::connect::LinkSet { send, recv };
+        if !links.connected(&st.chans) {
+            self.connect_links(st, &links, "tuner measurement", st.seq)?;
+        }
+        let ex = Exec {
+            bufs,
+            policy: &sh.policy,
+            abort: &sh.abort,
+            direct_min: usize::MAX,
+            stream_copies: false,
+            slot_stores: None,
+            rank: sh.rank,
+            headers: None,
+            progress: Some(&sh.progress),
+        };
+        // SAFETY: `bufs` point into live vectors of the caller's, of the
+        // lengths given, that the program's regions fit (it was planned for
+        // them) and that nothing else touches meanwhile.
+        let res = unsafe { host::execute(prog, &mut st.chans, &ex, &mut st.header_flags) };
+        res.map_err(|source| {
+            // As a failed collective: the peers hear why, and the
+            // communicator is unusable from now on.
+            let origin = match &source {
+                CoreError::PeerAborted { reason, .. } => reason.clone(),
+                other => format!("rank {}: {other}", sh.rank),
+            };
+            st.chans.abort_all(&origin);
+            st.broken = Some(format!("the tuner's network measurement failed: {source}"));
+            Error::Operation {
+                rank: sh.rank,
+                op: "tuner measurement".into(),
+                seq: st.seq,
+                source,
+            }
+        })
+    }
+
+    /// One-way latency (µs) and bandwidth (GB/s) of the slowest ring hop:
+    /// every rank sends to its ring successor and receives from its
+    /// predecessor at once — 8 rounds of 8 bytes, 2 of 1 MiB — and the
+    /// ranks agree on the slowest (an AllReduce of the maxima). The ring
+    /// leaves each host once, so this is one stream through each host's
+    /// network interface.
+    fn measure_network(&self, st: &mut State) -> Result<(f64, f64)> {
+        let sh = &*self.shared;
+        let p = sh.nranks as usize;
+        let pos = sh.ring.iter().position(|&r| r == sh.rank).unwrap_or(0);
+        let (next, prev) = (sh.ring[(pos + 1) % p], sh.ring[(pos + p - 1) % p]);
+        let params = PlanParams {
+            rank: sh.rank,
+            ring: sh.ring.clone(),
+            piece_bytes: sh.piece,
+            move_piece_bytes: sh.piece,
+            small_allreduce_bytes: sh.small_allreduce,
+            direct_moves: false,
+        };
+        const BIG: usize = 1 << 20;
+        let shift = |n: usize| -> Result<Program> {
+            Ok(plan::plan(
+                &Collective::Group(vec![
+                    P2p {
+                        kind: P2pKind::Send,
+                        peer: next,
+                        count: n,
+                    },
+                    P2p {
+                        kind: P2pKind::Recv,
+                        peer: prev,
+                        count: n,
+                    },
+                ]),
+                DataType::U8,
+                &params,
+            )?)
+        };
+        let mut send = vec![0u8; BIG];
+        let mut recv = vec![0u8; BIG];
+        let mut round = |this: &Self, st: &mut State, n: usize| -> Result<f64> {
+            let prog = shift(n)?;
+            let bufs = [
+                RawBuf {
+                    ptr: send.as_mut_ptr(),
+                    len: n,
+                },
+                RawBuf {
+                    ptr: recv.as_mut_ptr(),
+                    len: n,
+                },
+            ];
+            let t0 = Instant::now();
+            this.run_internal(st, &prog, &bufs)?;
+            Ok(t0.elapsed().as_secs_f64() * 1e6)
+        };
+        round(self, st, 8)?;
+        let mut small: Vec<f64> = (0..8).map(|_| round(self, st, 8)).collect::<Result<_>>()?;
+        small.sort_by(f64::total_cmp);
+        let lat = small[small.len() / 2];
+        let big = (0..2)
+            .map(|_| round(self, st, BIG))
+            .collect::<Result<Vec<f64>>>()?
+            .into_iter()
+            .fold(f64::INFINITY, f64::min);
+        // Agree on the slowest link: an AllReduce (maximum) of both.
+        let mut vals = [lat, big];
+        let mut out = [0f64; 2];
+        let prog = plan::plan(
+            &Collective::AllReduce {
+                count: 2,
+                op: RedOp::Max,
+            },
+            DataType::F64,
+            &params,
+        )?;
+        let bufs = [
+            RawBuf {
+                ptr: vals.as_mut_ptr().cast(),
+                len: 16,
+            },
+            RawBuf {
+                ptr: out.as_mut_ptr().cast(),
+                len: 16,
+            },
+        ];
+        self.run_internal(st, &prog, &bufs)?;
+        let (lat, big) = (out[0], out[1]);
+        let gbps = (BIG as f64 / ((big - lat).max(1.0) * 1e3)).clamp(1e-4, 1e3);
+        Ok((lat, gbps))
+    }
+
+    /// The algorithm this communicator runs (or ran) for `coll` on `dt`,
+    /// as `BRAID_ALGO` names it (`ring`, `rd`, `hier(rabenseifner)`, …),
+    /// with what decided it (`forced`, `rule`, `model` or `default`); `None`
+    /// for operations without a choice (AllToAll, groups) or when the
+    /// choice would need the network measured first (call the operation
+    /// once). Asks no other rank.
+    pub fn algorithm(&self, coll: &Collective, dt: DataType) -> Option<(String, &'static str)> {
+        let st = self.lock().ok()?;
+        if let Some((c, d, p)) = &st.last {
+            if c == coll && *d == dt {
+                return p.algo.map(|(c, s)| (c.to_string(), s.name()));
+            }
+        }
+        st.cache
+            .get(&(coll.clone(), dt))
+            .and_then(|p| p.algo)
+            .map(|(c, s)| (c.to_string(), s.name()))
+    }
+}
