@@ -270,11 +270,14 @@ impl PyComm {
             Some(r) => {
                 same_dtype(py, "all_reduce", &s, &r)?;
                 if r.count() != s.count() {
-                    return Err(invalid(py, format!(
+                    return Err(invalid(
+                        py,
+                        format!(
                         "all_reduce: sendbuf holds {} elements and recvbuf {}; they must be equal",
                         s.count(),
                         r.count()
-                    )));
+                    ),
+                    ));
                 }
                 self.pair(py, "all_reduce", coll, s, r)?
             }
@@ -856,7 +859,9 @@ impl PyComm {
         let me = self.me() as usize;
         let bad = |m: String| invalid(py, format!("{kind}: {m}"));
         if !send.len.is_multiple_of(es) || !recv.len.is_multiple_of(es) {
-            return Err(bad(format!("buffer lengths must be multiples of {es} bytes")));
+            return Err(bad(format!(
+                "buffer lengths must be multiples of {es} bytes"
+            )));
         }
         let (sn, rn) = (send.len / es, recv.len / es);
         let in_place_or = |coll: Collective, in_place: bool| -> PyResult<Job> {
@@ -1289,13 +1294,18 @@ impl PyComm {
     fn split(&self, py: Python<'_>, color: Option<i64>, key: i64) -> PyResult<Option<PyComm>> {
         self.check_open(py)?;
         let color = match color {
-            Some(c) if c >= 0 => Some(u32::try_from(c).map_err(|_| {
-                invalid(py, format!("color {c} does not fit in 32 bits"))
-            })?),
+            Some(c) if c >= 0 => Some(
+                u32::try_from(c)
+                    .map_err(|_| invalid(py, format!("color {c} does not fit in 32 bits")))?,
+            ),
             _ => None,
         };
-        let key = u32::try_from(key)
-            .map_err(|_| invalid(py, format!("key {key} must be a non-negative 32-bit integer")))?;
+        let key = u32::try_from(key).map_err(|_| {
+            invalid(
+                py,
+                format!("key {key} must be a non-negative 32-bit integer"),
+            )
+        })?;
         if self.pending.load(Ordering::Acquire) > 0 {
             self.synchronize(py)?;
         }
@@ -1420,10 +1430,12 @@ impl PyComm {
                 u8,
                 i64,
             ) = c.extract()?;
-            let dt = dtype_from_code(dt)
-                .ok_or_else(|| invalid(py, format!("datatype code {dt} is not a braid datatype")))?;
-            let op = RedOp::from_u8(op)
-                .ok_or_else(|| invalid(py, format!("operator code {op} is not a braid operator")))?;
+            let dt = dtype_from_code(dt).ok_or_else(|| {
+                invalid(py, format!("datatype code {dt} is not a braid datatype"))
+            })?;
+            let op = RedOp::from_u8(op).ok_or_else(|| {
+                invalid(py, format!("operator code {op} is not a braid operator"))
+            })?;
             let send = Self::raw_range(py, sa, sl)?;
             let recv = Self::raw_range(py, ra, rl)?;
             jobs.push(self.raw_job(py, &kind, dt, send, recv, op, root)?);

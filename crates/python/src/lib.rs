@@ -1,11 +1,11 @@
 //! `braid._braid`: the native part of the `braid` Python module.
 //!
 //! A thin layer over the `braid` crate: it turns Python objects into byte
-//! ranges with a datatype ([`views`]), checks every argument before anything
+//! ranges with a datatype (`views`), checks every argument before anything
 //! is sent, runs the operation on braid's communicator with the GIL
-//! released ([`comm`]), and turns braid's errors into Python exceptions
-//! ([`errors`]). Asynchronous operations run in order on one worker thread
-//! per communicator and return a [`work::Handle`]. The Python package
+//! released (`comm`), and turns braid's errors into Python exceptions
+//! (`errors`). Asynchronous operations run in order on one worker thread
+//! per communicator and return a handle (`work`). The Python package
 //! (`python/braid`) adds the operator enum, the exception classes, the type
 //! stubs and the `torch.distributed` backend on top.
 

@@ -69,7 +69,11 @@ impl PyUniqueId {
         })?;
         let timeout = match timeout_arg(py, timeout)? {
             Some(t) => t,
-            None => braid::Config::from_env().map_err(|e| py_err(py, &e))?.timeout,
+            None => {
+                braid::Config::from_env()
+                    .map_err(|e| py_err(py, &e))?
+                    .timeout
+            }
         };
         let (id, root) = py
             .detach(move || -> braid::Result<(UniqueId, RootServer)> {

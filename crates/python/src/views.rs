@@ -149,7 +149,9 @@ impl View {
         // SAFETY: GIL held; `b` is valid for writes.
         let rc = unsafe { ffi::PyObject_GetBuffer(obj.as_ptr(), &mut *b, ffi::PyBUF_RECORDS_RO) };
         if rc != 0 {
-            let cause = PyErr::take(obj.py()).map(|e| e.to_string()).unwrap_or_default();
+            let cause = PyErr::take(obj.py())
+                .map(|e| e.to_string())
+                .unwrap_or_default();
             return Err(ErrInfo::invalid(format!(
                 "{what}: the {} does not export its memory: {cause}",
                 type_name(obj)
@@ -208,7 +210,9 @@ impl View {
         // exception set.
         let p = unsafe { ffi::PyCapsule_GetPointer(cap.as_ptr(), c"dltensor".as_ptr()) };
         if p.is_null() {
-            let cause = PyErr::take(obj.py()).map(|e| e.to_string()).unwrap_or_default();
+            let cause = PyErr::take(obj.py())
+                .map(|e| e.to_string())
+                .unwrap_or_default();
             return Err(bad(format!(
                 "__dlpack__() did not return a DLPack capsule: {cause}"
             )));

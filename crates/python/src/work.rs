@@ -243,8 +243,11 @@ pub(crate) struct Handle {
     pub(crate) done: Arc<Completion>,
     /// The buffers the operation uses (exports, and objects that own the
     /// memory of a raw-pointer operation), held until it is done.
-    keep: Mutex<Option<(Vec<View>, Option<Py<PyAny>>)>>,
+    keep: Mutex<Option<Kept>>,
 }
+
+/// Buffer exports and memory owners an operation uses.
+type Kept = (Vec<View>, Option<Py<PyAny>>);
 
 impl Handle {
     pub(crate) fn new(
