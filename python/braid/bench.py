@@ -2,6 +2,8 @@
 
     python -m braid.bench                      # 2 and 4 ranks, 8 B .. 64 MiB
     python -m braid.bench --np 2 -b 8 -e 16M --plot bench.png --json bench.json
+    python -m braid.bench --api --np 2 -e 1M --braid-perf target/release/braid-perf \
+        --braid-run target/release/braid-run   # the Python API against the Rust API
 
 Starts the ranks itself (one process each, ``OMP_NUM_THREADS=1`` as torchrun
 sets it), joins a braid default group and a gloo group over the same ranks,
@@ -288,10 +290,106 @@ def _plot(results: list[dict], path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
+# ---------------------------------------------------------------------------
+# --api: braid's Python API against its Rust API (braid-perf).
+
+
+def _api_worker(spec: dict) -> None:
+    import numpy as np
+
+    import braid
+
+    comm = braid.Communicator.from_env()
+    out = {}
+    for nbytes in spec["sizes"]:
+        a = np.ones(max(1, nbytes // 4), dtype=np.float32)
+        r = np.empty_like(a)
+        iters = _iters(nbytes, spec["scale"] * 20)
+        best = {"out": float("inf"), "in": float("inf")}
+        for _ in range(spec["rounds"]):
+            for mode in ("out", "in"):
+                for _ in range(max(10, iters // 10)):
+                    comm.all_reduce(a, None if mode == "in" else r)
+                comm.barrier()
+                t0 = time.perf_counter()
+                if mode == "in":
+                    for _ in range(iters):
+                        comm.all_reduce(a)
+                else:
+                    for _ in range(iters):
+                        comm.all_reduce(a, r)
+                us = (time.perf_counter() - t0) / iters * 1e6
+                t = np.array([us])
+                comm.all_reduce(t)
+                best[mode] = min(best[mode], float(t[0]) / comm.size)
+        out[nbytes] = best
+    if comm.rank == 0:
+        print("RESULT:" + json.dumps(out), flush=True)
+
+
+def _api_python(n: int, spec: dict) -> dict:
+    import secrets
+    import socket
+
+    # As braid-run does: rank 0 hosts the rendezvous named by BRAID_UNIQUE_ID.
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    uid = f"127.0.0.1:{port}/{secrets.token_hex(16)}"
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "braid.bench", "--api-worker", json.dumps(spec)],
+            env=dict(os.environ, BRAID_UNIQUE_ID=str(uid), BRAID_RANK=str(r), BRAID_NRANKS=str(n)),
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(n)
+    ]
+    outs = [p.communicate(timeout=600)[0] for p in procs]
+    for line in outs[0].splitlines():
+        if line.startswith("RESULT:"):
+            return {int(k): v for k, v in json.loads(line[7:]).items()}
+    raise SystemExit("braid.bench --api: rank 0 printed no result")
+
+
+def _api_rust(n: int, nbytes: int, iters: int, braid_run: str, braid_perf: str) -> dict:
+    """braid-perf's all_reduce time (us) at `nbytes`, out of place and in place."""
+    cmd = [braid_run, "-n", str(n), braid_perf, "all_reduce", "-b", str(nbytes), "-e", str(nbytes),
+           "-n", str(iters), "-w", str(max(10, iters // 10))]
+    so = subprocess.run(cmd, capture_output=True, text=True, timeout=600).stdout
+    for line in so.splitlines():
+        cols = line.replace("[0]", "").split()
+        if cols and cols[0] == str(nbytes) and len(cols) >= 13:
+            return {"out": float(cols[5]), "in": float(cols[9])}
+    raise SystemExit(f"braid.bench --api: no result row in braid-perf's output:\n{so[-2000:]}")
+
+
+def _api(a: argparse.Namespace, sizes: list[int]) -> None:
+    spec = {"sizes": sizes, "scale": a.scale, "rounds": max(1, a.rounds)}
+    rust = bool(a.braid_perf)
+    print("# braid.Communicator.all_reduce (numpy float32, blocking, GIL released) against the "
+          "Rust API (braid-perf, same sizes, alternating runs); time in us, averaged over ranks")
+    print(f"# {'ranks':>5}  {'size':>10}  {'python':>8}  {'python':>8}"
+          + (f"  {'rust':>8}  {'rust':>8}  {'diff':>7}" if rust else ""))
+    print(f"# {'':>5}  {'(B)':>10}  {'out':>8}  {'in':>8}" + (f"  {'out':>8}  {'in':>8}  {'out':>7}" if rust else ""))
+    for n in a.np:
+        py = _api_python(n, spec)
+        for nbytes in sizes:
+            line = f"  {n:>5}  {nbytes:>10}  {py[nbytes]['out']:8.3f}  {py[nbytes]['in']:8.3f}"
+            if rust:
+                it = _iters(nbytes, a.scale * 20)
+                rs = _api_rust(n, nbytes, it, a.braid_run, a.braid_perf)
+                line += f"  {rs['out']:8.3f}  {rs['in']:8.3f}  {py[nbytes]['out'] - rs['out']:7.3f}"
+            print(line, flush=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "--worker":
         _worker(int(argv[1]), int(argv[2]), json.loads(argv[3]))
+        return
+    if argv and argv[0] == "--api-worker":
+        _api_worker(json.loads(argv[1]))
         return
     ap = argparse.ArgumentParser(prog="python -m braid.bench", description=__doc__.split("\n\n")[0])
     ap.add_argument("--np", type=int, nargs="+", default=[2, 4], help="rank counts (default: 2 4)")
@@ -305,7 +403,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--timeout", type=float, default=3600.0, help="seconds per rank count")
     ap.add_argument("--json", help="also write the results here")
     ap.add_argument("--plot", help="write a PNG of time against size (needs matplotlib)")
+    ap.add_argument("--api", action="store_true",
+                    help="instead: braid's Python API (numpy all_reduce) against the Rust API")
+    ap.add_argument("--braid-perf", help="with --api: the braid-perf binary to compare with")
+    ap.add_argument("--braid-run", default="braid-run", help="with --api: the braid-run binary")
     a = ap.parse_args(argv)
+    if a.api:
+        _api(a, _sizes(_size(a.minbytes), _size(a.maxbytes), max(2, a.stepfactor)))
+        return
     spec = {
         "sizes": _sizes(_size(a.minbytes), _size(a.maxbytes), max(2, a.stepfactor)),
         "colls": a.collectives,

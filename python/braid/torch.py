@@ -470,9 +470,10 @@ class _Ops:
         host_args = [_map_tensors(a, to_host) for a in args]
         w = method(*host_args)
         w.wait()
+        back = {id(h): dev for dev, h in pairs}
         for dev, h in pairs:
             dev.copy_(h)
-        return BraidWork(None, _map_tensors(w.result(), lambda t: t))
+        return BraidWork(None, _map_tensors(w.result(), lambda t: back.get(id(t), t)))
 
     def _flush(self) -> None:
         if self._core.p2p_ops:
@@ -721,7 +722,17 @@ class _Ops:
         input_list: list[torch.Tensor],
         opts: Any = None,
     ) -> BraidWork:
-        works = [self.allgather([o], [i], opts) for o, i in zip(output_lists, input_list, strict=True)]
+        # output_lists[r][j] receives rank r's input_list[j].
+        c = self._core
+        if len(output_lists) != c.size or any(len(o) != len(input_list) for o in output_lists):
+            raise InvalidArgumentError(
+                f"braid: all_gather_coalesced needs {c.size} output lists (one per rank) of "
+                f"{len(input_list)} tensors (one per input)"
+            )
+        works = [
+            self.allgather([[output_lists[r][j] for r in range(c.size)]], [inp], opts)
+            for j, inp in enumerate(input_list)
+        ]
         last = works[-1] if works else BraidWork(None, output_lists)
         last._result = output_lists
         return last

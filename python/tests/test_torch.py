@@ -4,6 +4,7 @@ training against gloo, a killed rank."""
 
 from __future__ import annotations
 
+import os
 import signal
 import time
 
@@ -55,3 +56,31 @@ def test_killed_rank_raises_naming_it():
         assert "with rank 2: process" in res["msg"], res
         assert res["t_err"] - t0 < 60, res
     assert shm_left([x.pid for x in r.ranks]) == []
+
+
+def test_bench_runs():
+    # A smoke run of python -m braid.bench (the real run is by hand).
+    import json
+    import subprocess
+    import sys
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "b.json")
+        p = subprocess.run(
+            [sys.executable, "-m", "braid.bench", "--np", "2", "-b", "8", "-e", "4K", "-f", "512",
+             "--scale", "0.01", "--ddp-steps", "2", "--json", out],
+            capture_output=True, text=True, timeout=300, env=dict(os.environ, **TORCH_ENV),
+        )
+        assert p.returncode == 0, p.stdout + p.stderr
+        assert "torch.distributed.all_to_all_single, 2 ranks" in p.stdout, p.stdout
+        res = json.load(open(out))
+        rows = res[0]["colls"]["all_reduce"]
+        assert [r["bytes"] for r in rows] == [8, 4096]
+        assert all(r["braid_us"] > 0 and r["gloo_us"] > 0 for r in rows)
+        assert res[0]["ddp"]
+        p = subprocess.run(
+            [sys.executable, "-m", "braid.bench", "--api", "--np", "2", "-b", "8", "-e", "8", "--scale", "0.01"],
+            capture_output=True, text=True, timeout=120,
+        )
+        assert p.returncode == 0 and "       8" in p.stdout, p.stdout + p.stderr

@@ -49,8 +49,10 @@ def run_upstream(names: list[str], timeout: float) -> dict[str, str]:
     status = {}
     for i, m in enumerate(heads):
         seg = out[m.end() : heads[i + 1].start() if i + 1 < len(heads) else len(out)]
-        found = re.search(r"(?:^|\n|\.\.\. )(ok|FAIL|ERROR|skipped '[^']*')\s*(?:\n|$)", "... " + seg)
-        status[m.group(1)] = found.group(1) if found else "?"
+        found = re.search(r"(?m)^(ok|FAIL|ERROR)$|^(skipped '[^']*')", seg) or re.search(
+            r"(?m)(ok|FAIL|ERROR)$|(skipped '[^']*')", seg
+        )
+        status[m.group(1)] = (found.group(1) or found.group(2)) if found else "?"
     if p.returncode != 0 or len(status) != len(names):
         raise AssertionError(f"upstream tests: exit {p.returncode}, {status}\n{out[-8000:]}")
     return status
