@@ -27,9 +27,11 @@ What it does:
 - Rank 0 of each group creates the rendezvous with a random secret and
   shares it through torch's store; ``new_group`` makes a communicator of its
   own the same way.
-- CUDA tensors are copied to host memory, reduced there and copied back
-  (where CUDA exists; untested on a GPU so far); without CUDA they raise
-  ``braid.CudaError``.
+- CUDA tensors: all_reduce, broadcast, reduce, all_gather_into_tensor,
+  reduce_scatter_tensor and all_to_all_single (equal splits) run on the GPU
+  through braid's device communicator (``braid.CudaComm``), on the current
+  CUDA stream; the other calls are staged through host memory. Not yet run
+  on a GPU. Without CUDA they raise ``braid.CudaError``.
 
 isend/irecv are issued together: point-to-point operations wait until their
 Work is waited on or polled, a blocking send/recv follows, or any other
@@ -129,6 +131,15 @@ class _Cuda:
     checked = False
 
     @classmethod
+    def available(cls) -> None:
+        if not torch.cuda.is_available():
+            raise CudaError(
+                "braid: a CUDA tensor was passed, but CUDA is unavailable on this machine "
+                "(torch.cuda.is_available() is False); move the tensor to the CPU, or use "
+                "init_process_group('cpu:braid,cuda:nccl') to route CUDA tensors elsewhere"
+            )
+
+    @classmethod
     def check(cls) -> None:
         if not torch.cuda.is_available():
             raise CudaError(
@@ -139,7 +150,9 @@ class _Cuda:
         if not cls.checked:
             cls.checked = True
             warnings.warn(
-                "braid: CUDA tensors are copied to host memory, reduced there and copied back",
+                "braid: this collective on CUDA tensors is staged through host memory "
+                "(all_reduce, broadcast, reduce, all_gather_into_tensor, reduce_scatter_tensor and "
+                "all_to_all_single run on the GPU)",
                 stacklevel=4,
             )
 
@@ -475,6 +488,23 @@ class _Ops:
             dev.copy_(h)
         return BraidWork(None, _map_tensors(w.result(), lambda t: back.get(id(t), t)))
 
+    def _device(
+        self, kind: str, send: torch.Tensor, recv: torch.Tensor, dt: int, op: int, root: int, result: Any
+    ) -> BraidWork:
+        """A collective on CUDA tensors through braid's device communicator,
+        on the current CUDA stream (stream-ordered, like NCCL's)."""
+        _Cuda.available()
+        c = self._core
+        if c.p2p_ops:
+            c.flush()
+        if send.device != recv.device:
+            raise InvalidArgumentError(f"braid: tensors on {send.device} and {recv.device}")
+        sa, sn = c.host(send, "input")
+        ra, rn = c.host(recv, "output")
+        stream = torch.cuda.current_stream(recv.device).cuda_stream
+        c.comm._cuda(kind, dt, sa, sn, ra, rn, op, root, stream, recv.device.index or 0)
+        return BraidWork(None, result)
+
     def _flush(self) -> None:
         if self._core.p2p_ops:
             self._core.flush()
@@ -490,11 +520,11 @@ class _Ops:
         if len(tensors) != 1:
             return self.allreduce_coalesced(tensors, opts)
         t = tensors[0]
-        if not t.is_cpu:
-            return self._staged(self.allreduce, tensors, opts)
         dt, op, factor = c.reduction(t, opts.reduceOp)
         if factor is not None:
             c.premul(t, factor, True)
+        if not t.is_cpu:
+            return self._device("all_reduce", t, t, dt, op, 0, tensors)
         addr, n = c.host(t)
         a = opts.asyncOp
         h = c.raw("all_reduce", dt, addr, n, addr, n, op, 0, a, tensors if a else None)
@@ -523,14 +553,14 @@ class _Ops:
         self._flush()
         if opts is None:
             opts = ReduceOptions()
-        if _any_cuda(tensors):
-            return self._staged(self.reduce, tensors, opts)
         t = tensors[0] if len(tensors) == 1 else None
         if t is None:
             raise InvalidArgumentError("braid: reduce takes exactly one tensor")
         dt, op, factor = c.reduction(t, opts.reduceOp)
         if factor is not None:
             c.premul(t, factor, True)
+        if not t.is_cpu:
+            return self._device("reduce", t, t, dt, op, opts.rootRank, tensors)
         addr, n = c.host(t)
         a = opts.asyncOp
         h = c.raw("reduce", dt, addr, n, addr, n, op, opts.rootRank, a, tensors if a else None)
@@ -543,8 +573,6 @@ class _Ops:
         self._flush()
         if opts is None:
             opts = ReduceScatterOptions()
-        if _any_cuda(output, input):
-            return self._staged(self.reduce_scatter_single, output, input, opts)
         if output.dtype != input.dtype:
             raise InvalidArgumentError(
                 f"braid: reduce_scatter: input is {input.dtype}, output {output.dtype}"
@@ -552,6 +580,8 @@ class _Ops:
         dt, op, factor = c.reduction(input, opts.reduceOp)
         if factor is not None:
             input = c.premul(input, factor, False)
+        if _any_cuda(output, input):
+            return self._device("reduce_scatter", input, output, dt, op, 0, [output])
         sa, sn = c.host(input, "input")
         ra, rn = c.host(output, "output")
         a = opts.asyncOp
@@ -626,7 +656,7 @@ class _Ops:
             raise InvalidArgumentError("braid: broadcast takes exactly one tensor")
         t = tensors[0]
         if not t.is_cpu:
-            return self._staged(self.broadcast, tensors, opts)
+            return self._device("broadcast", t, t, c.dtype(t), 0, opts.rootRank, tensors)
         addr, n = c.host(t)
         a = opts.asyncOp
         h = c.raw("broadcast", _DT.get(t.dtype, _U8), addr, n, addr, n, 0, opts.rootRank, a,
@@ -640,12 +670,12 @@ class _Ops:
         self._flush()
         if opts is None:
             opts = AllgatherOptions()
-        if _any_cuda(output, input):
-            return self._staged(self.all_gather_single, output, input, opts)
         if output.dtype != input.dtype:
             raise InvalidArgumentError(
                 f"braid: all_gather: input is {input.dtype}, output {output.dtype}"
             )
+        if _any_cuda(output, input):
+            return self._device("all_gather", input, output, c.dtype(input), 0, 0, [output])
         sa, sn = c.host(input, "input")
         ra, rn = c.host(output, "output")
         a = opts.asyncOp
@@ -856,6 +886,8 @@ class _Ops:
         if opts is None:
             opts = AllToAllOptions()
         if _any_cuda(output, input):
+            if not output_split_sizes and not input_split_sizes and output.dtype == input.dtype:
+                return self._device("all_to_all", input, output, c.dtype(input), 0, 0, [output])
             return self._staged(
                 self.all_to_all_single, output, input, output_split_sizes, input_split_sizes, opts
             )

@@ -133,5 +133,26 @@ def test_single_rank_and_errors_module():
     assert c.closed
     with pytest.raises(braid.UnusableError):
         c.all_reduce(a)
+
+
+def test_cuda_path_without_cuda_is_a_clear_error():
+    # The torch backend's device path: on a machine without CUDA, creating
+    # braid's device communicator fails (before any address is touched)
+    # with braid's "CUDA unavailable" error as braid.CudaError.
+    u = braid.UniqueId.create()
+    c = braid.Communicator.init(u, 0, 1, timeout=5)
+    try:
+        import ctypes
+
+        ctypes.CDLL("libcuda.so.1")
+        pytest.skip("this machine has a CUDA driver")
+    except OSError:
+        pass
+    with pytest.raises(braid.CudaError, match="CUDA"):
+        c._cuda("all_reduce", 8, 1 << 20, 8, 1 << 20, 8)
+    import numpy as np
+
+    a = np.ones(3)
+    c.all_reduce(a)  # still usable
     assert issubclass(braid.TimeoutError, TimeoutError)
     assert issubclass(braid.InvalidArgumentError, ValueError)

@@ -42,6 +42,8 @@ pub(crate) struct PyComm {
     /// Asynchronous operations issued and not yet finished.
     pending: Arc<AtomicUsize>,
     closed: AtomicBool,
+    /// The device communicator, once a CUDA tensor came (torch backend).
+    cuda: Mutex<Option<crate::cuda::CudaState>>,
 }
 
 impl Drop for PyComm {
@@ -165,6 +167,7 @@ impl PyComm {
             worker: Mutex::new(None),
             pending: Arc::new(AtomicUsize::new(0)),
             closed: AtomicBool::new(false),
+            cuda: Mutex::new(None),
         }
     }
 
@@ -1405,6 +1408,47 @@ impl PyComm {
             keep_obj: keep,
         };
         self.launch(py, prep, async_op)
+    }
+
+    /// Private (torch backend): a collective on CUDA device addresses (as
+    /// ``_raw``), enqueued on the CUDA stream ``stream`` (a ``cudaStream_t``
+    /// as an integer) of this rank's GPU through braid's device
+    /// communicator, created on first use (every rank must get here).
+    /// Returns the GPU's ordinal. Not yet run on a GPU.
+    #[pyo3(signature = (kind, dt, send_addr, send_len, recv_addr, recv_len, op = 0, root = 0, stream = 0, device = 0))]
+    #[allow(clippy::too_many_arguments)]
+    fn _cuda(
+        &self,
+        py: Python<'_>,
+        kind: &str,
+        dt: u8,
+        send_addr: usize,
+        send_len: usize,
+        recv_addr: usize,
+        recv_len: usize,
+        op: u8,
+        root: i64,
+        stream: usize,
+        device: u32,
+    ) -> PyResult<u32> {
+        self.check_open(py)?;
+        let dt = dtype_from_code(dt)
+            .ok_or_else(|| invalid(py, format!("datatype code {dt} is not a braid datatype")))?;
+        let op = RedOp::from_u8(op)
+            .ok_or_else(|| invalid(py, format!("operator code {op} is not a braid operator")))?;
+        let send = Self::raw_range(py, send_addr, send_len)?;
+        let recv = Self::raw_range(py, recv_addr, recv_len)?;
+        let job = self.raw_job(py, kind, dt, send, recv, op, root)?;
+        if self.pending.load(Ordering::Acquire) > 0 {
+            self.synchronize(py)?;
+        }
+        let is_root = u32::try_from(root).is_ok_and(|r| r == self.me());
+        let (state, comm) = (&self.cuda, &self.comm);
+        // SAFETY: the torch backend passes device addresses of live CUDA
+        // tensors it keeps until the stream ran the operation, and the
+        // current stream of their device.
+        py.detach(|| unsafe { crate::cuda::run(state, comm, &job, stream, device, is_root) })
+            .map_err(|e| py_err(py, &e))
     }
 
     /// Private (torch backend): several raw collectives run one after the

@@ -10,6 +10,7 @@
 //! stubs and the `torch.distributed` backend on top.
 
 mod comm;
+mod cuda;
 mod errors;
 mod uid;
 mod views;
