@@ -83,8 +83,8 @@ def test_stopped_rank_times_out_naming_it():
     assert res["peer"] == 1 and res["builtin"], res
     assert 2.5 < res["after"] < 15, res
     assert "timed out" in res["msg"] and "rank 1" in res["msg"], res
-    stopped = r.ranks[1]
-    assert stopped.returncode is not None  # the harness killed it
+    assert r.ranks[1].returncode == -signal.SIGKILL  # rank 0 ended it
+    assert r.elapsed < 30, r.elapsed
     assert shm_left([x.pid for x in r.ranks]) == []
 
 

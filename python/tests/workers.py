@@ -485,9 +485,13 @@ def stop(rank, p, spec):
     try:
         comm.all_reduce(x)
     except braid.TimeoutError as e:
-        return {"peer": e.peer, "msg": str(e), "after": time.monotonic() - t0,
-                "builtin": isinstance(e, TimeoutError)}
-    raise AssertionError("no timeout")
+        res = {"peer": e.peer, "msg": str(e), "after": time.monotonic() - t0,
+               "builtin": isinstance(e, TimeoutError)}
+    else:
+        raise AssertionError("no timeout")
+    # Done: end the stopped rank (its pid is in the file it wrote).
+    os.kill(int(open(os.path.join(spec["tmp"], "stopped")).read()), signal.SIGKILL)
+    return res
 
 
 @scenario
