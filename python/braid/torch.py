@@ -111,7 +111,8 @@ _OP_NAME = {
 
 def _opcode(reduce_op: Any) -> int:
     op = getattr(reduce_op, "op", reduce_op)
-    return int(op)
+    v = getattr(op, "value", None)
+    return int(op) if v is None else v
 
 
 def _seconds(timeout: Any) -> float | None:
@@ -176,10 +177,20 @@ def _any_cuda(*objs: Any) -> bool:
     return False
 
 
-class BraidWork(dist._Work):
+_Work = dist._Work
+
+
+class BraidWork(_Work):
     """The Work of one braid operation: ``wait()``, ``is_completed()``,
     ``get_future()`` (whose value is the operation's output tensors, as
     gloo's), ``exception()``."""
+
+    # Defaults as class attributes: a blocking call's Work sets two.
+    _finish: Callable[[], None] | None = None
+    _exc: BaseException | None = None
+    _fut: torch.futures.Future | None = None
+    # Deferred point-to-point work: issued by the core's flush.
+    _core: _Core | None = None
 
     def __init__(
         self,
@@ -188,16 +199,15 @@ class BraidWork(dist._Work):
         finish: Callable[[], None] | None = None,
         core: _Core | None = None,
     ) -> None:
-        super().__init__()
+        _Work.__init__(self)
         self._h = handle
         self._result = result
-        self._finish = finish
-        self._exc: BaseException | None = None
-        self._fut: torch.futures.Future | None = None
-        # Deferred point-to-point work: issued by the core's flush.
-        self._core = core
-        if handle is not None and finish is not None:
-            handle.add_done_callback(self._on_done)
+        if core is not None:
+            self._core = core
+        if finish is not None:
+            self._finish = finish
+            if handle is not None:
+                handle.add_done_callback(self._on_done)
 
     # Set by the core's flush on deferred point-to-point works.
     def _attach(self, handle: _braid.Handle) -> None:
@@ -297,7 +307,7 @@ class _Core:
         self.p2p_works: list[BraidWork] = []
         self.coalescing = False
         self.lock = threading.RLock()
-        self.red_cache: dict[tuple[torch.dtype, int], tuple[int, int]] = {}
+        self.red_cache: dict[torch.dtype, dict[int, tuple[int, int]]] = {}
 
     @classmethod
     def create(
@@ -337,7 +347,8 @@ class _Core:
     def reduction(self, t: torch.Tensor, reduce_op: Any) -> tuple[int, int, Any]:
         """(datatype code, braid op, PREMUL_SUM factor or None)."""
         code = _opcode(reduce_op)
-        hit = self.red_cache.get((t.dtype, code))
+        per = self.red_cache.get(t.dtype)
+        hit = per.get(code) if per is not None else None
         if hit is not None:
             return hit[0], hit[1], None
         if code == _PREMUL:
@@ -369,7 +380,7 @@ class _Core:
                     "(braid has SUM, PRODUCT, MIN, MAX, AVG and PREMUL_SUM; BAND/BOR on bool)"
                 )
             res = (dt, _BRAID_OP[code])
-        self.red_cache[(dtype, code)] = res
+        self.red_cache.setdefault(dtype, {})[code] = res
         return res[0], res[1], None
 
     @staticmethod

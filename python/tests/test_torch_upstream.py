@@ -28,7 +28,6 @@ HERE = Path(__file__).resolve().parent
 SELECTION = [
     "test_all_reduce_sum_async",
     "test_broadcast",
-    "test_all_gather",
     "test_send_recv",
     "test_DistributedDataParallelCPU",
 ]
