@@ -156,3 +156,25 @@ def test_cuda_path_without_cuda_is_a_clear_error():
     c.all_reduce(a)  # still usable
     assert issubclass(braid.TimeoutError, TimeoutError)
     assert issubclass(braid.InvalidArgumentError, ValueError)
+
+
+def test_stubs_match_the_module():
+    # Every class and method the stubs declare exists at run time, and every
+    # public runtime method is declared (so editors see the real API).
+    import ast
+    from pathlib import Path
+
+    import braid._braid as native
+
+    tree = ast.parse((Path(braid.__file__).parent / "_braid.pyi").read_text())
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
+            cls = getattr(native, node.name)
+            declared = {n.name for n in node.body if isinstance(n, ast.FunctionDef)}
+            for name in declared:
+                assert hasattr(cls, name), f"{node.name}.{name} is in the stubs only"
+            public = {n for n in dir(cls) if not n.startswith("_")}
+            assert public <= declared, f"{node.name}: not in the stubs: {public - declared}"
+            assert cls.__doc__, node.name
+        elif isinstance(node, ast.FunctionDef):
+            assert getattr(native, node.name).__doc__, node.name
