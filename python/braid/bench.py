@@ -8,7 +8,8 @@
 Starts the ranks itself (one process each, ``OMP_NUM_THREADS=1`` as torchrun
 sets it), joins a braid default group and a gloo group over the same ranks,
 and for each collective and size times braid and gloo alternately on the
-same tensors (float32): all_reduce (sum, in place), all_gather_into_tensor,
+same tensors (float32), in several alternating batches of which the fastest
+counts (the host may be shared): all_reduce (sum, in place), all_gather_into_tensor,
 reduce_scatter_tensor (sum), broadcast (root 0, in place) and
 all_to_all_single. Tables follow nccl-tests: size in bytes (the whole array
 for all_gather, reduce_scatter and all_to_all), count of elements per rank,
@@ -62,7 +63,8 @@ def _sizes(lo: int, hi: int, factor: int) -> list[int]:
 
 
 def _iters(nbytes: int, scale: float) -> int:
-    return max(3, min(1000, int(scale * 32e6 / max(nbytes, 1024))))
+    """Calls per timed batch: about 4 MB moved, 3 to 200 calls."""
+    return max(3, min(200, int(scale * 4e6 / max(nbytes, 1024))))
 
 
 # ---------------------------------------------------------------------------
@@ -294,6 +296,10 @@ def _plot(results: list[dict], path: str) -> None:
 # --api: braid's Python API against its Rust API (braid-perf).
 
 
+def _api_iters(nbytes: int, scale: float) -> int:
+    return max(20, min(20000, int(scale * 4e8 / max(nbytes, 1024))))
+
+
 def _api_worker(spec: dict) -> None:
     import numpy as np
 
@@ -304,7 +310,7 @@ def _api_worker(spec: dict) -> None:
     for nbytes in spec["sizes"]:
         a = np.ones(max(1, nbytes // 4), dtype=np.float32)
         r = np.empty_like(a)
-        iters = _iters(nbytes, spec["scale"] * 20)
+        iters = _api_iters(nbytes, spec["scale"])
         best = {"out": float("inf"), "in": float("inf")}
         for _ in range(spec["rounds"]):
             for mode in ("out", "in"):
@@ -377,7 +383,7 @@ def _api(a: argparse.Namespace, sizes: list[int]) -> None:
         for nbytes in sizes:
             line = f"  {n:>5}  {nbytes:>10}  {py[nbytes]['out']:8.3f}  {py[nbytes]['in']:8.3f}"
             if rust:
-                it = _iters(nbytes, a.scale * 20)
+                it = _api_iters(nbytes, a.scale)
                 rs = _api_rust(n, nbytes, it, a.braid_run, a.braid_perf)
                 line += f"  {rs['out']:8.3f}  {rs['in']:8.3f}  {py[nbytes]['out'] - rs['out']:7.3f}"
             print(line, flush=True)
@@ -395,9 +401,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--np", type=int, nargs="+", default=[2, 4], help="rank counts (default: 2 4)")
     ap.add_argument("-b", "--minbytes", default="8", help="smallest size (default 8)")
     ap.add_argument("-e", "--maxbytes", default="64M", help="largest size (default 64M)")
-    ap.add_argument("-f", "--stepfactor", type=int, default=4, help="size multiplier (default 4)")
+    ap.add_argument("-f", "--stepfactor", type=int, default=2, help="size multiplier (default 2)")
     ap.add_argument("-c", "--collectives", nargs="+", default=COLLECTIVES, choices=COLLECTIVES)
-    ap.add_argument("--rounds", type=int, default=1, help="best of this many rounds per size (default 1)")
+    ap.add_argument("--rounds", type=int, default=5,
+                    help="timed batches per size and backend, alternating; the fastest counts (default 5)")
     ap.add_argument("--scale", type=float, default=1.0, help="iterations x this (default 1)")
     ap.add_argument("--ddp-steps", type=int, default=30, help="timed DDP steps per model (0: none)")
     ap.add_argument("--timeout", type=float, default=3600.0, help="seconds per rank count")
