@@ -274,8 +274,26 @@ def _plot(results: list[dict], path: str) -> None:
     except ImportError:
         raise SystemExit("braid.bench: --plot needs matplotlib (pip install matplotlib)") from None
     colls = [c for c in COLLECTIVES if any(c in r["colls"] for r in results)]
-    fig, axes = plt.subplots(1, len(colls), figsize=(4.2 * len(colls), 4), squeeze=False)
-    for ax, coll in zip(axes[0], colls):
+    ddp = [(res["np"], name, d) for res in results for name, d in res.get("ddp", {}).items()]
+    panels = len(colls) + (1 if ddp else 0)
+    cols = min(3, panels)
+    rows = (panels + cols - 1) // cols
+    fig, axes = plt.subplots(rows, cols, figsize=(4.6 * cols, 3.8 * rows), squeeze=False)
+    flat = [ax for row in axes for ax in row]
+    for ax in flat[panels:]:
+        ax.axis("off")
+    if ddp:
+        ax = flat[len(colls)]
+        labels = [f"{name.split(' ')[0]}, {n} ranks" for n, name, _ in ddp]
+        xs = range(len(ddp))
+        ax.bar([x - 0.2 for x in xs], [d["braid_ms"] for _, _, d in ddp], 0.4, label="braid")
+        ax.bar([x + 0.2 for x in xs], [d["gloo_ms"] for _, _, d in ddp], 0.4, label="gloo")
+        ax.set_xticks(list(xs), labels, fontsize=7)
+        ax.set_yscale("log")
+        ax.set_ylabel("ms per step (median)")
+        ax.set_title("DDP training step", fontsize=9)
+        ax.legend(fontsize=7)
+    for ax, coll in zip(flat, colls):
         for res in results:
             rows = res["colls"].get(coll)
             if not rows:
