@@ -188,6 +188,14 @@ def _ddp(rank: int, n: int, gloo, steps: int) -> dict:
 # The launcher and the tables.
 
 
+def _load() -> str:
+    try:
+        with open("/proc/loadavg") as f:
+            return " ".join(f.read().split()[:3])
+    except OSError:
+        return "?"
+
+
 def _fmt_time(us: float) -> str:
     if us >= 10000:
         return f"{us:7.0f}"
@@ -450,7 +458,7 @@ def main(argv: list[str] | None = None) -> None:
     import braid
 
     print(f"# braid {braid.__version__}, torch {torch.__version__}, python {platform.python_version()}, "
-          f"{os.cpu_count()} CPUs, {time.strftime('%Y-%m-%d %H:%M')}", flush=True)
+          f"{os.cpu_count()} CPUs, {time.strftime('%Y-%m-%d %H:%M')}, load average {_load()}", flush=True)
     results = []
     for n in a.np:
         res = _run(n, spec, a.timeout)
@@ -460,6 +468,7 @@ def main(argv: list[str] | None = None) -> None:
             print(flush=True)
     if a.ddp_steps > 0:
         print(_ddp_table(results), flush=True)
+    print(f"# load average at the end: {_load()}", flush=True)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(results, f, indent=1)

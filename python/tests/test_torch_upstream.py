@@ -48,8 +48,8 @@ def run_upstream(names: list[str], timeout: float) -> dict[str, str]:
     status = {}
     for i, m in enumerate(heads):
         seg = out[m.end() : heads[i + 1].start() if i + 1 < len(heads) else len(out)]
-        found = re.search(r"(?m)^(ok|FAIL|ERROR)$|^(skipped '[^']*')", seg) or re.search(
-            r"(?m)(ok|FAIL|ERROR)$|(skipped '[^']*')", seg
+        found = re.search(r"(?m)^(ok|FAIL|ERROR)$|^(skipped (?:'[^']*'|\"[^\"]*\"))", seg) or re.search(
+            r"(?m)(ok|FAIL|ERROR)$|(skipped (?:'[^']*'|\"[^\"]*\"))", seg
         )
         status[m.group(1)] = (found.group(1) or found.group(2)) if found else "?"
     if p.returncode != 0 or len(status) != len(names):
