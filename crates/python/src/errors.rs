@@ -1,0 +1,157 @@
+//! braid's errors as Python exceptions.
+//!
+//! The classes live in Python (`braid/errors.py`) so that they can also
+//! derive from the built-in exceptions (`InvalidArgumentError` is a
+//! `ValueError`, `TimeoutError` a built-in `TimeoutError`). An error is
+//! classified here, without the GIL (operations complete on a stream's
+//! thread), and becomes an exception once it reaches Python.
+
+use braid::Error;
+use braid_core::CoreError;
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+/// Which exception class an error becomes (the names in `braid.errors`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Kind {
+    InvalidArgument,
+    Timeout,
+    PeerFailed,
+    Mismatch,
+    Unusable,
+    Bootstrap,
+    Config,
+    Cuda,
+    Other,
+}
+
+impl Kind {
+    fn class_name(self) -> &'static str {
+        match self {
+            Kind::InvalidArgument => "InvalidArgumentError",
+            Kind::Timeout => "TimeoutError",
+            Kind::PeerFailed => "PeerFailedError",
+            Kind::Mismatch => "MismatchError",
+            Kind::Unusable => "UnusableError",
+            Kind::Bootstrap => "BootstrapError",
+            Kind::Config => "ConfigError",
+            Kind::Cuda => "CudaError",
+            Kind::Other => "Error",
+        }
+    }
+}
+
+/// An error, classified, with the facts the exception carries as
+/// attributes (`peer`, `rank`, `op`, `seq`).
+#[derive(Clone, Debug)]
+pub(crate) struct ErrInfo {
+    pub kind: Kind,
+    pub msg: String,
+    pub peer: Option<u32>,
+    pub rank: Option<u32>,
+    pub op: Option<String>,
+    pub seq: Option<u64>,
+}
+
+/// The phrase braid's mismatch detection puts in every mismatch report
+/// (`fingerprint::check`); a peer that aborted because of a mismatch relays
+/// that report as its reason.
+const MISMATCH: &str = "every rank must issue the same operations";
+
+impl ErrInfo {
+    pub(crate) fn new(kind: Kind, msg: impl Into<String>) -> ErrInfo {
+        ErrInfo {
+            kind,
+            msg: msg.into(),
+            peer: None,
+            rank: None,
+            op: None,
+            seq: None,
+        }
+    }
+
+    pub(crate) fn invalid(msg: impl Into<String>) -> ErrInfo {
+        ErrInfo::new(Kind::InvalidArgument, msg)
+    }
+
+    /// Classify one of braid's errors.
+    pub(crate) fn from_braid(e: &Error) -> ErrInfo {
+        let msg = e.to_string();
+        let (kind, peer) = match e {
+            Error::InvalidArgument(_) => (Kind::InvalidArgument, None),
+            Error::Env(_) | Error::Config(_) | Error::Topology(_) => (Kind::Config, None),
+            Error::Bootstrap(m) if is_timeout(m) => (Kind::Timeout, None),
+            Error::BootstrapIo { source, .. }
+                if source.kind() == std::io::ErrorKind::TimedOut
+                    || source.kind() == std::io::ErrorKind::WouldBlock =>
+            {
+                (Kind::Timeout, None)
+            }
+            Error::Bootstrap(_) | Error::BootstrapIo { .. } => (Kind::Bootstrap, None),
+            Error::Operation { source, .. } | Error::Core(source) => core_kind(source),
+            Error::Cuda(_) => (Kind::Cuda, None),
+            Error::Unusable(_) => (Kind::Unusable, None),
+            _ => (Kind::Other, None),
+        };
+        let mut info = ErrInfo::new(kind, msg);
+        info.peer = peer;
+        if let Error::Operation { rank, op, seq, .. } = e {
+            info.rank = Some(*rank);
+            info.op = Some(op.clone());
+            info.seq = Some(*seq);
+        }
+        info
+    }
+
+    /// The Python exception.
+    pub(crate) fn to_py(&self, py: Python<'_>) -> PyErr {
+        match self.build(py) {
+            Ok(e) => e,
+            Err(e) => e,
+        }
+    }
+
+    fn build(&self, py: Python<'_>) -> PyResult<PyErr> {
+        let module = py.import("braid.errors")?;
+        let class = module.getattr(self.kind.class_name())?;
+        let kwargs = PyDict::new(py);
+        kwargs.set_item("peer", self.peer)?;
+        kwargs.set_item("rank", self.rank)?;
+        kwargs.set_item("op", self.op.as_deref())?;
+        kwargs.set_item("seq", self.seq)?;
+        let exc = class.call((self.msg.as_str(),), Some(&kwargs))?;
+        Ok(PyErr::from_value(exc))
+    }
+}
+
+fn is_timeout(m: &str) -> bool {
+    m.contains("timed out") || m.contains("timeout")
+}
+
+fn core_kind(c: &CoreError) -> (Kind, Option<u32>) {
+    match c {
+        CoreError::InvalidArgument(_) => (Kind::InvalidArgument, None),
+        CoreError::Timeout { peer, .. } => (Kind::Timeout, Some(*peer)),
+        CoreError::Peer { peer, .. } => (Kind::PeerFailed, Some(*peer)),
+        CoreError::PeerAborted { peer, reason, .. } if reason.contains(MISMATCH) => {
+            (Kind::Mismatch, Some(*peer))
+        }
+        CoreError::PeerAborted { peer, .. } => (Kind::PeerFailed, Some(*peer)),
+        CoreError::Protocol { peer, detail } if detail.contains(MISMATCH) => {
+            (Kind::Mismatch, Some(*peer))
+        }
+        CoreError::Protocol { peer, .. } => (Kind::PeerFailed, Some(*peer)),
+        CoreError::Aborted(_) => (Kind::Unusable, None),
+        _ => (Kind::Other, c.peer()),
+    }
+}
+
+/// A braid error as a Python exception.
+pub(crate) fn py_err(py: Python<'_>, e: &Error) -> PyErr {
+    ErrInfo::from_braid(e).to_py(py)
+}
+
+/// An `InvalidArgumentError` with this message.
+pub(crate) fn invalid(py: Python<'_>, msg: impl Into<String>) -> PyErr {
+    ErrInfo::invalid(msg).to_py(py)
+}

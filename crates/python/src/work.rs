@@ -1,0 +1,357 @@
+//! What an operation is once its arguments are checked ([`Job`]), and the
+//! handle of an asynchronous one ([`Handle`]).
+
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+use braid::{Collective, Communicator, DataType};
+use pyo3::prelude::*;
+
+use crate::errors::{ErrInfo, Kind};
+use crate::views::{Raw, View};
+
+/// One checked operation on raw byte ranges. Plain data, so it can run on
+/// the calling thread (GIL released) or on the communicator's stream.
+#[derive(Debug)]
+pub(crate) enum Job {
+    /// `run_bytes` (out of place).
+    Coll {
+        coll: Collective,
+        dt: DataType,
+        send: Raw,
+        recv: Raw,
+    },
+    /// `run_bytes_in_place`.
+    InPlace {
+        coll: Collective,
+        dt: DataType,
+        buf: Raw,
+    },
+    /// AllToAll in place: the send side is copied first.
+    AllToAllInPlace {
+        coll: Collective,
+        dt: DataType,
+        buf: Raw,
+    },
+    Barrier,
+    /// Point-to-point operations issued together, after local copies
+    /// (a rank's own block of gather, scatter, AllToAllv).
+    Group {
+        ops: Vec<P2pOp>,
+        copies: Vec<(Raw, Raw)>,
+    },
+    /// Several operations, one after the other (coalesced calls); the first
+    /// failure ends it.
+    Seq(Vec<Job>),
+}
+
+/// One send (`send: true`) or receive of a group, in bytes.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct P2pOp {
+    pub send: bool,
+    pub peer: u32,
+    pub buf: Raw,
+}
+
+impl Job {
+    /// Run on `comm`, on this thread.
+    pub(crate) fn run(&self, comm: &Communicator) -> braid::Result<()> {
+        // Every slice below: the caller keeps the buffers exported (views,
+        // tensors held by the handle or the Python frame) until the job is
+        // done, and the argument checks rejected overlapping buffers other
+        // than the in-place forms, which use one slice.
+        match self {
+            Job::Coll {
+                coll,
+                dt,
+                send,
+                recv,
+            } => {
+                // SAFETY: see above; `send` and `recv` do not overlap.
+                let (s, r) = unsafe { (send.slice(), recv.slice_mut()) };
+                comm.run_bytes(coll, *dt, s, r)
+            }
+            Job::InPlace { coll, dt, buf } => {
+                // SAFETY: see above.
+                comm.run_bytes_in_place(coll, *dt, unsafe { buf.slice_mut() })
+            }
+            Job::AllToAllInPlace { coll, dt, buf } => {
+                // SAFETY: see above.
+                let out = unsafe { buf.slice_mut() };
+                let send = out.to_vec();
+                comm.run_bytes(coll, *dt, &send, out)
+            }
+            Job::Barrier => comm.barrier(),
+            Job::Group { ops, copies } => {
+                for (src, dst) in copies {
+                    // SAFETY: as above; a copy's ranges do not overlap
+                    // (checked when the job was built).
+                    unsafe { dst.slice_mut().copy_from_slice(src.slice()) };
+                }
+                let mut g = comm.group();
+                for op in ops.iter().filter(|o| o.buf.len > 0) {
+                    if op.send {
+                        // SAFETY: as above.
+                        g.send::<u8>(unsafe { op.buf.slice() }, op.peer);
+                    } else {
+                        // SAFETY: as above.
+                        g.recv::<u8>(unsafe { op.buf.slice_mut() }, op.peer);
+                    }
+                }
+                g.run()
+            }
+            Job::Seq(jobs) => jobs.iter().try_for_each(|j| j.run(comm)),
+        }
+    }
+}
+
+/// Where an asynchronous operation's outcome lands.
+///
+/// The operation is *done* once its outcome is recorded and every callback
+/// registered before that ran (callbacks copy results out, complete torch
+/// futures): `wait` and `is_done` see it only then.
+#[derive(Debug, Default)]
+pub(crate) struct Completion {
+    state: Mutex<CState>,
+    cv: Condvar,
+}
+
+#[derive(Debug, Default)]
+struct CState {
+    result: Option<Result<(), ErrInfo>>,
+    callbacks: Vec<Py<PyAny>>,
+    finished: bool,
+}
+
+impl Completion {
+    pub(crate) fn is_done(&self) -> bool {
+        self.state.lock().map(|s| s.finished).unwrap_or(true)
+    }
+
+    /// Record the outcome (once), run the callbacks, then wake waiters.
+    pub(crate) fn complete(&self, r: Result<(), ErrInfo>) {
+        match self.state.lock() {
+            Ok(mut s) => {
+                if s.result.is_some() {
+                    return;
+                }
+                s.result = Some(r.clone());
+            }
+            Err(_) => return,
+        }
+        loop {
+            let callbacks = match self.state.lock() {
+                Ok(mut s) => {
+                    if s.callbacks.is_empty() {
+                        s.finished = true;
+                        break;
+                    }
+                    std::mem::take(&mut s.callbacks)
+                }
+                Err(_) => break,
+            };
+            // At interpreter shutdown the callbacks are dropped unrun.
+            let ran = Python::try_attach(|py| {
+                for cb in &callbacks {
+                    run_callback(py, cb, &r);
+                }
+            });
+            if ran.is_none() {
+                if let Ok(mut s) = self.state.lock() {
+                    s.finished = true;
+                }
+                break;
+            }
+        }
+        self.cv.notify_all();
+    }
+
+    /// Wait until done or `timeout` passes; whether it is done.
+    pub(crate) fn wait(&self, timeout: Option<Duration>) -> bool {
+        let deadline = timeout.map(|t| Instant::now() + t);
+        let Ok(mut s) = self.state.lock() else {
+            return true;
+        };
+        while !s.finished {
+            s = match deadline {
+                None => match self.cv.wait(s) {
+                    Ok(s) => s,
+                    Err(_) => return true,
+                },
+                Some(d) => {
+                    let now = Instant::now();
+                    if now >= d {
+                        return false;
+                    }
+                    match self.cv.wait_timeout(s, d - now) {
+                        Ok((s, _)) => s,
+                        Err(_) => return true,
+                    }
+                }
+            };
+        }
+        true
+    }
+
+    /// The outcome, once done.
+    pub(crate) fn result(&self) -> Option<Result<(), ErrInfo>> {
+        match self.state.lock() {
+            Ok(s) if s.finished => s.result.clone(),
+            Ok(_) => None,
+            Err(_) => Some(Err(ErrInfo::new(
+                Kind::Unusable,
+                "a thread panicked while completing an operation",
+            ))),
+        }
+    }
+
+    /// Run `cb(error or None)` when done (now, if it is).
+    pub(crate) fn add_callback(&self, py: Python<'_>, cb: Py<PyAny>) {
+        let done = match self.state.lock() {
+            Ok(mut s) => {
+                if s.finished {
+                    s.result.clone()
+                } else {
+                    s.callbacks.push(cb.clone_ref(py));
+                    None
+                }
+            }
+            Err(_) => None,
+        };
+        if let Some(r) = done {
+            run_callback(py, &cb, &r);
+        }
+    }
+}
+
+fn run_callback(py: Python<'_>, cb: &Py<PyAny>, r: &Result<(), ErrInfo>) {
+    let arg: Py<PyAny> = match r {
+        Ok(()) => py.None(),
+        Err(e) => e.to_py(py).into_value(py).into_any(),
+    };
+    if let Err(e) = cb.call1(py, (arg,)) {
+        e.write_unraisable(py, Some(cb.bind(py)));
+    }
+}
+
+/// The handle of an asynchronous operation (``async_op=True``).
+/// Operations on one communicator run in the order they were issued, like
+/// a Rust ``braid::Stream``; the buffers stay in use until the operation is
+/// done (dropping an unfinished handle waits for it).
+#[pyclass(module = "braid._braid", name = "Handle", frozen)]
+pub(crate) struct Handle {
+    pub(crate) done: Arc<Completion>,
+    /// The buffers the operation uses (exports, and objects that own the
+    /// memory of a raw-pointer operation), held until it is done.
+    keep: Mutex<Option<Kept>>,
+}
+
+/// Buffer exports and memory owners an operation uses.
+type Kept = (Vec<View>, Option<Py<PyAny>>);
+
+impl Handle {
+    pub(crate) fn new(
+        done: Arc<Completion>,
+        keep: Vec<View>,
+        keep_obj: Option<Py<PyAny>>,
+    ) -> Handle {
+        Handle {
+            done,
+            keep: Mutex::new(Some((keep, keep_obj))),
+        }
+    }
+
+    fn release(&self) {
+        let k = self.keep.lock().ok().and_then(|mut k| k.take());
+        drop(k);
+    }
+
+    /// Wait (GIL released) at most `timeout`, then raise the operation's
+    /// error if it failed; the buffers are released once it is done.
+    pub(crate) fn wait_inner(&self, py: Python<'_>, t: Option<Duration>) -> PyResult<()> {
+        let d = self.done.clone();
+        if !d.is_done() && !py.detach(move || d.wait(t)) {
+            return Err(ErrInfo::new(
+                Kind::Timeout,
+                format!(
+                    "the operation is still running after {:.3}s (wait() gave up; the handle stays valid)",
+                    t.map(|t| t.as_secs_f64()).unwrap_or_default()
+                ),
+            )
+            .to_py(py));
+        }
+        self.release();
+        match self.done.result() {
+            Some(Err(e)) => Err(e.to_py(py)),
+            _ => Ok(()),
+        }
+    }
+}
+
+#[pymethods]
+impl Handle {
+    /// Block until the operation is done (at most ``timeout`` seconds, if
+    /// given; the communicator's own deadline bounds it anyway) and raise
+    /// its error if it failed. A wait that gives up raises
+    /// ``braid.TimeoutError`` and leaves the handle valid.
+    #[pyo3(signature = (timeout=None))]
+    fn wait(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<()> {
+        let t = match timeout {
+            Some(t) if t.is_finite() && t >= 0.0 => Some(Duration::from_secs_f64(t.min(1e9))),
+            Some(t) => {
+                return Err(crate::errors::invalid(
+                    py,
+                    format!("timeout must be a non-negative number of seconds, not {t}"),
+                ))
+            }
+            None => None,
+        };
+        self.wait_inner(py, t)
+    }
+
+    /// Whether the operation finished (successfully or not).
+    fn done(&self) -> bool {
+        self.done.is_done()
+    }
+
+    /// Whether the operation finished (torch.distributed's name).
+    fn is_completed(&self) -> bool {
+        self.done.is_done()
+    }
+
+    /// The exception the operation raised, None if it succeeded or is
+    /// still running.
+    fn exception(&self, py: Python<'_>) -> Option<Py<PyAny>> {
+        match self.done.result() {
+            Some(Err(e)) => Some(e.to_py(py).into_value(py).into_any()),
+            _ => None,
+        }
+    }
+
+    /// Call ``fn(error)`` once the operation is done (``error`` is None on
+    /// success): on the thread that completes it, or at once if it is done.
+    fn add_done_callback(&self, py: Python<'_>, f: Py<PyAny>) {
+        self.done.add_callback(py, f);
+    }
+
+    fn __repr__(&self) -> String {
+        let state = match self.done.result() {
+            None => "running",
+            Some(Ok(())) => "done",
+            Some(Err(_)) => "failed",
+        };
+        format!("<braid.Handle {state}>")
+    }
+}
+
+impl Drop for Handle {
+    fn drop(&mut self) {
+        // The buffers must outlive the operation: a handle dropped early
+        // waits (every operation is bounded by the communicator's timeout).
+        let holds = self.keep.get_mut().map(|k| k.is_some()).unwrap_or(false);
+        if holds && !self.done.is_done() {
+            let d = self.done.clone();
+            let _ = Python::try_attach(|py| py.detach(move || d.wait(None)));
+        }
+    }
+}

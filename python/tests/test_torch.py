@@ -1,0 +1,86 @@
+"""The torch.distributed backend "braid" across real processes: every call
+against gloo on the same inputs, async Work, subgroups, DDP and FSDP2
+training against gloo, a killed rank."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+pytest.importorskip("torch")
+
+from harness import run, shm_left  # noqa: E402
+
+TORCH_ENV = {"OMP_NUM_THREADS": "1"}  # as torchrun sets it
+
+
+@pytest.mark.parametrize("nranks", [2, 3])
+def test_every_call_against_gloo(nranks):
+    r = run("torch_vs_gloo", nranks, uid=False, env=TORCH_ENV, timeout=300)
+    for res in r.results():
+        # 8 dtypes x 4 ops x 4 reducing calls, movement, objects, p2p,
+        # coalescing, barrier, AVG/PREMUL_SUM, bool, subgroups, futures.
+        assert len(res["checked"]) >= 150, res
+        assert res["gloo_refused"] == [], res
+
+
+@pytest.mark.parametrize("nranks", [2, 4])
+def test_ddp_training_matches_gloo(nranks):
+    r = run("torch_ddp", nranks, uid=False, env=TORCH_ENV, spec={"steps": 20}, timeout=300)
+    for res in r.results():
+        assert res["ranks_agree"], res
+        if nranks == 2:
+            # Two summands: every summation order gives the same bits.
+            assert res["equal"], res
+        else:
+            # Four: gloo and braid add in different orders (float32 rounding).
+            assert res["max_diff"] < 1e-6, res
+
+
+def test_fsdp2_fully_shard_step_matches_gloo():
+    r = run("torch_fsdp2", 2, uid=False, env=TORCH_ENV, timeout=300)
+    for res in r.results():
+        assert res["nparams"] == 6 and res["max_diff"] == 0.0, res
+
+
+def test_killed_rank_raises_naming_it():
+    t0 = time.monotonic()
+    r = run("torch_kill", 3, uid=False, env=TORCH_ENV, spec={"timeout": 10},
+            allow_fail={2}, timeout=120)
+    assert r.ranks[2].returncode == -signal.SIGKILL
+    for res in r.results()[:2]:
+        assert res["type"] == "PeerFailedError", res
+        assert "with rank 2: process" in res["msg"], res
+        assert res["t_err"] - t0 < 60, res
+    assert shm_left([x.pid for x in r.ranks]) == []
+
+
+def test_bench_runs():
+    # A smoke run of python -m braid.bench (the real run is by hand).
+    import json
+    import subprocess
+    import sys
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "b.json")
+        p = subprocess.run(
+            [sys.executable, "-m", "braid.bench", "--np", "2", "-b", "8", "-e", "4K", "-f", "512",
+             "--scale", "0.01", "--ddp-steps", "2", "--json", out],
+            capture_output=True, text=True, timeout=300, env=dict(os.environ, **TORCH_ENV),
+        )
+        assert p.returncode == 0, p.stdout + p.stderr
+        assert "torch.distributed.all_to_all_single, 2 ranks" in p.stdout, p.stdout
+        res = json.load(open(out))
+        rows = res[0]["colls"]["all_reduce"]
+        assert [r["bytes"] for r in rows] == [8, 4096]
+        assert all(r["braid_us"] > 0 and r["gloo_us"] > 0 for r in rows)
+        assert res[0]["ddp"]
+        p = subprocess.run(
+            [sys.executable, "-m", "braid.bench", "--api", "--np", "2", "-b", "8", "-e", "8", "--scale", "0.01"],
+            capture_output=True, text=True, timeout=120,
+        )
+        assert p.returncode == 0 and "       8" in p.stdout, p.stdout + p.stderr

@@ -1,0 +1,397 @@
+"""torch.distributed scenarios, one process per rank (see workers.py).
+
+Every call runs on a braid group and on a gloo group over the same ranks,
+on the same inputs; the results must be equal (values are small integers,
+exactly representable, so every summation order gives the same bits).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import signal
+import time
+
+import torch
+import torch.distributed as dist
+
+SCENARIOS = {}
+
+
+def scenario(f):
+    SCENARIOS[f.__name__] = f
+    return f
+
+
+def init(rank, p, spec, timeout=60):
+    # No explicit import of braid: torch finds the backend through the
+    # entry point that `pip install` registered.
+    dist.init_process_group(
+        "braid",
+        init_method="file://" + os.path.join(spec["tmp"], "store"),
+        rank=rank,
+        world_size=p,
+        timeout=datetime.timedelta(seconds=timeout),
+    )
+    assert dist.get_backend() == "braid"
+    gloo = dist.new_group(backend="gloo")
+    return gloo
+
+
+def vals(shape, dtype, rank, salt=0, op="SUM"):
+    n = 1
+    for s in shape:
+        n *= s
+    i = torch.arange(n, dtype=torch.int64)
+    if op == "PRODUCT":
+        v = (i * 3 + rank + salt) % 3
+        v = torch.where(v == 0, torch.tensor(-1), v)
+    else:
+        v = (i * 7 + rank * 5 + salt) % 7 - 3
+    if dtype in (torch.uint8, torch.bool):
+        v = v.abs()
+    return v.to(dtype).reshape(shape)
+
+
+class Checker:
+    def __init__(self, gloo):
+        self.gloo = gloo
+        self.checked = []
+        self.gloo_refused = set()
+
+    def same(self, name, a, b):
+        if isinstance(a, (list, tuple)):
+            assert len(a) == len(b), name
+            for x, y in zip(a, b):
+                self.same(name, x, y)
+            return
+        if not torch.equal(a, b):
+            raise AssertionError(f"{name}: braid {a.flatten()[:8].tolist()} != gloo {b.flatten()[:8].tolist()}")
+
+    def both(self, name, fn):
+        """fn(group) -> result tensors; run on braid (None) and gloo."""
+        try:
+            want = fn(self.gloo)
+        except RuntimeError as e:
+            if "gloo" in str(e).lower() or "not supported" in str(e).lower() or "unsupported" in str(e).lower():
+                self.gloo_refused.add(name.split("[")[0])
+                return None
+            raise
+        got = fn(None)
+        self.same(name, got, want)
+        self.checked.append(name)
+        return got
+
+
+DTYPES = [torch.float32, torch.float64, torch.int32, torch.int64, torch.int8, torch.uint8,
+          torch.float16, torch.bfloat16]
+OPS = {"SUM": dist.ReduceOp.SUM, "PRODUCT": dist.ReduceOp.PRODUCT,
+       "MIN": dist.ReduceOp.MIN, "MAX": dist.ReduceOp.MAX}
+
+
+@scenario
+def torch_vs_gloo(rank, p, spec):
+    gloo = init(rank, p, spec)
+    c = Checker(gloo)
+    n = 1000 * p
+    for dt in DTYPES:
+        dn = str(dt).split(".")[1]
+        for on, op in OPS.items():
+            def ar(g, dt=dt, op=op, on=on):
+                t = vals((n,), dt, rank, op=on)
+                dist.all_reduce(t, op=op, group=g)
+                return t
+            c.both(f"all_reduce[{dn},{on}]", ar)
+
+            def ar_async(g, dt=dt, op=op, on=on):
+                t = vals((3, 5), dt, rank, 1, op=on)
+                w = dist.all_reduce(t, op=op, group=g, async_op=True)
+                fut = w.get_future()
+                w.wait()
+                assert w.is_completed()
+                v = fut.wait()
+                assert torch.equal(v[0], t), "future value is not the output"
+                return t
+            c.both(f"all_reduce async[{dn},{on}]", ar_async)
+
+            def red(g, dt=dt, op=op, on=on):
+                outs = []
+                for root in range(p):
+                    t = vals((77,), dt, rank, root, op=on)
+                    dist.reduce(t, dst=root, op=op, group=g)
+                    outs.append(t if rank == root else torch.zeros(0))
+                return outs
+            c.both(f"reduce[{dn},{on}]", red)
+
+            def rs(g, dt=dt, op=op, on=on):
+                o = torch.empty(40, dtype=dt)
+                dist.reduce_scatter_tensor(o, vals((40 * p,), dt, rank, 2, op=on), op=op, group=g)
+                lo = torch.empty(6, dtype=dt)
+                dist.reduce_scatter(lo, [vals((6,), dt, rank, q, op=on) for q in range(p)], op=op, group=g)
+                return [o, lo]
+            c.both(f"reduce_scatter[{dn},{on}]", rs)
+
+        def move(g, dt=dt):
+            out = []
+            for root in range(p):
+                t = vals((33,), dt, rank, 5) if rank == root else torch.zeros(33, dtype=dt)
+                dist.broadcast(t, src=root, group=g)
+                out.append(t)
+            lst = [torch.empty(4, 3, dtype=dt) for _ in range(p)]
+            dist.all_gather(lst, vals((4, 3), dt, rank, 6), group=g)
+            big = torch.empty(p * 50, dtype=dt)
+            dist.all_gather_into_tensor(big, vals((50,), dt, rank, 7), group=g)
+            g_out = [torch.empty(9, dtype=dt) for _ in range(p)] if rank == 0 else None
+            dist.gather(vals((9,), dt, rank, 8), g_out, dst=0, group=g)
+            s_out = torch.empty(9, dtype=dt)
+            dist.scatter(s_out, [vals((9,), dt, q, 9) for q in range(p)] if rank == p - 1 else None, src=p - 1, group=g)
+            a2a = torch.empty(p * 10, dtype=dt)
+            dist.all_to_all_single(a2a, vals((p * 10,), dt, rank, 10), group=g)
+            # Uneven split sizes over rows of a 2-d tensor.
+            isz = [(rank + q) % 3 + 1 for q in range(p)]
+            osz = [(q + rank) % 3 + 1 for q in range(p)]
+            a2av = torch.empty(sum(osz), 4, dtype=dt)
+            dist.all_to_all_single(a2av, vals((sum(isz), 4), dt, rank, 11), osz, isz, group=g)
+            return out + lst + [big, s_out, a2a, a2av] + (g_out or [])
+        c.both(f"movement[{dn}]", move)
+
+        def a2a_list(g, dt=dt):
+            outs = [torch.empty(5, dtype=dt) for _ in range(p)]
+            dist.all_to_all(outs, [vals((5,), dt, rank, q) for q in range(p)], group=g)
+            return outs
+        try:
+            c.both(f"all_to_all[{dn}]", a2a_list)
+        except (RuntimeError, ValueError) as e:
+            # gloo has no list all_to_all on CPU: compare with the definition.
+            outs = a2a_list(None)
+            for q in range(p):
+                assert torch.equal(outs[q], vals((5,), dt, q, rank)), (q, outs[q])
+            c.checked.append(f"all_to_all[{dn}] (vs definition: {str(e)[:40]})")
+
+    # AVG (gloo has none) and PREMUL_SUM against gloo's SUM.
+    for dt in (torch.float32, torch.float64, torch.bfloat16):
+        t = vals((64,), dt, rank)
+        ref = t.clone()
+        dist.all_reduce(ref, group=gloo)
+        avg = t.clone()
+        dist.all_reduce(avg, op=dist.ReduceOp.AVG)
+        assert torch.equal(avg, ref / p), (avg, ref / p)
+        pre = t.clone()
+        dist.all_reduce(pre, op=dist._make_nccl_premul_sum(2.0))
+        assert torch.equal(pre, ref * 2), (pre, ref * 2)
+        o = torch.empty(16, dtype=dt)
+        dist.reduce_scatter_tensor(o, vals((16 * p,), dt, rank), op=dist.ReduceOp.AVG)
+        r2 = torch.empty(16, dtype=dt)
+        dist.reduce_scatter_tensor(r2, vals((16 * p,), dt, rank), group=gloo)
+        assert torch.equal(o, r2 / p)
+        c.checked.append(f"avg/premul[{dt}]")
+    # bool: SUM/MAX = or, PRODUCT/MIN = and (gloo agrees).
+    for on, op in OPS.items():
+        c.both(f"all_reduce[bool,{on}]", lambda g, op=op: _bool_ar(rank, op, g))
+
+    # Coalesced forms.
+    def coal(g):
+        ts = [vals((10 + i,), torch.float32, rank, i) for i in range(3)]
+        with dist._coalescing_manager(group=g):
+            for t in ts:
+                dist.all_reduce(t, group=g)
+        outs = [torch.empty(p * 4) for _ in range(2)]
+        with dist._coalescing_manager(group=g):
+            for i, o in enumerate(outs):
+                dist.all_gather_into_tensor(o, vals((4,), torch.float32, rank, i), group=g)
+        rso = [torch.empty(3) for _ in range(2)]
+        with dist._coalescing_manager(group=g):
+            for i, o in enumerate(rso):
+                dist.reduce_scatter_tensor(o, vals((3 * p,), torch.float32, rank, i), group=g)
+        return ts + outs + rso
+    c.both("coalesced", coal)
+
+    def objects(g):
+        objs = [None] * p
+        dist.all_gather_object(objs, {"rank": rank, "x": [rank] * 3}, group=g)
+        bl = [rank * 10, "s"] if rank == 1 else [None, None]
+        dist.broadcast_object_list(bl, src=1, group=g)
+        assert objs == [{"rank": q, "x": [q] * 3} for q in range(p)], objs
+        assert bl == [10, "s"], bl
+        return torch.tensor([len(objs)])
+    c.both("objects", objects)
+
+    # Point to point: isend/irecv, batch_isend_irecv (large, both ways),
+    # blocking send/recv; same values as gloo.
+    def p2p(g):
+        nxt, prv = (rank + 1) % p, (rank - 1) % p
+        big = vals((1 << 20,), torch.float32, rank)
+        inbox = torch.empty_like(big)
+        reqs = dist.batch_isend_irecv([dist.P2POp(dist.isend, big, nxt, group=g),
+                                       dist.P2POp(dist.irecv, inbox, prv, group=g)])
+        for r in reqs:
+            r.wait()
+        small = torch.empty(7)
+        sreq = dist.isend(vals((7,), torch.float32, rank, 3), nxt, group=g)
+        dist.recv(small, prv, group=g)
+        sreq.wait()
+        assert sreq.is_completed()
+        # Two ranks isend large tensors to each other before receiving.
+        big2 = torch.empty(1 << 20)
+        s2 = dist.isend(big, prv, group=g)
+        r2 = dist.irecv(big2, nxt, group=g)
+        r2.wait()
+        s2.wait()
+        return [inbox, small, big2]
+    c.both("p2p", p2p)
+
+    def barrier(g):
+        dist.barrier(group=g)
+        w = dist.barrier(group=g, async_op=True)
+        w.wait()
+        return torch.zeros(1)
+    c.both("barrier", barrier)
+
+    # Work: then() chains see the result; exceptions surface in wait.
+    t = torch.ones(4)
+    w = dist.all_reduce(t, async_op=True)
+    f2 = w.get_future().then(lambda f: f.value()[0] * 2)
+    assert torch.equal(f2.wait(), torch.full((4,), 2.0 * p))
+    c.checked.append("future.then")
+
+    # Subgroups: braid and gloo subgroups of the same ranks.
+    sub_ranks = list(range(0, p, 2)) if p > 2 else [0, 1]
+    bsub = dist.new_group(sub_ranks)
+    gsub = dist.new_group(sub_ranks, backend="gloo")
+    if rank in sub_ranks:
+        a = vals((100,), torch.float32, rank)
+        b = a.clone()
+        dist.all_reduce(a, group=bsub)
+        dist.all_reduce(b, group=gsub)
+        assert torch.equal(a, b)
+        assert dist.get_backend(bsub) == "braid"
+        x = torch.empty(len(sub_ranks) * 3)
+        dist.all_gather_into_tensor(x, vals((3,), torch.float32, rank), group=bsub)
+        y = torch.empty(len(sub_ranks) * 3)
+        dist.all_gather_into_tensor(y, vals((3,), torch.float32, rank), group=gsub)
+        assert torch.equal(x, y)
+    c.checked.append("subgroup")
+
+    # Bad input raises and the group stays usable.
+    errors = []
+    for bad in (lambda: dist.all_reduce(torch.zeros(8, 2).t()),  # non-contiguous
+                lambda: dist.all_reduce(torch.zeros(4, dtype=torch.int16)),
+                lambda: dist.all_reduce(torch.zeros(4, dtype=torch.int32), op=dist.ReduceOp.BXOR),
+                lambda: dist.all_gather_into_tensor(torch.zeros(3), torch.zeros(2))):
+        try:
+            bad()
+        except ValueError as e:
+            errors.append(type(e).__name__)
+    assert len(errors) == 4, errors
+    t = torch.ones(2)
+    dist.all_reduce(t)
+    assert torch.equal(t, torch.full((2,), float(p)))
+    dist.destroy_process_group()
+    return {"checked": c.checked, "gloo_refused": sorted(c.gloo_refused)}
+
+
+def _bool_ar(rank, op, g):
+    t = torch.tensor([rank % 2 == 0, True, False, rank == 0])
+    dist.all_reduce(t, op=op, group=g)
+    return t
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(32, 64)
+        self.b = torch.nn.Linear(64, 64)
+        self.c = torch.nn.Linear(64, 8)
+
+    def forward(self, x):
+        return self.c(torch.relu(self.b(torch.relu(self.a(x)))))
+
+
+def _train(model, rank, steps, seed=1):
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    g = torch.Generator().manual_seed(seed * 1000 + rank)
+    times = []
+    for _ in range(steps):
+        x = torch.randn(16, 32, generator=g)
+        y = torch.randn(16, 8, generator=g)
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+@scenario
+def torch_ddp(rank, p, spec):
+    """The same DDP training loop on braid and on gloo: equal parameters."""
+    gloo = init(rank, p, spec)
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    steps = spec.get("steps", 20)
+    torch.manual_seed(0)
+    mb = DDP(Net())  # the default group: braid
+    torch.manual_seed(0)
+    mg = DDP(Net(), process_group=gloo)
+    tb = _train(mb, rank, steps)
+    tg = _train(mg, rank, steps)
+    diffs = [float((a - b).abs().max()) for a, b in zip(mb.parameters(), mg.parameters())]
+    # Parameters agree across ranks too.
+    flat = torch.cat([q.detach().flatten() for q in mb.parameters()])
+    other = flat.clone()
+    dist.broadcast(other, src=0)
+    dist.destroy_process_group()
+    return {
+        "max_diff": max(diffs),
+        "equal": all(d == 0.0 for d in diffs),
+        "ranks_agree": bool(torch.equal(flat, other)),
+        "braid_ms": sorted(tb)[len(tb) // 2] * 1e3,
+        "gloo_ms": sorted(tg)[len(tg) // 2] * 1e3,
+    }
+
+
+@scenario
+def torch_fsdp2(rank, p, spec):
+    """An FSDP2 (fully_shard) training step on braid and on gloo."""
+    gloo = init(rank, p, spec)
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    def build(mesh):
+        torch.manual_seed(0)
+        m = Net()
+        for layer in (m.a, m.b, m.c):
+            fully_shard(layer, mesh=mesh)
+        fully_shard(m, mesh=mesh)
+        return m
+
+    mesh_b = init_device_mesh("cpu", (p,))
+    assert dist.get_backend(mesh_b.get_group()) == "braid"
+    mesh_g = DeviceMesh.from_group(gloo, "cpu")
+    mb, mg = build(mesh_b), build(mesh_g)
+    _train(mb, rank, 3)
+    _train(mg, rank, 3)
+    diffs = []
+    for a, b in zip(mb.parameters(), mg.parameters()):
+        fa, fb = a.full_tensor(), b.full_tensor()
+        diffs.append(float((fa - fb).abs().max()))
+    dist.destroy_process_group()
+    return {"max_diff": max(diffs), "nparams": len(diffs)}
+
+
+@scenario
+def torch_kill(rank, p, spec):
+    """A rank dies; dist.all_reduce raises braid's error naming it."""
+    init(rank, p, spec, timeout=spec.get("timeout", 10))
+    import braid
+
+    t = torch.ones(1 << 14)
+    for i in range(100000):
+        if rank == p - 1 and i == 20:
+            os.kill(os.getpid(), signal.SIGKILL)
+        try:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        except braid.Error as e:
+            return {"type": type(e).__name__, "msg": str(e), "t_err": time.monotonic()}
+    raise AssertionError("no error")
