@@ -194,3 +194,36 @@ fn ib_stalled_rank_gives_errors_not_hangs() {
         out.elapsed
     );
 }
+
+/// The threads of a rank whose links are all IB do not grow with the
+/// ranks (issue 23): one progress thread per device and process drives
+/// every end. The most any rank has after an AllToAll (every link used),
+/// with 2 and with 4 ranks; before, each link end had its own thread
+/// (2 and 6 of them).
+#[test]
+fn ib_threads_do_not_grow_with_the_ranks() {
+    let _g = serial();
+    let threads = |n: u32| -> u32 {
+        let res = run("resources", n, &[]);
+        assert_all_ok(&format!("resources over IB with {n} ranks"), &res);
+        assert_ib_everywhere(&res);
+        res.iter()
+            .map(|(_, out)| {
+                let line = out
+                    .lines()
+                    .find(|l| l.contains(" alltoall: threads="))
+                    .unwrap_or_else(|| panic!("no alltoall line in {out}"));
+                line.split("threads=")
+                    .nth(1)
+                    .and_then(|v| v.split_whitespace().next())
+                    .and_then(|v| v.parse().ok())
+                    .unwrap_or_else(|| panic!("threads in {line}"))
+            })
+            .max()
+            .unwrap_or(0)
+    };
+    let two = threads(2);
+    let four = threads(4);
+    println!("IB, most threads of a rank: {two} with 2 ranks, {four} with 4");
+    assert!(four <= two, "{four} threads with 4 ranks, {two} with 2");
+}

@@ -1,8 +1,11 @@
 //! One connected end of a directed link: queue pairs, registered memory,
-//! the progress thread, and the seam's `SendChannel` / `RecvChannel`.
+//! the progress thread (one per device and process, for every end on it),
+//! and the seam's `SendChannel` / `RecvChannel`.
 //! Safe code over `verbs.rs`; the protocol is described in the crate docs.
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::Weak;
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -339,6 +342,10 @@ impl Shared {
         let Ok(mut p) = self.poller.try_lock() else {
             return 0;
         };
+        // A stopped end is only waiting for its last references to go.
+        if self.stop.load(Ordering::Acquire) {
+            return 0;
+        }
         let p = &mut *p;
         if let Err(e) = self.cq.poll(&mut p.buf, &mut p.wcs) {
             self.fail(Failure::Verbs(format!("polling the completion queue: {e}")));
@@ -351,12 +358,101 @@ impl Shared {
     }
 }
 
-/// The progress thread: polls the CQ, spins briefly when idle, then sleeps
-/// on the completion channel (so idle links cost no CPU).
-fn progress(sh: Arc<Shared>) {
+/// The progress thread of one device: polls the CQ of every end on it,
+/// spins briefly when idle, then sleeps on all their completion channels
+/// (so idle links cost no CPU). One per device and process, whatever the
+/// number of peers: it starts with the first end and ends (joined) when the
+/// last is dropped.
+pub(crate) struct DeviceProgress {
+    ends: Mutex<Vec<Arc<Shared>>>,
+    /// Bumped whenever `ends` changes (the thread takes a new snapshot).
+    generation: AtomicU64,
+    stop: AtomicBool,
+    thread: Mutex<Option<JoinHandle<()>>>,
+}
+
+/// The progress threads of this process, by device.
+static DEVICES: Mutex<Option<HashMap<String, Weak<DeviceProgress>>>> = Mutex::new(None);
+
+/// How long the thread sleeps at most (it notices new ends and its stop
+/// flag within this).
+const PROGRESS_SLEEP: Duration = Duration::from_millis(20);
+
+impl DeviceProgress {
+    /// The progress thread of `device`, started if there is none.
+    fn of(device: &str) -> Result<Arc<DeviceProgress>> {
+        let mut g = DEVICES.lock().unwrap_or_else(|e| e.into_inner());
+        let map = g.get_or_insert_with(HashMap::new);
+        if let Some(p) = map.get(device).and_then(Weak::upgrade) {
+            return Ok(p);
+        }
+        map.retain(|_, w| w.strong_count() > 0);
+        let p = Arc::new(DeviceProgress {
+            ends: Mutex::new(Vec::new()),
+            generation: AtomicU64::new(0),
+            stop: AtomicBool::new(false),
+            thread: Mutex::new(None),
+        });
+        let weak = Arc::downgrade(&p);
+        let t = std::thread::Builder::new()
+            .name(format!("braid-ib-{device}"))
+            .spawn(move || run_progress(weak))
+            .map_err(|e| CoreError::Unavailable {
+                transport: NAME,
+                reason: format!("cannot start the IB progress thread: {e}"),
+            })?;
+        *p.thread.lock().unwrap_or_else(|e| e.into_inner()) = Some(t);
+        map.insert(device.to_string(), Arc::downgrade(&p));
+        Ok(p)
+    }
+
+    fn add(&self, sh: &Arc<Shared>) {
+        self.ends
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(sh.clone());
+        self.generation.fetch_add(1, Ordering::AcqRel);
+    }
+
+    fn remove(&self, sh: &Arc<Shared>) {
+        self.ends
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .retain(|e| !Arc::ptr_eq(e, sh));
+        self.generation.fetch_add(1, Ordering::AcqRel);
+    }
+}
+
+impl Drop for DeviceProgress {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Release);
+        let t = self.thread.lock().unwrap_or_else(|e| e.into_inner()).take();
+        // The thread itself may hold the last reference for a moment (it
+        // upgrades its weak one each turn): it then just ends.
+        if let Some(t) = t.filter(|t| t.thread().id() != std::thread::current().id()) {
+            let _ = t.join();
+        }
+    }
+}
+
+fn run_progress(me: Weak<DeviceProgress>) {
+    let mut ends: Vec<Arc<Shared>> = Vec::new();
+    let mut seen = u64::MAX;
     let mut idle = 0u32;
-    while !sh.stop.load(Ordering::Acquire) {
-        if sh.progress_once() > 0 {
+    loop {
+        {
+            let Some(p) = me.upgrade() else { break };
+            if p.stop.load(Ordering::Acquire) {
+                break;
+            }
+            let g = p.generation.load(Ordering::Acquire);
+            if g != seen {
+                seen = g;
+                ends = p.ends.lock().unwrap_or_else(|e| e.into_inner()).clone();
+            }
+        }
+        let n: usize = ends.iter().map(|e| e.progress_once()).sum();
+        if n > 0 {
             idle = 0;
             continue;
         }
@@ -368,14 +464,20 @@ fn progress(sh: Arc<Shared>) {
             std::thread::yield_now();
             continue;
         }
-        if sh.cq.arm().is_err() {
+        if ends.is_empty() {
+            std::thread::sleep(PROGRESS_SLEEP);
+            continue;
+        }
+        if ends.iter().any(|e| e.cq.arm().is_err()) {
             std::thread::sleep(Duration::from_millis(1));
             continue;
         }
         // Completions that raced with arming are handled first.
-        if sh.progress_once() == 0 {
-            let _ = sh.cq.wait(Duration::from_millis(20));
+        if ends.iter().map(|e| e.progress_once()).sum::<usize>() > 0 {
+            continue;
         }
+        let cqs: Vec<&Cq> = ends.iter().map(|e| &*e.cq).collect();
+        verbs::wait_any(&cqs, PROGRESS_SLEEP);
     }
 }
 
@@ -485,26 +587,23 @@ fn handle(sh: &Shared, wc: Wc, got: &mut Arrivals) {
     }
 }
 
-/// Starts an end: its progress thread runs until the end is dropped.
-fn start(sh: &Arc<Shared>, what: &str) -> Result<JoinHandle<()>> {
-    let s2 = sh.clone();
-    std::thread::Builder::new()
-        .name(format!("braid-ib-{what}{}", sh.peer))
-        .spawn(move || progress(s2))
-        .map_err(|e| CoreError::Unavailable {
-            transport: NAME,
-            reason: format!("cannot start the IB progress thread: {e}"),
-        })
+/// Starts an end: its device's progress thread polls it until it stops.
+fn start(sh: &Arc<Shared>) -> Result<Arc<DeviceProgress>> {
+    let p = DeviceProgress::of(sh.cq.device_name())?;
+    p.add(sh);
+    Ok(p)
 }
 
-fn stop(sh: &Shared, thread: &mut Option<JoinHandle<()>>) {
+/// Stops an end: its QPs go to the error state and the progress thread
+/// lets go of it (a poll of it under way finishes first: it holds the
+/// polling lock, which this waits for).
+fn stop(sh: &Arc<Shared>, progress: &DeviceProgress) {
     sh.stop.store(true, Ordering::Release);
     for qp in &sh.qps {
         qp.to_error();
     }
-    if let Some(t) = thread.take() {
-        let _ = t.join();
-    }
+    progress.remove(sh);
+    drop(sh.poller.lock());
 }
 
 /// Where the receiver's FIFO is.
@@ -519,7 +618,7 @@ pub struct RemoteFifo {
 /// The sending end.
 pub struct IbSend {
     sh: Arc<Shared>,
-    thread: Option<JoinHandle<()>>,
+    progress: Arc<DeviceProgress>,
     staging: Arc<Mr>,
     fifo: RemoteFifo,
     committed: u64,
@@ -546,10 +645,10 @@ impl IbSend {
         fifo: RemoteFifo,
     ) -> Result<IbSend> {
         let sh = Shared::new(parts, peer, remote_ctrl.0, remote_ctrl.1, fifo.slots);
-        let thread = Some(start(&sh, "send")?);
+        let progress = start(&sh)?;
         Ok(IbSend {
             sh,
-            thread,
+            progress,
             staging,
             fifo,
             committed: 0,
@@ -720,14 +819,14 @@ impl Drop for IbSend {
         if !self.aborted {
             self.sh.final_notice(None, Duration::from_millis(100));
         }
-        stop(&self.sh, &mut self.thread);
+        stop(&self.sh, &self.progress);
     }
 }
 
 /// The receiving end.
 pub struct IbRecv {
     sh: Arc<Shared>,
-    thread: Option<JoinHandle<()>>,
+    progress: Arc<DeviceProgress>,
     fifo: Arc<Mr>,
     slot_bytes: usize,
     head: u64,
@@ -769,13 +868,13 @@ impl IbRecv {
         deadline: Instant,
     ) -> RecvStart {
         let sh = Shared::new(parts, peer, remote_ctrl.0, remote_ctrl.1, slots);
-        let thread = match start(&sh, "recv") {
-            Ok(t) => Some(t),
+        let progress = match start(&sh) {
+            Ok(p) => p,
             Err(e) => return RecvStart::Failed(e),
         };
         let mut me = IbRecv {
             sh,
-            thread,
+            progress,
             fifo,
             slot_bytes,
             head: 0,
@@ -912,6 +1011,6 @@ impl Drop for IbRecv {
         if !self.aborted {
             self.sh.final_notice(None, Duration::from_millis(100));
         }
-        stop(&self.sh, &mut self.thread);
+        stop(&self.sh, &self.progress);
     }
 }

@@ -467,31 +467,55 @@ impl Cq {
         errno_result("ibv_req_notify_cq", rc)
     }
 
-    /// Sleeps until an armed event arrives or `timeout` passes, and
-    /// acknowledges the event.
-    pub fn wait(&self, timeout: Duration) -> io::Result<()> {
+    /// The completion channel's descriptor (readable once an armed event
+    /// arrived), for a thread that sleeps on several CQs at once.
+    pub fn channel_fd(&self) -> std::os::fd::RawFd {
         // SAFETY: the channel is valid until Drop.
-        let fd = unsafe { (*self.ch).fd };
-        let mut pfd = libc::pollfd {
-            fd,
-            events: libc::POLLIN,
-            revents: 0,
-        };
-        let ms = timeout.as_millis().clamp(1, i32::MAX as u128) as i32;
-        // SAFETY: one valid pollfd.
-        let rc = unsafe { libc::poll(&mut pfd, 1, ms) };
-        if rc <= 0 {
-            return Ok(());
-        }
+        unsafe { (*self.ch).fd }
+    }
+
+    /// The device this CQ lives on.
+    pub fn device_name(&self) -> &str {
+        &self._dev.name
+    }
+
+    /// Takes and acknowledges the channel's event, if one arrived (never
+    /// blocks: the descriptor is non-blocking).
+    pub fn ack_event(&self) {
         let mut cq: *mut ffi::ibv_cq = ptr::null_mut();
         let mut ctx: *mut c_void = ptr::null_mut();
-        // SAFETY: valid channel and out-pointers; the fd is non-blocking.
+        // SAFETY: valid channel and out-pointers; the fd is non-blocking, so
+        // without an event this returns an error at once.
         let got = unsafe { ffi::ibv_get_cq_event(self.ch, &mut cq, &mut ctx) };
         if got == 0 && !cq.is_null() {
             // SAFETY: the event was for this CQ (the only one on the channel).
             unsafe { ffi::ibv_ack_cq_events(cq, 1) };
         }
-        Ok(())
+    }
+}
+
+/// Sleeps until one of `cqs` gets an armed event or `timeout` passes, and
+/// acknowledges the events that arrived (one thread sleeping on every CQ
+/// of a device).
+pub fn wait_any(cqs: &[&Cq], timeout: Duration) {
+    let mut fds: Vec<libc::pollfd> = cqs
+        .iter()
+        .map(|c| libc::pollfd {
+            fd: c.channel_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        })
+        .collect();
+    let ms = timeout.as_millis().clamp(1, i32::MAX as u128) as i32;
+    // SAFETY: `fds` is a valid array of pollfds over descriptors the CQs
+    // own, which the caller's borrows keep open during the call.
+    let rc = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, ms) };
+    if rc > 0 {
+        for (c, f) in cqs.iter().zip(&fds) {
+            if f.revents != 0 {
+                c.ack_event();
+            }
+        }
     }
 }
 
