@@ -19,8 +19,10 @@
 //!
 //! Each directed connection sender → receiver is `BRAID_IB_QPS_PER_CONNECTION`
 //! RC queue pairs on each end, one completion queue with a completion
-//! channel per end, and one **progress thread** per end that polls it (it
-//! spins briefly, then sleeps on the channel, so idle links cost nothing).
+//! channel per end, and one **progress thread** per device and process that
+//! polls the CQs of every end on that device (it spins briefly, then sleeps
+//! on all their channels at once, so idle links cost nothing; a rank's
+//! threads do not grow with its peers).
 //!
 //! - **Set-up.** Phase 1 (`listen` / `prepare_send`) opens nothing new on
 //!   the wire: it creates the CQ and QPs, moves them to INIT, posts receive
