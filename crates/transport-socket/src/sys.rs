@@ -10,27 +10,25 @@
 //!
 //! [`SlotBuf`]: braid_core::transport::SlotBuf
 
-use std::alloc::Layout;
 use std::io;
 use std::os::fd::RawFd;
 use std::ptr::NonNull;
 
 use nix::libc;
 
-/// Alignment of the slot array (slots themselves are multiples of 64 bytes,
-/// so every slot is 64-byte aligned).
-const ALIGN: usize = 4096;
-
-/// `slots` buffers of `slot_bytes` each, in one zeroed allocation.
+/// `slots` buffers of `slot_bytes` each, in one anonymous mapping: zeroed,
+/// page-aligned, and resident only as far as it is used (a link that only
+/// carries small messages costs a page per slot, not `slots × slot_bytes`;
+/// heap memory of this size may come back from `calloc` already touched).
 #[derive(Debug)]
 pub struct SlotMem {
     ptr: NonNull<u8>,
-    layout: Layout,
+    size: usize,
     slot_bytes: usize,
     slots: usize,
 }
 
-// SAFETY: SlotMem owns a plain heap allocation with no thread affinity; all
+// SAFETY: SlotMem owns a private anonymous mapping with no thread affinity; all
 // access to its bytes goes through raw pointers whose exclusivity the
 // protocol in link.rs guarantees (see the safety contracts below).
 unsafe impl Send for SlotMem {}
@@ -39,8 +37,8 @@ unsafe impl Send for SlotMem {}
 unsafe impl Sync for SlotMem {}
 
 impl SlotMem {
-    /// Allocates zeroed slot memory; `slot_bytes` must be a non-zero
-    /// multiple of 64.
+    /// Maps zeroed slot memory; `slot_bytes` must be a non-zero multiple of
+    /// 64 (so every slot is 64-byte aligned in the page-aligned mapping).
     pub fn new(slot_bytes: usize, slots: usize) -> Result<SlotMem, String> {
         if slot_bytes == 0 || !slot_bytes.is_multiple_of(64) || slots == 0 {
             return Err(format!("invalid slot geometry {slots} x {slot_bytes}"));
@@ -48,14 +46,30 @@ impl SlotMem {
         let size = slot_bytes
             .checked_mul(slots)
             .ok_or_else(|| format!("{slots} x {slot_bytes} bytes overflows"))?;
-        let layout = Layout::from_size_align(size, ALIGN).map_err(|e| e.to_string())?;
-        // SAFETY: `layout` has a non-zero size (both factors are non-zero).
-        let raw = unsafe { std::alloc::alloc_zeroed(layout) };
-        let ptr = NonNull::new(raw)
-            .ok_or_else(|| format!("cannot allocate {size} bytes of slot memory"))?;
+        // SAFETY: a new private anonymous mapping of a non-zero size (both
+        // factors are non-zero) at an address the kernel picks; nothing
+        // else refers to it; the result is checked below.
+        let raw = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                size,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        if raw == libc::MAP_FAILED {
+            return Err(format!(
+                "cannot map {size} bytes of slot memory: {}",
+                io::Error::last_os_error()
+            ));
+        }
+        let ptr = NonNull::new(raw.cast::<u8>())
+            .ok_or_else(|| format!("cannot map {size} bytes of slot memory"))?;
         Ok(SlotMem {
             ptr,
-            layout,
+            size,
             slot_bytes,
             slots,
         })
@@ -219,8 +233,8 @@ pub unsafe fn copy_to(src: &[u8], dst: *mut u8) {
 
 impl Drop for SlotMem {
     fn drop(&mut self) {
-        // SAFETY: `ptr` came from `alloc_zeroed(self.layout)` and is freed
-        // only here, once.
-        unsafe { std::alloc::dealloc(self.ptr.as_ptr(), self.layout) }
+        // SAFETY: `ptr` and `size` are the mapping made in `new`, unmapped
+        // only here, once; no slice into it outlives the SlotMem.
+        unsafe { libc::munmap(self.ptr.as_ptr().cast(), self.size) };
     }
 }

@@ -535,8 +535,15 @@ mod tests {
             let rx = prx.connect(&sblob, deadline).unwrap();
             links.push((tx, rx));
         }
-        // 6 links x 2 ends x (2 data sockets + 1 control socket).
+        // 6 links x 2 ends x (2 data sockets + 1 control socket). A new
+        // thread names itself once it runs (under load, a moment later).
+        let named = wait("the progress thread's name", || {
+            let v = socket_threads();
+            (!v.is_empty()).then_some(v)
+        });
+        std::thread::sleep(Duration::from_millis(50));
         let threads = socket_threads();
+        assert_eq!(named, ["braid-sock-poll"], "{named:?}");
         assert_eq!(threads, ["braid-sock-poll"], "{threads:?}");
         // They all work.
         for (tx, rx) in links.iter_mut() {
