@@ -8,6 +8,8 @@
 use std::net::{Shutdown, TcpStream};
 use std::sync::{Mutex, MutexGuard};
 
+use crate::sys::SlotMem;
+
 mod ctrl;
 #[cfg(feature = "fuzzing")]
 pub(crate) mod fuzzing;
@@ -69,6 +71,26 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 /// Shuts a socket down both ways (wakes every thread blocked on it).
 fn shut(s: &TcpStream) {
     let _ = s.shutdown(Shutdown::Both);
+}
+
+/// The slot memory of a new end.
+fn slot_mem(slot_bytes: usize, slots: usize) -> braid_core::error::Result<SlotMem> {
+    SlotMem::new(slot_bytes, slots).map_err(|reason| braid_core::CoreError::Unavailable {
+        transport: crate::NAME,
+        reason,
+    })
+}
+
+/// Makes a socket of a new end (to `peer`) nonblocking: the progress thread
+/// and the engine never wait on it.
+fn nonblocking(peer: u32, s: &TcpStream) -> braid_core::error::Result<()> {
+    s.set_nonblocking(true)
+        .map_err(|e| braid_core::CoreError::Peer {
+            transport: crate::NAME,
+            peer,
+            what: format!("cannot make a socket nonblocking: {e}"),
+            source: Some(Box::new(e)),
+        })
 }
 
 #[cfg(test)]

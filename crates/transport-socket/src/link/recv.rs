@@ -19,7 +19,7 @@ use braid_core::types::MemKind;
 use super::ctrl::{CtrlIn, CtrlOut};
 use super::health::{Fail, Health};
 use super::poller::{poller, Armer, Poller, Source, IN, OUT};
-use super::{lock, npieces, piece_size, shut, stripes};
+use super::{lock, nonblocking, npieces, piece_size, shut, slot_mem, stripes};
 use crate::info::{CtrlKind, FrameHeader};
 use crate::sys::{self, SlotMem};
 use crate::NAME;
@@ -572,17 +572,9 @@ impl SocketRecv {
         ctrl: TcpStream,
     ) -> Result<SocketRecv> {
         let nsocks = data.len();
-        let mem = SlotMem::new(slot_bytes, slots).map_err(|reason| CoreError::Unavailable {
-            transport: NAME,
-            reason,
-        })?;
+        let mem = slot_mem(slot_bytes, slots)?;
         for s in data.iter().chain(std::iter::once(&ctrl)) {
-            s.set_nonblocking(true).map_err(|e| CoreError::Peer {
-                transport: NAME,
-                peer,
-                what: format!("cannot make a socket nonblocking: {e}"),
-                source: Some(Box::new(e)),
-            })?;
+            nonblocking(peer, s)?;
         }
         let mut sh = RecvShared::new(mem, slot_bytes, slots, nsocks, true, Health::new(peer));
         sh.data = data

@@ -19,7 +19,7 @@ use braid_core::types::MemKind;
 use super::ctrl::{check_credit, CtrlIn, CtrlOut};
 use super::health::Health;
 use super::poller::{poller, Armer, Poller, Source, IN, OUT};
-use super::{lock, npieces, shut, stripes};
+use super::{lock, nonblocking, npieces, shut, slot_mem, stripes};
 use crate::info::{CtrlKind, FrameHeader};
 use crate::sys::{self, SlotMem};
 use crate::NAME;
@@ -251,15 +251,6 @@ impl std::fmt::Debug for SocketSend {
     }
 }
 
-fn socket_setup(peer: u32, s: &TcpStream) -> Result<()> {
-    s.set_nonblocking(true).map_err(|e| CoreError::Peer {
-        transport: NAME,
-        peer,
-        what: format!("cannot make a socket nonblocking: {e}"),
-        source: Some(Box::new(e)),
-    })
-}
-
 impl SocketSend {
     /// Starts a connected sending end. `data` are the data sockets in index
     /// order, `ctrl` the control socket; the process's progress thread
@@ -273,12 +264,9 @@ impl SocketSend {
         direct: bool,
     ) -> Result<SocketSend> {
         let nsocks = data.len();
-        let mem = SlotMem::new(slot_bytes, slots).map_err(|reason| CoreError::Unavailable {
-            transport: NAME,
-            reason,
-        })?;
+        let mem = slot_mem(slot_bytes, slots)?;
         for s in data.iter().chain(std::iter::once(&ctrl)) {
-            socket_setup(peer, s)?;
+            nonblocking(peer, s)?;
         }
         let shared = Arc::new(SendShared {
             mem,
