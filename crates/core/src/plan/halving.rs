@@ -42,20 +42,7 @@ impl Ctx<'_> {
             self.stage_recvs(prog, partner, rb, &all);
             return;
         }
-        let extra = (pos + pp < p).then(|| self.ring[pos + pp]);
-        let mut cur = sb;
-        if let Some(e) = extra {
-            for &(o, n) in &all {
-                prog.push_in_stage(Op::RecvReduceCopy {
-                    from: e,
-                    src: self.reg(cur, o, n),
-                    dst: self.reg(rb, o, n),
-                    finalize: false,
-                });
-            }
-            prog.end_stage();
-            cur = rb;
-        }
+        let (extra, mut cur) = self.fold_in_extra(prog, pp, &all);
         // Element offset of block b of pp.
         let start = |b: usize| b * count / pp;
         let range = |lo: usize, hi: usize| self.pieces(start(lo), start(hi) - start(lo));

@@ -69,6 +69,34 @@ impl Ctx<'_> {
         }
     }
 
+    /// Recursive doubling's and halving's first step when p is not a power
+    /// of two: the rank `pp` places after this one (if any) sends its whole
+    /// buffer, which this rank reduces with its own into the receive buffer.
+    /// Returns that extra rank and the buffer holding this rank's partial
+    /// result (the receive buffer if it reduced, else the send buffer).
+    pub(super) fn fold_in_extra(
+        &self,
+        prog: &mut Program,
+        pp: usize,
+        pieces: &[(usize, usize)],
+    ) -> (Option<u32>, u16) {
+        let (pos, rb) = (self.pos, self.rbuf);
+        let extra = (pos + pp < self.p).then(|| self.ring[pos + pp]);
+        let Some(e) = extra else {
+            return (None, self.sbuf);
+        };
+        for &(o, n) in pieces {
+            prog.push_in_stage(Op::RecvReduceCopy {
+                from: e,
+                src: self.reg(self.sbuf, o, n),
+                dst: self.reg(rb, o, n),
+                finalize: false,
+            });
+        }
+        prog.end_stage();
+        (extra, rb)
+    }
+
     /// Recursive doubling AllReduce: log2(p) exchange steps of the whole
     /// buffer (latency-bound sizes). With p not a power of two, the
     /// `p − p'` ranks above the largest power of two `p'` first hand their
@@ -106,20 +134,7 @@ impl Ctx<'_> {
             prog.end_stage();
             return;
         }
-        let extra = (pos + pp < p).then(|| self.ring[pos + pp]);
-        let mut cur = sb;
-        if let Some(e) = extra {
-            for &(o, n) in &pieces {
-                prog.push_in_stage(Op::RecvReduceCopy {
-                    from: e,
-                    src: self.reg(cur, o, n),
-                    dst: self.reg(rb, o, n),
-                    finalize: false,
-                });
-            }
-            prog.end_stage();
-            cur = rb;
-        }
+        let (extra, mut cur) = self.fold_in_extra(prog, pp, &pieces);
         let mut mask = 1;
         while mask < pp {
             let partner = self.ring[pos ^ mask];
