@@ -362,6 +362,102 @@ fn hierarchical_with_every_leaders_algorithm() {
     }
 }
 
+/// Host layouts for the rail-aligned trees: (ring, hosts), ranks of a host
+/// adjacent on the ring (2×2, 2×3, 3×4, 4×8, uneven hosts, a host of one
+/// rank, which leaves the double binary tree one rail) or not (hosts
+/// interleaved on a shuffled ring).
+fn tree_host_layouts() -> Vec<(Vec<u32>, Vec<u32>)> {
+    let blocks = |sizes: &[u32]| -> Vec<u32> {
+        sizes
+            .iter()
+            .enumerate()
+            .flat_map(|(h, &m)| std::iter::repeat_n(h as u32, m as usize))
+            .collect()
+    };
+    let ident = |p: usize| (0..p as u32).collect::<Vec<u32>>();
+    let mut v: Vec<(Vec<u32>, Vec<u32>)> = [
+        &[2, 2][..],
+        &[3, 3],
+        &[4, 4, 4],
+        &[8, 8, 8, 8],
+        &[3, 2, 4],
+        &[1, 3],
+        &[4, 1, 2, 3, 5],
+        &[2, 2, 2, 2, 2],
+    ]
+    .iter()
+    .map(|s| {
+        let h = blocks(s);
+        (ident(h.len()), h)
+    })
+    .collect();
+    // Hosts interleaved on the ring, and a shuffled ring over 3 hosts of 3.
+    v.push((ident(8), (0..8).map(|r| r % 2).collect()));
+    v.push((
+        vec![5, 2, 7, 0, 3, 6, 1, 4, 8],
+        vec![0, 1, 0, 2, 1, 2, 0, 1, 2],
+    ));
+    // Host indices that are neither dense nor in ring order.
+    v.push((ident(7), vec![9, 9, 4, 4, 4, 7, 7]));
+    v
+}
+
+/// The tree algorithms with hosts (rail-aligned: `tree.rs`): AllReduce,
+/// and Broadcast and Reduce from every root, on every layout of
+/// [`tree_host_layouts`], for counts that do not divide by p and many
+/// pieces, in and out of place, FIFOs of two and three slots, Sum, Avg,
+/// Max.
+#[test]
+fn rail_aligned_trees_on_every_host_layout_and_root() {
+    for (ring, hosts) in tree_host_layouts() {
+        let p = ring.len();
+        for k in [CollKind::AllReduce, CollKind::Broadcast, CollKind::Reduce] {
+            let roots = if k == CollKind::AllReduce { 1 } else { p };
+            for root in 0..roots {
+                for (i, count) in [1, 7, 3 * p + 1, 1000].into_iter().enumerate() {
+                    let mut c = Case::new(kind_of(k), Algo::Tree, p, count);
+                    c.ring = ring.clone();
+                    c.hosts = hosts.clone();
+                    c.root = root;
+                    c.op = [RedOp::Sum, RedOp::Avg, RedOp::Max][(i + root) % 3];
+                    c.dt = if c.op == RedOp::Max {
+                        DataType::I32
+                    } else {
+                        DataType::F32
+                    };
+                    c.in_place = (i + root) % 2 == 1;
+                    c.depth = 2 + (i + root) % 2;
+                    c.run();
+                }
+            }
+        }
+    }
+}
+
+/// The rail-aligned trees for every datatype and operator.
+#[test]
+fn rail_aligned_trees_every_datatype_and_operator() {
+    for hosts in [vec![0, 0, 1, 1, 1], vec![0, 0, 0, 1, 1, 2, 2, 2, 2]] {
+        let p = hosts.len();
+        for k in [CollKind::AllReduce, CollKind::Reduce] {
+            for dt in DataType::ALL {
+                for op in RedOp::ALL {
+                    for count in [1, 13, 100] {
+                        let mut c = Case::new(kind_of(k), Algo::Tree, p, count);
+                        c.hosts = hosts.clone();
+                        c.dt = dt;
+                        c.op = op;
+                        c.root = (count + 1) % p;
+                        c.in_place = count == 13;
+                        c.piece = 128;
+                        c.run();
+                    }
+                }
+            }
+        }
+    }
+}
+
 #[test]
 fn unsupported_pairs_and_bad_hosts_are_errors() {
     let params = PlanParams::new(0, 4, 1024);

@@ -7,7 +7,59 @@
 
 use super::*;
 
+/// The ranks of a job grouped by host, as the host-aware plans (the
+/// hierarchical AllReduce, the trees) see them: hosts numbered in ring
+/// order of first appearance, each host's ranks in ring order. A rank's
+/// *local index* is its position in its host's group — its rail (NIC), as
+/// the ring planner assigns them.
+pub(super) struct HostGroups {
+    /// The ranks of every host.
+    pub(super) groups: Vec<Vec<u32>>,
+    /// This rank's host (an index into `groups`).
+    pub(super) host: usize,
+    /// This rank's local index.
+    pub(super) local: usize,
+}
+
+impl HostGroups {
+    /// Whether hosts matter to a tree: more than one host, and a host with
+    /// more than one rank (otherwise the flat plans already send every
+    /// message between hosts, each on the only rail there is).
+    pub(super) fn is_hierarchical(&self) -> bool {
+        self.groups.len() > 1 && self.groups.iter().any(|g| g.len() > 1)
+    }
+
+    /// The fewest ranks on any host.
+    pub(super) fn min_size(&self) -> usize {
+        self.groups.iter().map(Vec::len).min().unwrap_or(1)
+    }
+}
+
 impl Ctx<'_> {
+    /// Group the team by `hosts` (`hosts[r]` is rank `r`'s host, any index;
+    /// empty: one host per rank).
+    pub(super) fn host_groups(&self, hosts: &[u32]) -> HostGroups {
+        let host = |r: u32| hosts.get(r as usize).copied().unwrap_or(r);
+        let mut index = std::collections::HashMap::new();
+        let mut groups: Vec<Vec<u32>> = Vec::new();
+        let (mut mine, mut local) = (0, 0);
+        for (i, &r) in self.ring.iter().enumerate() {
+            let h = *index.entry(host(r)).or_insert_with(|| {
+                groups.push(Vec::new());
+                groups.len() - 1
+            });
+            if i == self.pos {
+                (mine, local) = (h, groups[h].len());
+            }
+            groups[h].push(r);
+        }
+        HostGroups {
+            groups,
+            host: mine,
+            local,
+        }
+    }
+
     /// Hierarchical AllReduce. `hosts[r]` is rank `r`'s host (empty: one
     /// host per rank). A host's ranks, in ring order, form a chain whose
     /// first rank is the host's leader: pieces are reduced along the chain
@@ -23,23 +75,11 @@ impl Ctx<'_> {
         hosts: &[u32],
         inner: Algo,
     ) {
-        let host = |r: u32| hosts.get(r as usize).copied().unwrap_or(r);
-        let mine = host(self.ring[self.pos]);
-        let local: Vec<u32> = self
-            .ring
-            .iter()
-            .copied()
-            .filter(|&r| host(r) == mine)
-            .collect();
-        let mut leaders: Vec<u32> = Vec::new();
-        let mut seen = std::collections::HashSet::new();
-        for &r in self.ring {
-            if seen.insert(host(r)) {
-                leaders.push(r);
-            }
-        }
+        let g = self.host_groups(hosts);
+        let local = &g.groups[g.host];
+        let leaders: Vec<u32> = g.groups.iter().map(|h| h[0]).collect();
         let me = self.ring[self.pos];
-        let li = local.iter().position(|&r| r == me).unwrap_or(0);
+        let li = g.local;
         let m = local.len();
         let (s, d) = (self.sbuf, self.rbuf);
         let pieces = self.pieces(0, count);
@@ -86,7 +126,7 @@ impl Ctx<'_> {
             match inner {
                 Algo::Rd => lead.all_reduce_rd(prog, count),
                 Algo::Rabenseifner => lead.all_reduce_rabenseifner(prog, count),
-                Algo::Tree => lead.all_reduce_tree(prog, count),
+                Algo::Tree => lead.all_reduce_tree(prog, count, &[]),
                 _ => lead.all_reduce(prog, count),
             }
         }

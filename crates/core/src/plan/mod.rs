@@ -617,15 +617,22 @@ pub fn plan(coll: &Collective, dtype: DataType, params: &PlanParams) -> Result<P
 
 /// Plan one rank's part of `coll` with the algorithm `choice` names (see
 /// [`Algo`]): the tuner's and `BRAID_ALGO`'s entry point. `hosts` gives
-/// the host (any index) of every rank, for [`Algo::Hier`]; empty means a
-/// host per rank. Point-to-point groups, AllToAll and the barrier have one
-/// plan each, as [`plan`] makes it, whatever the choice. An algorithm that
-/// cannot run `coll` is an error saying which can.
+/// the host (any index) of every rank; empty means a host per rank.
+/// Point-to-point groups, AllToAll and the barrier have one plan each, as
+/// [`plan`] makes it, whatever the choice. An algorithm that cannot run
+/// `coll` is an error saying which can.
 ///
 /// Algorithms other than the ring ignore [`PlanParams::small_allreduce_bytes`]
 /// and [`PlanParams::direct_moves`]; trees, halving and Bruck number the
 /// ranks by their ring position (so ranks of a host, adjacent on the ring,
-/// exchange with each other first).
+/// exchange with each other first). `hosts` shapes [`Algo::Hier`] (a
+/// leader per host) and, where there are several hosts and one holds more
+/// than one rank, the trees: rail-aligned as NCCL's, every message between
+/// hosts goes between ranks of the same local index (position among their
+/// host's ranks, in ring order: the NIC the ring planner gives them) —
+/// the double binary tree with a chain inside each host and the binary
+/// trees across hosts on two rails, the binomial trees across hosts on the
+/// root's rail, then inside each host (see `tree.rs`).
 pub fn plan_with(
     coll: &Collective,
     dtype: DataType,
@@ -682,12 +689,12 @@ pub fn plan_with(
         (Algo::Rabenseifner, &Collective::AllReduce { count, .. }) => {
             ctx.all_reduce_rabenseifner(pr, count)
         }
-        (Algo::Tree, &Collective::AllReduce { count, .. }) => ctx.all_reduce_tree(pr, count),
+        (Algo::Tree, &Collective::AllReduce { count, .. }) => ctx.all_reduce_tree(pr, count, hosts),
         (Algo::Tree, &Collective::Broadcast { count, root }) => {
-            ctx.broadcast_binomial(pr, count, root)
+            ctx.broadcast_binomial(pr, count, root, hosts)
         }
         (Algo::Tree, &Collective::Reduce { count, root, .. }) => {
-            ctx.reduce_binomial(pr, count, root)
+            ctx.reduce_binomial(pr, count, root, hosts)
         }
         (Algo::Bruck, &Collective::AllGather { send_count }) => {
             ctx.all_gather_bruck(pr, send_count)
