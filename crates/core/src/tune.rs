@@ -313,11 +313,15 @@ impl Model<'_> {
         path.max(bound)
     }
 
-    /// Double binary tree: every piece up both trees, then down.
+    /// Double binary tree: every piece up both trees, then down. On hosts
+    /// of several ranks, the rail-aligned trees ([`Model::rail_trees`]).
     fn tree_allreduce(&self, bytes: f64) -> f64 {
         let p = self.s.nranks;
         if p <= 1 {
             return 0.0;
+        }
+        if self.s.nhosts > 1 && self.s.per_host > 1 {
+            return self.rail_trees(bytes);
         }
         let depth = (usize::BITS - (p - 1).leading_zeros()) as f64;
         let v = if self.s.nhosts > 1 {
@@ -337,6 +341,37 @@ impl Model<'_> {
         let down =
             2.0 * depth * self.hop(v, b, false) + (np - 1.0) * (5.0 * self.cpu(v, b)).max(wire);
         up + down
+    }
+
+    /// The double binary tree on H hosts of m ranks (the plan's
+    /// rail-aligned trees): each tree a chain of m − 1 shared-memory hops inside a host and ⌈log2 H⌉ levels between
+    /// hosts, where one rank per host and tree uses the network. The
+    /// pieces barely pipeline (the timed simulator shows it): a rank takes
+    /// piece j of the second tree only after piece j of the first, and the
+    /// second tree's chain passes through the first tree's head, so each
+    /// piece waits for the one before it to go up and down both trees.
+    /// The first piece takes one and a half such trips: the trees' first
+    /// pieces go up together.
+    fn rail_trees(&self, bytes: f64) -> f64 {
+        let half = bytes / 2.0;
+        let np = (half / self.s.piece as f64).ceil().max(1.0);
+        let b = half / np;
+        let trip = self.rail_path(b, true) + self.rail_path(b, false);
+        1.5 * trip + (np - 1.0) * 2.0 * trip
+    }
+
+    /// One piece of `b` bytes up (`reduce`) or down one rail-aligned tree:
+    /// the host's chain and the levels between hosts.
+    fn rail_path(&self, b: f64, reduce: bool) -> f64 {
+        let levels = Self::ceil_log2(self.s.nhosts) as f64;
+        (self.s.per_host - 1) as f64 * self.hop(Via::Shm, b, reduce)
+            + levels * self.hop(Via::Net(1), b, reduce)
+    }
+
+    /// ⌈log2 n⌉ (0 for n ≤ 1): the levels of a binary or binomial tree
+    /// over n nodes.
+    fn ceil_log2(n: usize) -> usize {
+        (usize::BITS - n.saturating_sub(1).leading_zeros()) as usize
     }
 
     fn hier_allreduce(&self, bytes: f64, inner: Algo) -> f64 {
@@ -468,10 +503,16 @@ impl Model<'_> {
     /// host, once `m` reaches a host's size); pieces pipeline behind the
     /// first, at the pace of the busiest rank (the root, sending each piece
     /// to every child) or of a host's interface.
+    ///
+    /// On hosts of several ranks the tree is hierarchical and
+    /// rail-aligned ([`Model::rail_binomial`]).
     fn binomial(&self, bytes: f64, reduce: bool, piece: usize) -> f64 {
         let p = self.s.nranks;
         let np = (bytes / piece as f64).ceil().max(1.0);
         let b = bytes / np;
+        if self.s.nhosts > 1 && self.s.per_host > 1 {
+            return self.rail_binomial(np, b, reduce);
+        }
         let mut first = 0.0;
         let mut nic = 0.0;
         let mut levels = 0.0;
@@ -502,6 +543,25 @@ impl Model<'_> {
         };
         let per = levels * (self.cpu(v, b) + if reduce { self.red(b) } else { 0.0 });
         first + (np - 1.0) * per.max(nic)
+    }
+
+    /// Hierarchical binomial Broadcast (or Reduce) of `np` pieces of `b`
+    /// bytes: ⌈log2 H⌉ levels between hosts, on one rank per host, and
+    /// ⌈log2 m⌉ inside them. The first piece crosses every level; the
+    /// others follow at the pace of the root — a message per level per
+    /// piece (and, broadcasting, its own copy; reducing, a reduction per
+    /// child) — or of its host's interface, which sends (or receives) one
+    /// piece per level between hosts.
+    fn rail_binomial(&self, np: f64, b: f64, reduce: bool) -> f64 {
+        let lh = Self::ceil_log2(self.s.nhosts) as f64;
+        let lm = Self::ceil_log2(self.s.per_host) as f64;
+        let first = lh * self.hop(Via::Net(1), b, reduce) + lm * self.hop(Via::Shm, b, reduce);
+        let red = if reduce { self.red(b) } else { 0.0 };
+        let copy = if reduce { 0.0 } else { at(b, self.c.copy_gbps) };
+        let root =
+            lh * (self.cpu(Via::Net(1), b) + red) + lm * (self.cpu(Via::Shm, b) + red) + copy;
+        let nic = lh * at(b, self.c.net.gbps);
+        first + (np - 1.0) * root.max(nic)
     }
 
     /// Direct Broadcast: the root sends every piece to every rank and
