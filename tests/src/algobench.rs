@@ -90,6 +90,11 @@ pub struct Setup {
     pub delayer: PathBuf,
     /// Timed iterations for a size (warm-up is a third, at least one).
     pub iters: fn(u64) -> u32,
+    /// Time each call alone (`braid-perf -z 2 -a 3`: an untimed barrier
+    /// before each call, the last rank's time) instead of calls back to
+    /// back (the ranks' average), where rooted collectives overlap: the
+    /// root starts the next Broadcast while the last ranks still receive.
+    pub alone: bool,
     /// Where the runs' JSON goes.
     pub workdir: PathBuf,
 }
@@ -177,6 +182,11 @@ pub fn run_cell(
                 "-J",
             ])
             .arg(&json)
+            .args(if s.alone {
+                &["-z", "2", "-a", "3"][..]
+            } else {
+                &[][..]
+            })
             .env("BRAID_UNIQUE_ID", &id)
             .env("BRAID_RANK", r.to_string())
             .env("BRAID_NRANKS", n.to_string())
@@ -281,7 +291,8 @@ pub fn measure_cell(
 
 /// The Markdown table of one setup: a row per cell, a column per
 /// algorithm (µs, the best of the rounds), the tuner's pick and time, and
-/// its ratios to the best forced algorithm and to the ring.
+/// its ratios to the best forced algorithm (marked when the pick is that
+/// algorithm: the ratio is then the runs' noise) and to the ring.
 pub fn table(s: &Setup, rows: &[(Cell, Vec<Measured>)]) -> String {
     let cols = [
         "ring",
@@ -293,12 +304,17 @@ pub fn table(s: &Setup, rows: &[(Cell, Vec<Measured>)]) -> String {
         "bruck",
     ];
     let mut t = format!(
-        "{} hosts × {} rank{} ({} µs one way, {} Mbit/s per host):\n\n| cell | {} | tuner (pick) | tuner / best | tuner / ring |\n|---|{}---|---|---|\n",
+        "{} hosts × {} rank{} ({} µs one way, {} Mbit/s per host; {}):\n\n| cell | {} | tuner (pick) | tuner / best | tuner / ring |\n|---|{}---|---|---|\n",
         s.hosts,
         s.per_host,
         if s.per_host == 1 { "" } else { "s" },
         s.delay_us,
         s.rate_mbit,
+        if s.alone {
+            "each call alone, the last rank's time"
+        } else {
+            "calls back to back, the ranks' average"
+        },
         cols.join(" | "),
         "---|".repeat(cols.len())
     );
@@ -323,11 +339,20 @@ pub fn table(s: &Setup, rows: &[(Cell, Vec<Measured>)]) -> String {
         match tuner {
             Some(m) => {
                 let ring = get("ring").map(|r| m.time_us / r.time_us);
+                let pick = m.algorithm.trim_end_matches(" (model)");
+                // The best forced algorithm's name (as BRAID_ALGO names it;
+                // braid-perf prints hier with its leaders' algorithm).
+                let best_name = ms
+                    .iter()
+                    .filter(|b| (b.time_us - forced_best).abs() < 1e-9)
+                    .find_map(|b| b.forced.as_deref());
+                let same =
+                    best_name.is_some_and(|b| pick == b || pick.starts_with(&format!("{b}(")));
                 t += &format!(
-                    " {} ({}) | {:.2} | {} |\n",
+                    " {} ({pick}) | {:.2}{} | {} |\n",
                     fmt_us(m.time_us),
-                    m.algorithm.trim_end_matches(" (model)"),
                     m.time_us / forced_best,
+                    if same { " (same algorithm)" } else { "" },
                     ring.map_or("–".into(), |r| format!("{r:.2}"))
                 );
             }

@@ -248,6 +248,7 @@ fn emulated_hosts_the_tuner_picks_a_log_step_algorithm_when_latency_bound() {
         perf,
         delayer,
         iters: |_| 10,
+        alone: true,
         workdir: std::env::temp_dir().join(format!("braid-algo-ci-{}", std::process::id())),
     };
     std::fs::create_dir_all(&s.workdir).unwrap();

@@ -5,7 +5,7 @@
 //! `scripts/algo-bench.sh`, which builds everything in release mode.
 //!
 //!   braid-algo-bench [--hosts 8,16] [--hier 2x4] [--delay-us 500]
-//!                    [--rate-mbit 200] [--rounds 2]
+//!                    [--rate-mbit 200] [--rounds 2] [--timing alone|stream]
 //!                    [--cells all_reduce:8,all_reduce:64K,...]
 //!                    [--hier-cells all_reduce:64K,...]
 //!
@@ -13,6 +13,11 @@
 //! HOSTSxRANKS (the hierarchical AllReduce's case). Each cell runs every
 //! algorithm that can run it and then the tuner, `--rounds` times in turn,
 //! keeping each one's best time. Prints one Markdown table per setup.
+//! `--timing alone` (the default) times each call by itself after an
+//! untimed barrier and reports the last rank's time — what a caller waits
+//! for; `--timing stream` times calls back to back (the ranks' average),
+//! where a Broadcast's root starts the next call while the last ranks
+//! still receive the one before.
 
 use braid_tests::algobench::{
     default_iters, make_hosts, measure_cell, sibling, table, Cell, Setup,
@@ -77,6 +82,11 @@ fn main() {
             perf: get("--perf").map_or_else(|| sibling("braid-perf"), Into::into),
             delayer: sibling("braid-netdelay"),
             iters: default_iters,
+            alone: match get("--timing").as_deref() {
+                None | Some("alone") => true,
+                Some("stream") => false,
+                Some(t) => panic!("--timing {t}: expected alone or stream"),
+            },
             workdir: workdir.clone(),
         };
         let h = make_hosts(&s).unwrap_or_else(|e| panic!("emulated hosts: {e}"));

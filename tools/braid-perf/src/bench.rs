@@ -681,7 +681,7 @@ impl<'a> Runner<'a> {
             o.iters,
             o.agg,
             o.check,
-            u8::from(o.blocking),
+            if o.alone { 2 } else { u8::from(o.blocking) },
             o.average.code(),
             o.average.name(),
             o.cycles,
@@ -697,11 +697,12 @@ impl<'a> Runner<'a> {
             std::env::var(crate::launch::BINDING_ENV)
                 .unwrap_or_else(|_| "by the launcher (each rank's CPUs below)".into())
         );
-        h += "# timing: one synchronising op and a barrier, then iters x agg ops back to back on the calling thread, no barrier inside the timing";
-        h += if o.blocking {
-            " (-z 1: except a barrier after each iteration)\n"
+        h += if o.alone {
+            "# timing: one synchronising op, then iters x agg ops each alone: an untimed barrier before each op, the op timed by itself (-z 2)\n"
+        } else if o.blocking {
+            "# timing: one synchronising op and a barrier, then iters x agg ops back to back on the calling thread, no barrier inside the timing (-z 1: except a barrier after each iteration)\n"
         } else {
-            "\n"
+            "# timing: one synchronising op and a barrier, then iters x agg ops back to back on the calling thread, no barrier inside the timing\n"
         };
         if o.agg > 1 {
             h += "# agg iters: braid has no collective groups, so the ops of an iteration run one after another\n";
@@ -775,6 +776,20 @@ impl<'a> Runner<'a> {
             d.sync()?;
         }
         comm.barrier()?;
+        if self.opts.alone {
+            let mut total = 0.0;
+            for _ in 0..iters * agg {
+                comm.barrier()?;
+                let t0 = Instant::now();
+                run(send, recv)?;
+                if let Some(d) = dev {
+                    d.sync()?;
+                }
+                total += t0.elapsed().as_secs_f64();
+            }
+            let us = total * 1e6 / (f64::from(iters) * f64::from(agg));
+            return Ok(self.combine(us)?);
+        }
         let t0 = Instant::now();
         for _ in 0..iters {
             for _ in 0..agg {

@@ -185,7 +185,12 @@ pub struct Opts {
     pub dtypes: Vec<DataType>,
     pub ops: Vec<RedOp>,
     pub root: RootSel,
+    /// `-z 1`: a barrier after every iteration, inside the timing.
     pub blocking: bool,
+    /// `-z 2`: every call alone — an untimed barrier before each, the call
+    /// timed by itself (OSU's way: the time one call takes, not the rate
+    /// of calls back to back, where rooted collectives overlap).
+    pub alone: bool,
     pub average: Average,
     /// Seconds (BRAID_TIMEOUT semantics).
     pub timeout: Option<f64>,
@@ -225,6 +230,7 @@ impl Opts {
             ops: vec![RedOp::Sum],
             root: RootSel::One(0),
             blocking: false,
+            alone: false,
             average: Average::Avg,
             timeout: None,
             hugepages: false,
@@ -657,7 +663,14 @@ fn parse_bench(bench: Bench, args: &[String]) -> Result<Command, UsageError> {
                     RootSel::One(parse_num(&flag, &v, "a rank or 'all'")?)
                 }
             }
-            "blocking" => o.blocking = parse_bool(&flag, &v)?,
+            "blocking" => {
+                (o.blocking, o.alone) = match v.trim() {
+                    "0" => (false, false),
+                    "1" => (true, false),
+                    "2" => (false, true),
+                    _ => return usage(format!("{flag} '{v}': expected 0, 1 or 2")),
+                }
+            }
             "hugepages" => o.hugepages = parse_bool(&flag, &v)?,
             "local_register" => {
                 o.register = match v.trim() {
@@ -896,9 +909,12 @@ OPTIONS (nccl-tests' names and defaults):
                             float double, or all (default float)
   -o, --op OP               sum prod min max avg, or all (default sum)
   -r, --root R              root rank of broadcast/reduce, or all (default 0)
-  -z, --blocking 0|1        1: barrier after every operation, inside the timing
-                            (default 0: operations back to back; braid's host
-                            engine runs each one on the calling thread)
+  -z, --blocking 0|1|2      1: barrier after every operation, inside the timing;
+                            2: every operation alone, after an untimed barrier,
+                            timed by itself (the time of one call; use -a 3 for
+                            the last rank's) (default 0: operations back to
+                            back; braid's host engine runs each one on the
+                            calling thread)
   -a, --average 0|1|2|3     time across ranks: rank 0, avg, min, max (default 1)
   -T, --timeout SECS        bound on any wait without progress (BRAID_TIMEOUT)
   -J, --output_file F.json  write every row as JSON
@@ -1036,6 +1052,15 @@ mod tests {
         assert_eq!(o.average, Average::Avg);
         assert_eq!(o.step, Step::Bytes(1 << 20));
         assert!(!o.blocking);
+        assert!(!o.alone);
+    }
+
+    #[test]
+    fn z2_times_every_call_alone() {
+        let o = bench(&["broadcast", "-z", "2"]).unwrap();
+        assert!(o.alone && !o.blocking);
+        let o = bench(&["broadcast", "--blocking=1"]).unwrap();
+        assert!(o.blocking && !o.alone);
     }
 
     #[test]
@@ -1111,7 +1136,7 @@ mod tests {
             &["all_reduce", "-b", "x"],
             &["all_reduce", "-d", "complex"],
             &["all_reduce", "-o", "xor"],
-            &["all_reduce", "-z", "2"],
+            &["all_reduce", "-z", "3"],
             &["all_reduce", "-a", "7"],
             &["all_reduce", "-n", "0"],
             &["all_reduce", "-b", "64", "-e", "8"],

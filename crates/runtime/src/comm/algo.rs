@@ -40,6 +40,16 @@ pub(super) struct TuneState {
     warned: Vec<CollKind>,
 }
 
+/// The network as the tuner measured it (see `measure_network`).
+struct Measured {
+    /// One message's time from a rank to its ring successor, µs.
+    round_us: f64,
+    /// Bandwidth per host, GB/s.
+    gbps: f64,
+    /// CPU time per message at each end, µs.
+    overhead_us: f64,
+}
+
 /// What decided a plan's algorithm.
 #[derive(Clone, Copy, Debug)]
 pub(super) struct Picked {
@@ -283,16 +293,19 @@ impl Communicator {
         if let Some(l) = given.and_then(|l| l.net) {
             c.net = l;
         } else if a.measure && a.shape.nhosts > 1 {
-            let (lat, gbps) = self.measure_network(st)?;
-            c.net.latency_us = (lat - 2.0 * c.net.overhead_us).max(1.0);
-            c.net.gbps = gbps;
+            let m = self.measure_network(st)?;
+            c.net.overhead_us = m.overhead_us;
+            c.net.latency_us = (m.round_us - 2.0 * c.net.overhead_us).max(1.0);
+            c.net.gbps = m.gbps;
             info!(
                 rank = self.shared.rank,
                 latency_us = c.net.latency_us,
                 gbps = c.net.gbps,
-                "braid: tuner: network measured ({} µs one way, {} GB/s per host)",
+                overhead_us = c.net.overhead_us,
+                "braid: tuner: network measured ({} µs one way, {} GB/s per host, {} µs per message at each end)",
                 format!("{:.1}", c.net.latency_us),
-                format!("{:.3}", c.net.gbps)
+                format!("{:.3}", c.net.gbps),
+                format!("{:.1}", c.net.overhead_us)
             );
         }
         st.tune.costs = Some(c);
@@ -343,13 +356,17 @@ impl Communicator {
         })
     }
 
-    /// One-way latency (µs) and bandwidth (GB/s) of the slowest ring hop:
-    /// every rank sends to its ring successor and receives from its
-    /// predecessor at once — 8 rounds of 8 bytes, 2 of 1 MiB — and the
-    /// ranks agree on the slowest (an AllReduce of the maxima). The ring
-    /// leaves each host once, so this is one stream through each host's
-    /// network interface.
-    fn measure_network(&self, st: &mut State) -> Result<(f64, f64)> {
+    /// One-way latency (µs), bandwidth (GB/s) and per-message CPU cost (µs
+    /// at each end) of the slowest ring hop: every rank sends to its ring
+    /// successor and receives from its predecessor at once — 8 rounds of
+    /// one 8-byte message, 4 of a burst of 16, 2 of 1 MiB — and the ranks
+    /// agree on the slowest (an AllReduce of the maxima). The ring leaves
+    /// each host once, so this is one stream through each host's network
+    /// interface; the burst's extra time per message is what every
+    /// message costs the CPUs at both ends while all ranks send at once
+    /// (where many ranks share few cores, far more than the transport's
+    /// default).
+    fn measure_network(&self, st: &mut State) -> Result<Measured> {
         let sh = &*self.shared;
         let p = sh.nranks as usize;
         let pos = sh.ring.iter().position(|&r| r == sh.rank).unwrap_or(0);
@@ -363,57 +380,72 @@ impl Communicator {
             direct_moves: false,
         };
         const BIG: usize = 1 << 20;
-        let shift = |n: usize| -> Result<Program> {
-            Ok(plan::plan(
-                &Collective::Group(vec![
-                    P2p {
-                        kind: P2pKind::Send,
-                        peer: next,
-                        count: n,
-                    },
-                    P2p {
-                        kind: P2pKind::Recv,
-                        peer: prev,
-                        count: n,
-                    },
-                ]),
-                DataType::U8,
-                &params,
-            )?)
+        const BURST: usize = 16;
+        // `k` messages of `n` bytes each way.
+        let shift = |k: usize, n: usize| -> Result<Program> {
+            let mut ops = Vec::with_capacity(2 * k);
+            for _ in 0..k {
+                ops.push(P2p {
+                    kind: P2pKind::Send,
+                    peer: next,
+                    count: n,
+                });
+            }
+            for _ in 0..k {
+                ops.push(P2p {
+                    kind: P2pKind::Recv,
+                    peer: prev,
+                    count: n,
+                });
+            }
+            Ok(plan::plan(&Collective::Group(ops), DataType::U8, &params)?)
         };
         let mut send = vec![0u8; BIG];
         let mut recv = vec![0u8; BIG];
-        let mut round = |this: &Self, st: &mut State, n: usize| -> Result<f64> {
-            let prog = shift(n)?;
-            let bufs = [
-                RawBuf {
+        let mut round = |this: &Self, st: &mut State, k: usize, n: usize| -> Result<f64> {
+            let prog = shift(k, n)?;
+            // Every message of a burst reads (writes) the same 8 bytes.
+            let mut bufs = Vec::with_capacity(2 * k);
+            for _ in 0..k {
+                bufs.push(RawBuf {
                     ptr: send.as_mut_ptr(),
                     len: n,
-                },
-                RawBuf {
+                });
+            }
+            for _ in 0..k {
+                bufs.push(RawBuf {
                     ptr: recv.as_mut_ptr(),
                     len: n,
-                },
-            ];
+                });
+            }
             let t0 = Instant::now();
             this.run_internal(st, &prog, &bufs)?;
             Ok(t0.elapsed().as_secs_f64() * 1e6)
         };
-        round(self, st, 8)?;
-        let mut small: Vec<f64> = (0..8).map(|_| round(self, st, 8)).collect::<Result<_>>()?;
-        small.sort_by(f64::total_cmp);
-        let lat = small[small.len() / 2];
+        let median = |mut v: Vec<f64>| {
+            v.sort_by(f64::total_cmp);
+            v[v.len() / 2]
+        };
+        round(self, st, 1, 8)?;
+        let small: Vec<f64> = (0..8)
+            .map(|_| round(self, st, 1, 8))
+            .collect::<Result<_>>()?;
+        let lat = median(small);
+        let burst: Vec<f64> = (0..4)
+            .map(|_| round(self, st, BURST, 8))
+            .collect::<Result<_>>()?;
+        let burst = median(burst);
         let big = (0..2)
-            .map(|_| round(self, st, BIG))
+            .map(|_| round(self, st, 1, BIG))
             .collect::<Result<Vec<f64>>>()?
             .into_iter()
             .fold(f64::INFINITY, f64::min);
-        // Agree on the slowest link: an AllReduce (maximum) of both.
-        let mut vals = [lat, big];
-        let mut out = [0f64; 2];
+        // Agree on the slowest link: an AllReduce (maximum) of all three.
+        let mut vals = [lat, big, burst];
+        let mut out = [0f64; 3];
         let prog = plan::plan(
             &Collective::AllReduce {
-                count: 2,
+                count: 3,
                 op: RedOp::Max,
             },
             DataType::F64,
@@ -422,17 +454,25 @@ impl Communicator {
         let bufs = [
             RawBuf {
                 ptr: vals.as_mut_ptr().cast(),
-                len: 16,
+                len: 24,
             },
             RawBuf {
                 ptr: out.as_mut_ptr().cast(),
-                len: 16,
+                len: 24,
             },
         ];
         self.run_internal(st, &prog, &bufs)?;
-        let (lat, big) = (out[0], out[1]);
+        let [lat, big, burst] = out;
+        // Each message of the burst is sent by one CPU and received by
+        // another, and each rank does both: its time per message covers
+        // one send and one receive.
+        let overhead_us = ((burst - lat) / (BURST - 1) as f64 / 2.0).clamp(0.1, lat.max(0.1));
         let gbps = (BIG as f64 / ((big - lat).max(1.0) * 1e3)).clamp(1e-4, 1e3);
-        Ok((lat, gbps))
+        Ok(Measured {
+            round_us: lat,
+            gbps,
+            overhead_us,
+        })
     }
 
     /// The algorithm this communicator runs (or ran) for `coll` on `dt`,
