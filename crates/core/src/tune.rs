@@ -344,8 +344,9 @@ impl Model<'_> {
     }
 
     /// The double binary tree on H hosts of m ranks (the plan's
-    /// rail-aligned trees): each tree a chain of m − 1 shared-memory hops inside a host and ⌈log2 H⌉ levels between
-    /// hosts, where one rank per host and tree uses the network. The
+    /// rail-aligned trees): each tree a chain of m − 1 shared-memory hops
+    /// inside a host and ⌈log2 H⌉ levels between hosts, where one rank per
+    /// host and tree uses the network. The
     /// pieces barely pipeline (the timed simulator shows it): a rank takes
     /// piece j of the second tree only after piece j of the first, and the
     /// second tree's chain passes through the first tree's head, so each
