@@ -1128,3 +1128,80 @@ fn placeholders_for_partial_files() {
         .all(|n| n.is_rdma() && n.kind() == NicKind::RoCE));
     assert_eq!(graph::mirror_bits(1, 4), 2);
 }
+
+/// The tree plans on the real files' clusters keep rails end to end: with
+/// the communicator's ring (the plan's first channel) and hosts as the
+/// plan places the ranks, every message between hosts of the double binary
+/// tree AllReduce and of the binomial Broadcast and Reduce (every root)
+/// goes between two ranks whose own NIC (port 0) is the same device, on 2
+/// and 4 hosts — and the flat trees (no hosts given) break that on every
+/// file with more than one rail, so the check can fail.
+#[test]
+fn vendor_files_tree_plans_stay_on_one_rail() {
+    use braid_core::plan::{plan_with, Algo, Choice, Collective, PlanParams};
+    use braid_core::{DataType, RedOp};
+    for case in RAILS {
+        let t = Topology::new(vendor(case.file));
+        let g = t.gpus.len();
+        for nh in [2usize, 4] {
+            let c = Cluster::uniform(&t, "h", nh * g, nh).unwrap();
+            let p = plan(&c, &TransportPolicy::default()).unwrap();
+            let n = nh * g;
+            let ring = p.rings[0].order.clone();
+            let hosts: Vec<u32> = p.rank_host.iter().map(|&h| h as u32).collect();
+            let nic = |r: usize| p.rank_nics[r][0].clone();
+            let mut colls = vec![Collective::AllReduce {
+                count: 4096,
+                op: RedOp::Sum,
+            }];
+            for root in [0, 1, g as u32 - 1, g as u32 + 2] {
+                colls.push(Collective::Broadcast { count: 4096, root });
+                colls.push(Collective::Reduce {
+                    count: 4096,
+                    root,
+                    op: RedOp::Sum,
+                });
+            }
+            // Messages between hosts that change NIC, with and without
+            // hosts given to the planner.
+            let off_rail = |coll: &Collective, with_hosts: bool| -> usize {
+                let mut bad = 0;
+                for r in 0..n {
+                    let params = PlanParams {
+                        ring: ring.clone(),
+                        ..PlanParams::new(r as u32, n as u32, 4096)
+                    };
+                    let h: &[u32] = if with_hosts { &hosts } else { &[] };
+                    let prog =
+                        plan_with(coll, DataType::F32, &params, Choice::of(Algo::Tree), h).unwrap();
+                    for op in &prog.ops {
+                        let Some(to) = op.send_peer() else { continue };
+                        let to = to as usize;
+                        if p.rank_host[r] != p.rank_host[to] && nic(r) != nic(to) {
+                            bad += 1;
+                        }
+                    }
+                }
+                bad
+            };
+            let mut flat_bad = 0;
+            for coll in &colls {
+                assert_eq!(
+                    off_rail(coll, true),
+                    0,
+                    "{} on {nh} hosts: {coll:?} leaves its rail",
+                    case.file
+                );
+                flat_bad += off_rail(coll, false);
+            }
+            let distinct: std::collections::BTreeSet<String> = (0..g).map(nic).collect();
+            if distinct.len() > 1 {
+                assert!(
+                    flat_bad > 0,
+                    "{} on {nh} hosts: the flat trees stay on one rail too: the check proves nothing",
+                    case.file
+                );
+            }
+        }
+    }
+}
