@@ -346,13 +346,12 @@ impl Model<'_> {
     /// The double binary tree on H hosts of m ranks (the plan's
     /// rail-aligned trees): each tree a chain of m − 1 shared-memory hops
     /// inside a host and ⌈log2 H⌉ levels between hosts, where one rank per
-    /// host and tree uses the network. The
-    /// pieces barely pipeline (the timed simulator shows it): a rank takes
-    /// piece j of the second tree only after piece j of the first, and the
-    /// second tree's chain passes through the first tree's head, so each
-    /// piece waits for the one before it to go up and down both trees.
-    /// The first piece takes one and a half such trips: the trees' first
-    /// pieces go up together.
+    /// host and tree uses the network. The pieces barely pipeline (the
+    /// timed simulator shows it): a rank takes piece j of the second tree
+    /// only after piece j of the first, and the second tree's chain passes
+    /// through the first tree's head, so each piece waits for the one
+    /// before it to go up and down both trees. The first piece takes one
+    /// and a half such trips: the trees' first pieces go up together.
     fn rail_trees(&self, bytes: f64) -> f64 {
         let half = bytes / 2.0;
         let np = (half / self.s.piece as f64).ceil().max(1.0);
