@@ -1,0 +1,650 @@
+//! `braid.Communicator`: every collective on Python buffers, blocking or
+//! asynchronous, and the private raw-pointer entry points of the torch
+//! backend.
+//!
+//! Every call checks its arguments completely (buffers exported,
+//! contiguous, writable where braid writes, one datatype, lengths that fit
+//! the collective) and builds a [`Job`] of plain byte ranges before
+//! anything is sent, so a bad call raises `InvalidArgumentError` and leaves
+//! the communicator usable. Blocking calls run on the calling thread with
+//! the GIL released; asynchronous ones run in issue order on the
+//! communicator's worker thread (a `braid::Stream`), and a blocking call
+//! issued while asynchronous ones are pending queues behind them, so every
+//! rank sees the same order.
+//!
+//! `prep` checks each call's arguments and builds its job; `group` is
+//! `braid.Group`; this file holds the class and its Python methods.
+
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+
+use braid::{Communicator, Config, RedOp, Stream};
+use pyo3::prelude::*;
+use pyo3::types::{PyList, PyTuple};
+
+use crate::errors::{invalid, py_err, ErrInfo, Kind};
+use crate::uid::{timeout_arg, PyUniqueId};
+use crate::views::dtype_from_code;
+use crate::work::{Handle, Job, P2pOp};
+
+/// A communicator: a group of ranks that run collectives together.
+///
+/// Create one with ``Communicator.from_env()`` under a launcher (braid-run,
+/// torchrun, srun, mpirun) or with ``Communicator.init(uid, rank, nranks)``.
+/// Buffers are any contiguous buffer-protocol object (numpy arrays,
+/// bytearray, memoryview, array.array) or DLPack producer in host memory
+/// (torch CPU tensors); the datatype comes from the buffer.
+///
+/// Every rank must issue the same operations in the same order. Every
+/// operation takes ``async_op=True`` to return a ``Handle`` at once; such
+/// operations run in issue order on one worker thread.
+#[pyclass(module = "braid._braid", name = "Communicator", frozen)]
+pub(crate) struct PyComm {
+    comm: Communicator,
+    worker: Mutex<Option<Stream>>,
+    /// Asynchronous operations issued and not yet finished.
+    pending: Arc<AtomicUsize>,
+    closed: AtomicBool,
+    /// The device communicator, once a CUDA tensor came (torch backend).
+    cuda: Mutex<Option<crate::cuda::CudaState>>,
+}
+
+impl Drop for PyComm {
+    fn drop(&mut self) {
+        // The worker finishes what was queued (bounded by the timeout); its
+        // completions may need the GIL, so wait without it.
+        let worker = self.worker.get_mut().ok().and_then(|w| w.take());
+        if let Some(w) = worker {
+            let _ = Python::try_attach(|py| py.detach(move || drop(w)));
+        }
+    }
+}
+
+mod group;
+mod prep;
+
+pub(crate) use group::PyGroup;
+use prep::*;
+
+#[pymethods]
+impl PyComm {
+    /// Create the communicator from the launcher's environment: braid-run
+    /// (``BRAID_*``), torchrun (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
+    /// ``MASTER_PORT``: the root listens on port ``MASTER_PORT + 1``), Slurm
+    /// (srun) or Open MPI (mpirun). Every rank calls it.
+    #[staticmethod]
+    fn from_env(py: Python<'_>) -> PyResult<PyComm> {
+        let c = py
+            .detach(Communicator::from_env)
+            .map_err(|e| py_err(py, &e))?;
+        Ok(PyComm::wrap(c))
+    }
+
+    /// Join the communicator of ``uid`` (a ``UniqueId`` or its text form)
+    /// as ``rank`` of ``nranks``; every rank calls it. ``timeout`` (seconds)
+    /// bounds every wait of this communicator, creation included (default
+    /// ``BRAID_TIMEOUT``, 120). The process that created ``uid`` hosts the
+    /// rendezvous and must call it too.
+    #[staticmethod]
+    #[pyo3(signature = (uid, rank, nranks, timeout = None))]
+    fn init(
+        py: Python<'_>,
+        uid: &Bound<'_, PyAny>,
+        rank: i64,
+        nranks: i64,
+        timeout: Option<f64>,
+    ) -> PyResult<PyComm> {
+        let (id, root) = if let Ok(u) = uid.cast::<PyUniqueId>() {
+            (u.get().id, u.get().take_root())
+        } else if let Ok(text) = uid.extract::<String>() {
+            let id: braid::UniqueId = text.parse().map_err(|e| py_err(py, &e))?;
+            (id, None)
+        } else {
+            return Err(invalid(
+                py,
+                "uid must be a braid.UniqueId or its text form (str(uid))",
+            ));
+        };
+        let (Ok(rank), Ok(nranks)) = (u32::try_from(rank), u32::try_from(nranks)) else {
+            return Err(invalid(
+                py,
+                format!("rank {rank} of {nranks}: both must be non-negative integers"),
+            ));
+        };
+        let mut config = Config::from_env().map_err(|e| py_err(py, &e))?;
+        if let Some(t) = timeout_arg(py, timeout)? {
+            config.timeout = t;
+        }
+        let c = py
+            .detach(move || match root {
+                Some(root) => Communicator::init_hosting(&id, root, rank, nranks, &config),
+                None => Communicator::init(&id, rank, nranks, &config),
+            })
+            .map_err(|e| py_err(py, &e))?;
+        Ok(PyComm::wrap(c))
+    }
+
+    /// This rank, ``0 .. size-1``.
+    #[getter]
+    fn rank(&self) -> u32 {
+        self.comm.rank()
+    }
+
+    /// The number of ranks.
+    #[getter]
+    fn size(&self) -> u32 {
+        self.comm.nranks()
+    }
+
+    /// The transport to each rank (``"shm"``, ``"socket"``, ``"ib"``;
+    /// ``"self"`` for this rank).
+    #[getter]
+    fn transports(&self) -> Vec<&'static str> {
+        self.comm.transports().to_vec()
+    }
+
+    /// Asynchronous operations issued and not yet finished.
+    #[getter]
+    fn pending(&self) -> usize {
+        self.pending.load(Ordering::Acquire)
+    }
+
+    /// AllReduce: ``recvbuf[i] = op over ranks of sendbuf[i]``. With
+    /// ``recvbuf=None`` in place on ``sendbuf``.
+    #[pyo3(signature = (sendbuf, recvbuf = None, op = None, *, async_op = false))]
+    fn all_reduce(
+        &self,
+        py: Python<'_>,
+        sendbuf: &Bound<'_, PyAny>,
+        recvbuf: Option<&Bound<'_, PyAny>>,
+        op: Option<&Bound<'_, PyAny>>,
+        async_op: bool,
+    ) -> PyResult<Option<Handle>> {
+        let op = match op {
+            Some(o) => red_op(py, o)?,
+            None => RedOp::Sum,
+        };
+        let prep = self.prep_all_reduce(py, sendbuf, recvbuf, op)?;
+        self.launch(py, prep, async_op)
+    }
+
+    /// ReduceScatter: ``sendbuf`` holds ``size * n`` elements; ``recvbuf``
+    /// (``n``) receives block ``rank`` of the reduction. With
+    /// ``recvbuf=None`` the result lands in block ``rank`` of ``sendbuf``.
+    #[pyo3(signature = (sendbuf, recvbuf = None, op = None, *, async_op = false))]
+    fn reduce_scatter(
+        &self,
+        py: Python<'_>,
+        sendbuf: &Bound<'_, PyAny>,
+        recvbuf: Option<&Bound<'_, PyAny>>,
+        op: Option<&Bound<'_, PyAny>>,
+        async_op: bool,
+    ) -> PyResult<Option<Handle>> {
+        let op = match op {
+            Some(o) => red_op(py, o)?,
+            None => RedOp::Sum,
+        };
+        let prep = self.prep_reduce_scatter(py, sendbuf, recvbuf, op)?;
+        self.launch(py, prep, async_op)
+    }
+
+    /// AllGather: ``recvbuf`` (``size * n``) receives every rank's
+    /// ``sendbuf`` (``n``) in rank order. With ``recvbuf=None``,
+    /// ``sendbuf`` is the whole buffer and this rank's block ``rank`` of it
+    /// is its contribution.
+    #[pyo3(signature = (sendbuf, recvbuf = None, *, async_op = false))]
+    fn all_gather(
+        &self,
+        py: Python<'_>,
+        sendbuf: &Bound<'_, PyAny>,
+        recvbuf: Option<&Bound<'_, PyAny>>,
+        async_op: bool,
+    ) -> PyResult<Option<Handle>> {
+        let prep = self.prep_all_gather(py, sendbuf, recvbuf)?;
+        self.launch(py, prep, async_op)
+    }
+
+    /// Broadcast from ``root``: in place on ``sendbuf`` with
+    /// ``recvbuf=None``; otherwise the root's ``sendbuf`` lands in every
+    /// ``recvbuf`` (other ranks may pass ``sendbuf=None``).
+    #[pyo3(signature = (sendbuf, recvbuf = None, root = 0, *, async_op = false))]
+    fn broadcast(
+        &self,
+        py: Python<'_>,
+        sendbuf: Option<&Bound<'_, PyAny>>,
+        recvbuf: Option<&Bound<'_, PyAny>>,
+        root: i64,
+        async_op: bool,
+    ) -> PyResult<Option<Handle>> {
+        let prep = self.prep_broadcast(py, sendbuf, recvbuf, root)?;
+        self.launch(py, prep, async_op)
+    }
+
+    /// Reduce to ``root``: the root's ``recvbuf`` receives the reduction
+    /// of every rank's ``sendbuf`` (``recvbuf=None``: in place on the
+    /// root's ``sendbuf``); other ranks' ``recvbuf`` is not used.
+    #[pyo3(signature = (sendbuf, recvbuf = None, op = None, root = 0, *, async_op = false))]
+    fn reduce(
+        &self,
+        py: Python<'_>,
+        sendbuf: &Bound<'_, PyAny>,
+        recvbuf: Option<&Bound<'_, PyAny>>,
+        op: Option<&Bound<'_, PyAny>>,
+        root: i64,
+        async_op: bool,
+    ) -> PyResult<Option<Handle>> {
+        let op = match op {
+            Some(o) => red_op(py, o)?,
+            None => RedOp::Sum,
+        };
+        let prep = self.prep_reduce(py, sendbuf, recvbuf, op, root)?;
+        self.launch(py, prep, async_op)
+    }
+
+    /// AllToAll: block ``j`` of ``sendbuf`` (``size`` equal blocks) goes to
+    /// rank ``j`` and lands in block ``rank`` of its ``recvbuf``. With
+    /// ``recvbuf=None`` in place (braid copies ``sendbuf`` first).
+    #[pyo3(signature = (sendbuf, recvbuf = None, *, async_op = false))]
+    fn all_to_all(
+        &self,
+        py: Python<'_>,
+        sendbuf: &Bound<'_, PyAny>,
+        recvbuf: Option<&Bound<'_, PyAny>>,
+        async_op: bool,
+    ) -> PyResult<Option<Handle>> {
+        let prep = self.prep_all_to_all(py, sendbuf, recvbuf)?;
+        self.launch(py, prep, async_op)
+    }
+
+    /// AllToAllv: ``sendcounts[j]`` elements from ``sendbuf`` at
+    /// ``sdispls[j]`` go to rank ``j``; ``recvcounts[i]`` elements from rank
+    /// ``i`` land in ``recvbuf`` at ``rdispls[i]``. Displacements (in
+    /// elements) default to the running sums of the counts.
+    #[pyo3(signature = (sendbuf, sendcounts, recvbuf, recvcounts, sdispls = None, rdispls = None, *, async_op = false))]
+    #[allow(clippy::too_many_arguments)]
+    fn all_to_allv(
+        &self,
+        py: Python<'_>,
+        sendbuf: &Bound<'_, PyAny>,
+        sendcounts: Vec<i64>,
+        recvbuf: &Bound<'_, PyAny>,
+        recvcounts: Vec<i64>,
+        sdispls: Option<Vec<i64>>,
+        rdispls: Option<Vec<i64>>,
+        async_op: bool,
+    ) -> PyResult<Option<Handle>> {
+        let prep = self.prep_all_to_allv(
+            py, sendbuf, sendcounts, recvbuf, recvcounts, sdispls, rdispls,
+        )?;
+        self.launch(py, prep, async_op)
+    }
+
+    /// Gather to ``root``: the root's ``recvbuf`` (``size * n``) receives
+    /// every rank's ``sendbuf`` (``n``) in rank order; others pass
+    /// ``recvbuf=None``.
+    #[pyo3(signature = (sendbuf, recvbuf = None, root = 0, *, async_op = false))]
+    fn gather(
+        &self,
+        py: Python<'_>,
+        sendbuf: &Bound<'_, PyAny>,
+        recvbuf: Option<&Bound<'_, PyAny>>,
+        root: i64,
+        async_op: bool,
+    ) -> PyResult<Option<Handle>> {
+        let prep = self.prep_gather(py, sendbuf, recvbuf, root)?;
+        self.launch(py, prep, async_op)
+    }
+
+    /// Scatter from ``root``: block ``j`` of the root's ``sendbuf``
+    /// (``size * n``) lands in rank ``j``'s ``recvbuf`` (``n``); others pass
+    /// ``sendbuf=None``.
+    #[pyo3(signature = (sendbuf, recvbuf, root = 0, *, async_op = false))]
+    fn scatter(
+        &self,
+        py: Python<'_>,
+        sendbuf: Option<&Bound<'_, PyAny>>,
+        recvbuf: &Bound<'_, PyAny>,
+        root: i64,
+        async_op: bool,
+    ) -> PyResult<Option<Handle>> {
+        let prep = self.prep_scatter(py, sendbuf, recvbuf, root)?;
+        self.launch(py, prep, async_op)
+    }
+
+    /// Send ``buf`` to ``peer``, which calls ``recv`` with as many bytes.
+    /// Two ranks that send to each other must use ``group()``.
+    #[pyo3(signature = (buf, peer, *, async_op = false))]
+    fn send(
+        &self,
+        py: Python<'_>,
+        buf: &Bound<'_, PyAny>,
+        peer: i64,
+        async_op: bool,
+    ) -> PyResult<Option<Handle>> {
+        let peer = check_peer(py, "send", peer, self.p(), self.me())?;
+        let v = view(py, buf, "buf", false)?;
+        let ops = vec![P2pOp {
+            send: true,
+            peer,
+            buf: v.raw,
+        }];
+        let prep = Prepared::new(
+            Job::Group {
+                ops,
+                copies: vec![],
+            },
+            vec![v],
+        );
+        self.launch(py, prep, async_op)
+    }
+
+    /// Receive into ``buf`` from ``peer``.
+    #[pyo3(signature = (buf, peer, *, async_op = false))]
+    fn recv(
+        &self,
+        py: Python<'_>,
+        buf: &Bound<'_, PyAny>,
+        peer: i64,
+        async_op: bool,
+    ) -> PyResult<Option<Handle>> {
+        let peer = check_peer(py, "recv", peer, self.p(), self.me())?;
+        let v = view(py, buf, "buf", true)?;
+        let ops = vec![P2pOp {
+            send: false,
+            peer,
+            buf: v.raw,
+        }];
+        let prep = Prepared::new(
+            Job::Group {
+                ops,
+                copies: vec![],
+            },
+            vec![v],
+        );
+        self.launch(py, prep, async_op)
+    }
+
+    /// Point-to-point operations issued together: ``with comm.group() as
+    /// g: g.send(a, 1); g.recv(b, 1)`` runs them all when the block ends
+    /// (AllToAllv, halo exchanges, ring shifts).
+    fn group(slf: &Bound<'_, Self>) -> PyGroup {
+        PyGroup {
+            comm: slf.clone().unbind(),
+            ops: Vec::new(),
+            keep: Vec::new(),
+        }
+    }
+
+    /// Return once every rank called ``barrier``.
+    #[pyo3(signature = (*, async_op = false))]
+    fn barrier(&self, py: Python<'_>, async_op: bool) -> PyResult<Option<Handle>> {
+        self.launch(py, Prepared::new(Job::Barrier, vec![]), async_op)
+    }
+
+    /// Block until every asynchronous operation issued so far is done;
+    /// raises the error of the communicator if one failed.
+    fn synchronize(&self, py: Python<'_>) -> PyResult<()> {
+        let worker = self
+            .worker
+            .lock()
+            .map_err(|_| ErrInfo::new(Kind::Unusable, "the worker lock is poisoned").to_py(py))?;
+        let Some(stream) = worker.as_ref() else {
+            return Ok(());
+        };
+        let h = stream.submit(|_| Ok(()));
+        drop(worker);
+        py.detach(move || h.wait()).map_err(|e| py_err(py, &e))?;
+        match self.comm.async_error() {
+            Some(e) => Err(ErrInfo::new(Kind::Unusable, e).to_py(py)),
+            None => Ok(()),
+        }
+    }
+
+    /// Split like ``MPI_Comm_split``: every rank calls it; ranks with the
+    /// same ``color`` form a new communicator ordered by ``key`` (then by
+    /// rank here); ``color=None`` (or negative) takes no part and gets None.
+    #[pyo3(signature = (color, key = 0))]
+    fn split(&self, py: Python<'_>, color: Option<i64>, key: i64) -> PyResult<Option<PyComm>> {
+        self.check_open(py)?;
+        let color = match color {
+            Some(c) if c >= 0 => Some(
+                u32::try_from(c)
+                    .map_err(|_| invalid(py, format!("color {c} does not fit in 32 bits")))?,
+            ),
+            _ => None,
+        };
+        let key = u32::try_from(key).map_err(|_| {
+            invalid(
+                py,
+                format!("key {key} must be a non-negative 32-bit integer"),
+            )
+        })?;
+        if self.pending.load(Ordering::Acquire) > 0 {
+            self.synchronize(py)?;
+        }
+        let comm = &self.comm;
+        let c = py
+            .detach(|| comm.split(color, key))
+            .map_err(|e| py_err(py, &e))?;
+        Ok(c.map(PyComm::wrap))
+    }
+
+    /// Make every pending and later operation fail promptly (callable from
+    /// any thread); the peers see an error naming this rank.
+    fn abort(&self) {
+        self.comm.abort();
+    }
+
+    /// The error that broke this communicator, or None (like
+    /// ``ncclCommGetAsyncError``).
+    fn async_error(&self) -> Option<String> {
+        self.comm.async_error()
+    }
+
+    /// Finish the pending asynchronous operations and refuse new ones.
+    /// The connections are released when the object is garbage collected.
+    fn close(&self, py: Python<'_>) -> PyResult<()> {
+        self.closed.store(true, Ordering::Relaxed);
+        let worker = self.worker.lock().ok().and_then(|mut w| w.take());
+        if let Some(w) = worker {
+            py.detach(move || drop(w));
+        }
+        Ok(())
+    }
+
+    /// Whether ``close()`` was called.
+    #[getter]
+    fn closed(&self) -> bool {
+        self.closed.load(Ordering::Relaxed)
+    }
+
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    #[pyo3(signature = (*_exc))]
+    fn __exit__(&self, py: Python<'_>, _exc: &Bound<'_, PyTuple>) -> PyResult<bool> {
+        self.close(py)?;
+        Ok(false)
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "<braid.Communicator rank {} of {}{}>",
+            self.comm.rank(),
+            self.comm.nranks(),
+            if self.closed.load(Ordering::Relaxed) {
+                ", closed"
+            } else {
+                ""
+            }
+        )
+    }
+
+    // ---- private entry points of the torch backend ---------------------
+
+    /// Private (torch backend): a collective on raw host addresses the
+    /// caller keeps alive (``keep``, held by the handle when asynchronous)
+    /// and has checked (contiguous CPU tensors). ``kind`` is one of
+    /// all_reduce, broadcast, reduce, all_gather, reduce_scatter,
+    /// all_to_all; ``dt`` a code from ``datatypes()``; in place when the
+    /// ranges are the same (or this rank's block of the other).
+    #[pyo3(signature = (kind, dt, send_addr, send_len, recv_addr, recv_len, op = 0, root = 0, async_op = false, keep = None))]
+    #[allow(clippy::too_many_arguments)]
+    fn _raw(
+        &self,
+        py: Python<'_>,
+        kind: &str,
+        dt: u8,
+        send_addr: usize,
+        send_len: usize,
+        recv_addr: usize,
+        recv_len: usize,
+        op: u8,
+        root: i64,
+        async_op: bool,
+        keep: Option<Py<PyAny>>,
+    ) -> PyResult<Option<Handle>> {
+        let dt = dtype_from_code(dt)
+            .ok_or_else(|| invalid(py, format!("datatype code {dt} is not a braid datatype")))?;
+        let op = RedOp::from_u8(op)
+            .ok_or_else(|| invalid(py, format!("operator code {op} is not a braid operator")))?;
+        let send = Self::raw_range(py, send_addr, send_len)?;
+        let recv = Self::raw_range(py, recv_addr, recv_len)?;
+        let job = self.raw_job(py, kind, dt, send, recv, op, root)?;
+        let prep = Prepared {
+            job,
+            keep: vec![],
+            keep_obj: keep,
+        };
+        self.launch(py, prep, async_op)
+    }
+
+    /// Private (torch backend): a collective on CUDA device addresses (as
+    /// ``_raw``), enqueued on the CUDA stream ``stream`` (a ``cudaStream_t``
+    /// as an integer) of this rank's GPU through braid's device
+    /// communicator, created on first use (every rank must get here).
+    /// Returns the GPU's ordinal. Not yet run on a GPU.
+    #[pyo3(signature = (kind, dt, send_addr, send_len, recv_addr, recv_len, op = 0, root = 0, stream = 0, device = 0))]
+    #[allow(clippy::too_many_arguments)]
+    fn _cuda(
+        &self,
+        py: Python<'_>,
+        kind: &str,
+        dt: u8,
+        send_addr: usize,
+        send_len: usize,
+        recv_addr: usize,
+        recv_len: usize,
+        op: u8,
+        root: i64,
+        stream: usize,
+        device: u32,
+    ) -> PyResult<u32> {
+        self.check_open(py)?;
+        let dt = dtype_from_code(dt)
+            .ok_or_else(|| invalid(py, format!("datatype code {dt} is not a braid datatype")))?;
+        let op = RedOp::from_u8(op)
+            .ok_or_else(|| invalid(py, format!("operator code {op} is not a braid operator")))?;
+        let send = Self::raw_range(py, send_addr, send_len)?;
+        let recv = Self::raw_range(py, recv_addr, recv_len)?;
+        let job = self.raw_job(py, kind, dt, send, recv, op, root)?;
+        if self.pending.load(Ordering::Acquire) > 0 {
+            self.synchronize(py)?;
+        }
+        let is_root = u32::try_from(root).is_ok_and(|r| r == self.me());
+        let (state, comm) = (&self.cuda, &self.comm);
+        // SAFETY: the torch backend passes device addresses of live CUDA
+        // tensors it keeps until the stream ran the operation, and the
+        // current stream of their device.
+        py.detach(|| unsafe { crate::cuda::run(state, comm, &job, stream, device, is_root) })
+            .map_err(|e| py_err(py, &e))
+    }
+
+    /// Private (torch backend): several raw collectives run one after the
+    /// other as one operation; ``calls`` holds tuples ``(kind, dt,
+    /// send_addr, send_len, recv_addr, recv_len, op, root)``.
+    #[pyo3(signature = (calls, async_op = false, keep = None))]
+    fn _raw_seq(
+        &self,
+        py: Python<'_>,
+        calls: &Bound<'_, PyList>,
+        async_op: bool,
+        keep: Option<Py<PyAny>>,
+    ) -> PyResult<Option<Handle>> {
+        let mut jobs = Vec::with_capacity(calls.len());
+        for c in calls.iter() {
+            let (kind, dt, sa, sl, ra, rl, op, root): (
+                String,
+                u8,
+                usize,
+                usize,
+                usize,
+                usize,
+                u8,
+                i64,
+            ) = c.extract()?;
+            let dt = dtype_from_code(dt).ok_or_else(|| {
+                invalid(py, format!("datatype code {dt} is not a braid datatype"))
+            })?;
+            let op = RedOp::from_u8(op).ok_or_else(|| {
+                invalid(py, format!("operator code {op} is not a braid operator"))
+            })?;
+            let send = Self::raw_range(py, sa, sl)?;
+            let recv = Self::raw_range(py, ra, rl)?;
+            jobs.push(self.raw_job(py, &kind, dt, send, recv, op, root)?);
+        }
+        let prep = Prepared {
+            job: Job::Seq(jobs),
+            keep: vec![],
+            keep_obj: keep,
+        };
+        self.launch(py, prep, async_op)
+    }
+
+    /// Private (torch backend): point-to-point operations on raw host
+    /// addresses issued together, after local copies. ``ops`` holds
+    /// ``(is_send, peer, addr, len)``, ``copies`` ``(src, dst, len)``.
+    #[pyo3(signature = (ops, copies, async_op = false, keep = None))]
+    fn _raw_group(
+        &self,
+        py: Python<'_>,
+        ops: Vec<(bool, i64, usize, usize)>,
+        copies: Vec<(usize, usize, usize)>,
+        async_op: bool,
+        keep: Option<Py<PyAny>>,
+    ) -> PyResult<Option<Handle>> {
+        let (p, me) = (self.p(), self.me());
+        let mut out = Vec::with_capacity(ops.len());
+        for (is_send, peer, addr, len) in ops {
+            let what = if is_send { "send" } else { "recv" };
+            out.push(P2pOp {
+                send: is_send,
+                peer: check_peer(py, what, peer, p, me)?,
+                buf: Self::raw_range(py, addr, len)?,
+            });
+        }
+        let mut cps = Vec::with_capacity(copies.len());
+        for (src, dst, len) in copies {
+            let (s, d) = (
+                Self::raw_range(py, src, len)?,
+                Self::raw_range(py, dst, len)?,
+            );
+            if s.overlaps(&d) && s != d {
+                return Err(invalid(py, "a local copy between overlapping ranges"));
+            }
+            if s != d {
+                cps.push((s, d));
+            }
+        }
+        let prep = Prepared {
+            job: Job::Group {
+                ops: out,
+                copies: cps,
+            },
+            keep: vec![],
+            keep_obj: keep,
+        };
+        self.launch(py, prep, async_op)
+    }
+}
