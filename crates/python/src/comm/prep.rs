@@ -697,52 +697,9 @@ impl PyComm {
     ) -> PyResult<Prepared> {
         let root = check_root(py, "gather", root, self.p())?;
         let s = view(py, send, "sendbuf", false)?;
-        if root != self.me() {
-            let ops = vec![P2pOp {
-                send: true,
-                peer: root,
-                buf: s.raw,
-            }];
-            return Ok(Prepared::new(
-                Job::Group {
-                    ops,
-                    copies: vec![],
-                },
-                vec![s],
-            ));
-        }
-        let Some(r) = opt_view(py, recv, "recvbuf", true)? else {
-            return Err(invalid(py, "gather: the root must pass a recvbuf"));
-        };
-        same_dtype(py, "gather", &s, &r)?;
-        let p = self.p() as usize;
-        if r.count() != s.count() * p {
-            return Err(invalid(
-                py,
-                format!(
-                    "gather: sendbuf holds {} elements, so the root's recvbuf must hold {} ({p} ranks x {}), not {}",
-                    s.count(),
-                    s.count() * p,
-                    s.count(),
-                    r.count()
-                ),
-            ));
-        }
-        no_overlap(py, "gather", &s.raw, &r.raw)?;
-        let block = |q: usize| Raw {
-            addr: r.raw.addr + q * s.raw.len,
-            len: s.raw.len,
-        };
-        let ops = (0..p)
-            .filter(|&q| q != root as usize)
-            .map(|q| P2pOp {
-                send: false,
-                peer: q as u32,
-                buf: block(q),
-            })
-            .collect();
-        let copies = vec![(s.raw, block(root as usize))];
-        Ok(Prepared::new(Job::Group { ops, copies }, vec![s, r]))
+        self.rooted_blocks(py, Rooted::Gather, root, s, || {
+            opt_view(py, recv, "recvbuf", true)
+        })
     }
 
     pub(super) fn prep_scatter(
@@ -754,52 +711,91 @@ impl PyComm {
     ) -> PyResult<Prepared> {
         let root = check_root(py, "scatter", root, self.p())?;
         let r = view(py, recv, "recvbuf", true)?;
+        self.rooted_blocks(py, Rooted::Scatter, root, r, || {
+            opt_view(py, send, "sendbuf", false)
+        })
+    }
+
+    /// Gather and Scatter as point-to-point groups: `mine` is every rank's
+    /// block (Gather's sendbuf, Scatter's recvbuf); the root also passes
+    /// `whole` (p blocks) and exchanges block q with rank q, copying its
+    /// own.
+    fn rooted_blocks(
+        &self,
+        py: Python<'_>,
+        kind: Rooted,
+        root: u32,
+        mine: View,
+        whole: impl FnOnce() -> PyResult<Option<View>>,
+    ) -> PyResult<Prepared> {
+        let (op, gather) = match kind {
+            Rooted::Gather => ("gather", true),
+            Rooted::Scatter => ("scatter", false),
+        };
+        let (mine_name, whole_name) = if gather {
+            ("sendbuf", "recvbuf")
+        } else {
+            ("recvbuf", "sendbuf")
+        };
         if root != self.me() {
             let ops = vec![P2pOp {
-                send: false,
+                send: gather,
                 peer: root,
-                buf: r.raw,
+                buf: mine.raw,
             }];
             return Ok(Prepared::new(
                 Job::Group {
                     ops,
                     copies: vec![],
                 },
-                vec![r],
+                vec![mine],
             ));
         }
-        let Some(s) = opt_view(py, send, "sendbuf", false)? else {
-            return Err(invalid(py, "scatter: the root must pass a sendbuf"));
+        let Some(w) = whole()? else {
+            return Err(invalid(
+                py,
+                format!("{op}: the root must pass a {whole_name}"),
+            ));
         };
-        same_dtype(py, "scatter", &s, &r)?;
+        if gather {
+            same_dtype(py, op, &mine, &w)?;
+        } else {
+            same_dtype(py, op, &w, &mine)?;
+        }
         let p = self.p() as usize;
-        if s.count() != r.count() * p {
+        if w.count() != mine.count() * p {
             return Err(invalid(
                 py,
                 format!(
-                    "scatter: recvbuf holds {} elements, so the root's sendbuf must hold {} ({p} ranks x {}), not {}",
-                    r.count(),
-                    r.count() * p,
-                    r.count(),
-                    s.count()
+                    "{op}: {mine_name} holds {} elements, so the root's {whole_name} must hold {} ({p} ranks x {}), not {}",
+                    mine.count(),
+                    mine.count() * p,
+                    mine.count(),
+                    w.count()
                 ),
             ));
         }
-        no_overlap(py, "scatter", &s.raw, &r.raw)?;
+        no_overlap(py, op, &mine.raw, &w.raw)?;
         let block = |q: usize| Raw {
-            addr: s.raw.addr + q * r.raw.len,
-            len: r.raw.len,
+            addr: w.raw.addr + q * mine.raw.len,
+            len: mine.raw.len,
         };
         let ops = (0..p)
             .filter(|&q| q != root as usize)
             .map(|q| P2pOp {
-                send: true,
+                send: !gather,
                 peer: q as u32,
                 buf: block(q),
             })
             .collect();
-        let copies = vec![(block(root as usize), r.raw)];
-        Ok(Prepared::new(Job::Group { ops, copies }, vec![s, r]))
+        let own = block(root as usize);
+        let copies = vec![if gather {
+            (mine.raw, own)
+        } else {
+            (own, mine.raw)
+        }];
+        let keep = if gather { vec![mine, w] } else { vec![w, mine] };
+        Ok(Prepared::new(Job::Group { ops, copies }, keep))
     }
 
     /// A raw byte range from the torch backend.
@@ -922,4 +918,11 @@ impl PyComm {
             )),
         }
     }
+}
+
+/// Which rooted collective [`PyComm::rooted_blocks`] builds.
+#[derive(Clone, Copy)]
+enum Rooted {
+    Gather,
+    Scatter,
 }
