@@ -1239,6 +1239,51 @@ pub fn small_acquisitions(factory: &Factory) {
     wait_drained(&mut *tx);
 }
 
+/// Case 13: a receiver that consumed every message and is dropped at once
+/// leaves its sender drained, not failed: `poll_drained` turns true (the
+/// last credits count even when the close comes right behind them, as when
+/// a rank finishes a collective and tears its links down).
+pub fn drained_after_peer_closes(factory: &Factory) {
+    let (mut tx, mut rx) = fresh_pair(factory);
+    let slots = tx.slots();
+    for round in 0..2u64 {
+        for i in 0..slots as u64 {
+            let buf = wait_acquire(&mut *tx, "a credit");
+            put(&mut *tx, buf, 0, round * slots as u64 + i, 40);
+        }
+        if round == 0 {
+            for i in 0..slots as u64 {
+                let (buf, len) = wait_peek(&mut *rx, "a message");
+                check_msg(&*rx, buf, len, 0, i, 40);
+                rx.release().expect("conformance: release");
+            }
+            wait_drained(&mut *tx);
+        }
+    }
+    // The second round: received and released, then the receiver is
+    // dropped before the sender looks again.
+    for i in 0..slots as u64 {
+        let (buf, len) = wait_peek(&mut *rx, "a message");
+        check_msg(&*rx, buf, len, 0, slots as u64 + i, 40);
+        rx.release().expect("conformance: release");
+    }
+    drop(rx);
+    wait_for(
+        "the sender to see every slot released after the receiver closed",
+        WAIT,
+        || {
+            tx.poll_drained()
+                .unwrap_or_else(|e| {
+                    panic!(
+                        "conformance: poll_drained failed although the receiver released every \
+                     message before it closed: {e}"
+                    )
+                })
+                .then_some(())
+        },
+    );
+}
+
 /// Expands to one `#[test]` per conformance case for the transport made by
 /// `$factory` (a non-capturing closure or fn returning a `Transport` or a
 /// `Box<dyn Transport>`). Use once per module.
@@ -1269,6 +1314,7 @@ macro_rules! transport_conformance_tests {
             conformance_oversized_commit_rejected => oversized_commit_rejected,
             conformance_direct_transfers_when_offered => direct_transfers_when_offered,
             conformance_small_acquisitions => small_acquisitions,
+            conformance_drained_after_peer_closes => drained_after_peer_closes,
         );
     };
 }

@@ -794,8 +794,17 @@ impl SendChannel for IbSend {
 
     fn poll_drained(&mut self) -> Result<bool> {
         self.sh.progress_once();
+        // Everything sent was consumed: drained, even if the peer closed
+        // its end right after its last credit (both can arrive in one poll;
+        // the close follows the credit on QP 0, so the credit is seen).
+        if self.sh.released.load(Ordering::Acquire) == self.committed
+            && self.sh.error().is_none()
+            && !self.aborted
+        {
+            return Ok(true);
+        }
         self.check()?;
-        Ok(self.sh.released.load(Ordering::Acquire) == self.committed)
+        Ok(false)
     }
 
     fn check_peer(&mut self) -> Result<()> {
@@ -1009,6 +1018,23 @@ impl RecvChannel for IbRecv {
 impl Drop for IbRecv {
     fn drop(&mut self) {
         if !self.aborted {
+            // The last credit goes before the close notice (same QP, in
+            // order): a sender waiting for its messages to drain sees them
+            // consumed, not a closed peer. It waits for room on QP 0 as
+            // long as the close notice would.
+            let end = Instant::now() + Duration::from_millis(100);
+            while self.credit_pending
+                && self.sh.error().is_none()
+                && !self.sh.peer_closed.load(Ordering::Acquire)
+                && Instant::now() < end
+            {
+                if self.flush_credit().is_err() {
+                    break;
+                }
+                if self.credit_pending && self.sh.progress_once() == 0 {
+                    std::thread::sleep(Duration::from_micros(200));
+                }
+            }
             self.sh.final_notice(None, Duration::from_millis(100));
         }
         stop(&self.sh, &self.progress);

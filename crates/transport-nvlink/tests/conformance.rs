@@ -68,6 +68,7 @@ mod one_gpu_small {
         oversized_commit_rejected,
         direct_transfers_when_offered,
         small_acquisitions,
+        drained_after_peer_closes,
     );
 }
 

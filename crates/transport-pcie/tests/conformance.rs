@@ -90,6 +90,7 @@ mod p2p_one_gpu {
         oversized_commit_rejected,
         direct_transfers_when_offered,
         small_acquisitions,
+        drained_after_peer_closes,
     );
 }
 
