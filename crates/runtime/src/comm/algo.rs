@@ -38,6 +38,9 @@ pub(super) struct TuneState {
     costs: Option<Costs>,
     /// Collectives for which a bare `BRAID_ALGO` item was said not to run.
     warned: Vec<CollKind>,
+    /// Timing trials' answers by collective and size class (`None`: the
+    /// model's pick stands).
+    timed: Vec<(CollKind, u32, Option<Choice>)>,
 }
 
 /// The network as the tuner measured it (see `measure_network`).
@@ -217,6 +220,7 @@ impl Communicator {
         st: &mut State,
         coll: &Collective,
         dt: DataType,
+        params: &PlanParams,
     ) -> Result<Option<Picked>> {
         let sh = &*self.shared;
         let Some(kind) = CollKind::of(coll) else {
@@ -254,7 +258,10 @@ impl Communicator {
             None => {
                 let costs = self.costs(st)?;
                 let (c, t) = tune::best(&costs, &a.shape, kind, bytes as usize);
-                (c, Source::Model, t)
+                match self.timed(st, coll, dt, params, kind, &costs)? {
+                    Some(tc) => (tc, Source::Timed, f64::NAN),
+                    None => (c, Source::Model, t),
+                }
             }
         };
         if choice.algo == Algo::Hier && choice.inner.is_none() {
@@ -275,6 +282,131 @@ impl Communicator {
             source,
             estimate_us,
         }))
+    }
+
+    /// The model's pick checked by timing, where close candidates make its
+    /// error matter (`tune::trial`): each candidate runs `coll` once on
+    /// scratch buffers (connecting its links), then `runs` times after a
+    /// barrier; the ranks agree on each one's slowest time and take the
+    /// fastest. Answers once per collective kind and size class (the
+    /// bit length of its bytes). `None`: no trial (measuring is off, a
+    /// clear winner, or too costly to time).
+    fn timed(
+        &self,
+        st: &mut State,
+        coll: &Collective,
+        dt: DataType,
+        params: &PlanParams,
+        kind: CollKind,
+        costs: &Costs,
+    ) -> Result<Option<Choice>> {
+        let sh = &*self.shared;
+        let a = &sh.algos;
+        if !a.measure {
+            return Ok(None);
+        }
+        let bytes = coll_bytes(coll, dt, sh.nranks) as usize;
+        let class = tune::size_class(bytes);
+        if let Some(&(_, _, c)) = st
+            .tune
+            .timed
+            .iter()
+            .find(|(k, b, _)| *k == kind && *b == class)
+        {
+            return Ok(c);
+        }
+        let Some(trial) = tune::trial(costs, &a.shape, kind, bytes) else {
+            st.tune.timed.push((kind, class, None));
+            return Ok(None);
+        };
+        let [ns, nr] = coll.collective_counts(sh.nranks)?;
+        // u64 words: aligned for every datatype.
+        let words = |count: usize| (count.saturating_mul(dt.size())).div_ceil(8);
+        let mut send = vec![0u64; words(ns)];
+        let mut recv = vec![0u64; words(nr)];
+        let mut scratch: Vec<u64> = Vec::new();
+        let mut times = Vec::with_capacity(trial.choices.len());
+        for (choice, _) in &trial.choices {
+            let prog = plan::plan_with(coll, dt, params, *choice, &a.hosts)?;
+            let need = prog.scratch_bytes().div_ceil(8);
+            if scratch.len() < need {
+                scratch.resize(need, 0);
+            }
+            let mut bufs = vec![
+                RawBuf {
+                    ptr: send.as_mut_ptr().cast(),
+                    len: ns * dt.size(),
+                },
+                RawBuf {
+                    ptr: recv.as_mut_ptr().cast(),
+                    len: nr * dt.size(),
+                },
+            ];
+            if need > 0 {
+                bufs.push(RawBuf {
+                    ptr: scratch.as_mut_ptr().cast(),
+                    len: prog.scratch_bytes(),
+                });
+            }
+            self.run_internal(st, &prog, &bufs)?;
+            let mut best = f64::INFINITY;
+            for _ in 0..trial.runs {
+                self.internal_barrier(st, params)?;
+                let t0 = Instant::now();
+                self.run_internal(st, &prog, &bufs)?;
+                best = best.min(t0.elapsed().as_secs_f64() * 1e6);
+            }
+            times.push(best);
+        }
+        let times = self.agree_max(st, params, &times)?;
+        let pick = tune::timed_pick(&trial, &times);
+        if sh.rank == 0 {
+            let each: Vec<String> = trial
+                .choices
+                .iter()
+                .zip(&times)
+                .map(|((c, est), t)| format!("{c} {t:.0} µs (model {est:.0})"))
+                .collect();
+            info!(
+                op = coll.name(),
+                bytes,
+                "braid: tuner: timed close candidates: {}; picked {pick}",
+                each.join(", ")
+            );
+        }
+        st.tune.timed.push((kind, class, Some(pick)));
+        Ok(Some(pick))
+    }
+
+    /// A barrier among all ranks over the data links (an 8-byte AllReduce).
+    fn internal_barrier(&self, st: &mut State, params: &PlanParams) -> Result<()> {
+        self.agree_max(st, params, &[0.0]).map(|_| ())
+    }
+
+    /// The element-wise maximum of `vals` over all ranks.
+    fn agree_max(&self, st: &mut State, params: &PlanParams, vals: &[f64]) -> Result<Vec<f64>> {
+        let mut inp = vals.to_vec();
+        let mut out = vec![0f64; vals.len()];
+        let prog = plan::plan(
+            &Collective::AllReduce {
+                count: vals.len(),
+                op: RedOp::Max,
+            },
+            DataType::F64,
+            params,
+        )?;
+        let bufs = [
+            RawBuf {
+                ptr: inp.as_mut_ptr().cast(),
+                len: 8 * vals.len(),
+            },
+            RawBuf {
+                ptr: out.as_mut_ptr().cast(),
+                len: 8 * vals.len(),
+            },
+        ];
+        self.run_internal(st, &prog, &bufs)?;
+        Ok(out)
     }
 
     /// The model's link costs: measured at the first call that needs them

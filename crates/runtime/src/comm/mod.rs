@@ -576,7 +576,6 @@ impl Communicator {
             }
         }
         let single_copy = self.single_copy(coll, dt);
-        let picked = self.pick(st, coll, dt)?;
         let params = PlanParams {
             rank: sh.rank,
             ring: sh.ring.clone(),
@@ -591,6 +590,7 @@ impl Communicator {
                             .saturating_mul(dt.size())
                             <= FLAT_ALLGATHER_MAX_BYTES)),
         };
+        let picked = self.pick(st, coll, dt, &params)?;
         let planned = match picked {
             Some(pk) => {
                 let prog = plan::plan_with(coll, dt, &params, pk.choice, &sh.algos.hosts)?;
