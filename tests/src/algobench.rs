@@ -346,8 +346,10 @@ pub fn table(s: &Setup, rows: &[(Cell, Vec<Measured>)]) -> String {
                     .iter()
                     .filter(|b| (b.time_us - forced_best).abs() < 1e-9)
                     .find_map(|b| b.forced.as_deref());
+                // The algorithm without what chose it ("ring (timed)").
+                let algo = pick.split(" (").next().unwrap_or(pick);
                 let same =
-                    best_name.is_some_and(|b| pick == b || pick.starts_with(&format!("{b}(")));
+                    best_name.is_some_and(|b| algo == b || algo.starts_with(&format!("{b}(")));
                 t += &format!(
                     " {} ({pick}) | {:.2}{} | {} |\n",
                     fmt_us(m.time_us),

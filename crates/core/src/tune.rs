@@ -690,6 +690,12 @@ pub const TRIAL_MAX: usize = 3;
 /// never cost more than about this.
 pub const TRIAL_BUDGET_US: f64 = 2e6;
 
+/// The largest collective (bytes, as [`estimate`] counts them) whose
+/// candidates are timed: trials run on scratch buffers as large as the
+/// call's, and at this size and above the estimates are bandwidth terms,
+/// where the model is most reliable.
+pub const TRIAL_MAX_BYTES: usize = 16 << 20;
+
 /// Close candidates to time, from [`trial`].
 #[derive(Clone, Debug, PartialEq)]
 pub struct Trial {
@@ -704,8 +710,12 @@ pub struct Trial {
 /// within [`TRIAL_MARGIN`] of the best one's (at most [`TRIAL_MAX`], the
 /// best first) and 2 to 5 timed runs of each, plus one untimed, fit in
 /// [`TRIAL_BUDGET_US`] by the estimates; `None` when the model's pick
-/// stands alone or timing would cost too much.
+/// stands alone, timing would cost too much or the collective is larger
+/// than [`TRIAL_MAX_BYTES`].
 pub fn trial(costs: &Costs, shape: &Shape, kind: CollKind, bytes: usize) -> Option<Trial> {
+    if bytes > TRIAL_MAX_BYTES {
+        return None;
+    }
     let mut all: Vec<(Choice, f64)> = candidates(kind, shape)
         .into_iter()
         .map(|c| (c, estimate(costs, shape, kind, c, bytes)))
@@ -1074,6 +1084,7 @@ mod tests {
             match trial(&c, &s, kind, b) {
                 Some(t) => {
                     seen_trial = true;
+                    assert!(b <= TRIAL_MAX_BYTES, "{b}: {t:?}");
                     assert!(close >= 2 && cost <= TRIAL_BUDGET_US, "{b}: {t:?}");
                     assert_eq!(t.choices.len(), close, "{b}");
                     assert_eq!(t.choices[0].0, best(&c, &s, kind, b).0, "{b}");
@@ -1086,7 +1097,10 @@ mod tests {
                 }
                 None => {
                     seen_none = true;
-                    assert!(close < 2 || cost > TRIAL_BUDGET_US, "{b}: {close} close");
+                    assert!(
+                        close < 2 || cost > TRIAL_BUDGET_US || b > TRIAL_MAX_BYTES,
+                        "{b}: {close} close"
+                    );
                 }
             }
         }

@@ -71,8 +71,10 @@
 //!   within that window even when no data flows. `abort(reason)` writes the
 //!   reason into the peer's control buffer with an ABORT immediate (the
 //!   peer reports [`CoreError::PeerAborted`] with it); dropping an end sends
-//!   a CLOSE notice ("closed its end"). A receiver still delivers slots that
-//!   arrived before a close.
+//!   a CLOSE notice ("closed its end"), behind the receiver's last credit
+//!   on QP 0. A receiver still delivers slots that arrived before a close,
+//!   and a sender whose messages were all released is drained, not failed,
+//!   when the close arrives in the same poll as the last credit.
 //! - **Direct (single-copy) transfers** are not offered (the trait
 //!   defaults): data is copied into a registered staging slot and written
 //!   by the HCA.

@@ -9,7 +9,7 @@ use braid::{Collective, Communicator, CudaComm, DataType, RedOp};
 use braid_core::plan::{P2p, P2pKind};
 use braid_core::reference::{self, GARBAGE};
 
-use crate::cli::{Average, Bench, Opts, RootSel, Step};
+use crate::cli::{Average, Bench, Opts, RootSel, Step, Timing};
 use crate::format::{self, Meas};
 use crate::report::{JsonMeas, Report, Row};
 
@@ -681,7 +681,7 @@ impl<'a> Runner<'a> {
             o.iters,
             o.agg,
             o.check,
-            if o.alone { 2 } else { u8::from(o.blocking) },
+            o.timing.code(),
             o.average.code(),
             o.average.name(),
             o.cycles,
@@ -697,12 +697,10 @@ impl<'a> Runner<'a> {
             std::env::var(crate::launch::BINDING_ENV)
                 .unwrap_or_else(|_| "by the launcher (each rank's CPUs below)".into())
         );
-        h += if o.alone {
-            "# timing: one synchronising op, then iters x agg ops each alone: an untimed barrier before each op, the op timed by itself (-z 2)\n"
-        } else if o.blocking {
-            "# timing: one synchronising op and a barrier, then iters x agg ops back to back on the calling thread, no barrier inside the timing (-z 1: except a barrier after each iteration)\n"
-        } else {
-            "# timing: one synchronising op and a barrier, then iters x agg ops back to back on the calling thread, no barrier inside the timing\n"
+        h += match o.timing {
+            Timing::Alone => "# timing: one synchronising op, then iters x agg ops each alone: an untimed barrier before each op, the op timed by itself (-z 2)\n",
+            Timing::Blocking => "# timing: one synchronising op and a barrier, then iters x agg ops back to back on the calling thread, no barrier inside the timing (-z 1: except a barrier after each iteration)\n",
+            Timing::Stream => "# timing: one synchronising op and a barrier, then iters x agg ops back to back on the calling thread, no barrier inside the timing\n",
         };
         if o.agg > 1 {
             h += "# agg iters: braid has no collective groups, so the ops of an iteration run one after another\n";
@@ -757,7 +755,7 @@ impl<'a> Runner<'a> {
     /// Time one placement of one size; returns µs per operation.
     fn time(&mut self, case: &Case, shape: &Shape) -> Result<f64, BenchError> {
         let comm = self.comm;
-        let (iters, agg, blocking) = (self.opts.iters, self.opts.agg, self.opts.blocking);
+        let (iters, agg, timing) = (self.opts.iters, self.opts.agg, self.opts.timing);
         let (send, recv) = self.bufs.bytes();
         prepare(comm, case, shape, send, recv);
         let dev = self.dev.as_ref();
@@ -776,7 +774,7 @@ impl<'a> Runner<'a> {
             d.sync()?;
         }
         comm.barrier()?;
-        if self.opts.alone {
+        if timing == Timing::Alone {
             let mut total = 0.0;
             for _ in 0..iters * agg {
                 comm.barrier()?;
@@ -795,7 +793,7 @@ impl<'a> Runner<'a> {
             for _ in 0..agg {
                 run(send, recv)?;
             }
-            if blocking {
+            if timing == Timing::Blocking {
                 if let Some(d) = dev {
                     d.sync()?;
                 }

@@ -133,6 +133,30 @@ pub enum RootSel {
     All,
 }
 
+/// How `-z` times calls.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Timing {
+    /// `-z 0`: back to back, no barrier inside the timing.
+    Stream,
+    /// `-z 1`: a barrier after every iteration, inside the timing.
+    Blocking,
+    /// `-z 2`: every call alone — an untimed barrier before each, the call
+    /// timed by itself (OSU's way: the time one call takes, not the rate
+    /// of calls back to back, where rooted collectives overlap).
+    Alone,
+}
+
+impl Timing {
+    /// The `-z` value.
+    pub fn code(self) -> u8 {
+        match self {
+            Timing::Stream => 0,
+            Timing::Blocking => 1,
+            Timing::Alone => 2,
+        }
+    }
+}
+
 /// `-a`: how the per-rank times combine.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Average {
@@ -185,12 +209,8 @@ pub struct Opts {
     pub dtypes: Vec<DataType>,
     pub ops: Vec<RedOp>,
     pub root: RootSel,
-    /// `-z 1`: a barrier after every iteration, inside the timing.
-    pub blocking: bool,
-    /// `-z 2`: every call alone — an untimed barrier before each, the call
-    /// timed by itself (OSU's way: the time one call takes, not the rate
-    /// of calls back to back, where rooted collectives overlap).
-    pub alone: bool,
+    /// `-z`: how calls are timed.
+    pub timing: Timing,
     pub average: Average,
     /// Seconds (BRAID_TIMEOUT semantics).
     pub timeout: Option<f64>,
@@ -229,8 +249,7 @@ impl Opts {
             dtypes: vec![DataType::F32],
             ops: vec![RedOp::Sum],
             root: RootSel::One(0),
-            blocking: false,
-            alone: false,
+            timing: Timing::Stream,
             average: Average::Avg,
             timeout: None,
             hugepages: false,
@@ -664,10 +683,10 @@ fn parse_bench(bench: Bench, args: &[String]) -> Result<Command, UsageError> {
                 }
             }
             "blocking" => {
-                (o.blocking, o.alone) = match v.trim() {
-                    "0" => (false, false),
-                    "1" => (true, false),
-                    "2" => (false, true),
+                o.timing = match v.trim() {
+                    "0" => Timing::Stream,
+                    "1" => Timing::Blocking,
+                    "2" => Timing::Alone,
                     _ => return usage(format!("{flag} '{v}': expected 0, 1 or 2")),
                 }
             }
@@ -1051,16 +1070,16 @@ mod tests {
         assert_eq!(o.root, RootSel::One(0));
         assert_eq!(o.average, Average::Avg);
         assert_eq!(o.step, Step::Bytes(1 << 20));
-        assert!(!o.blocking);
-        assert!(!o.alone);
+        assert_eq!(o.timing, Timing::Stream);
     }
 
     #[test]
     fn z2_times_every_call_alone() {
         let o = bench(&["broadcast", "-z", "2"]).unwrap();
-        assert!(o.alone && !o.blocking);
+        assert_eq!(o.timing, Timing::Alone);
         let o = bench(&["broadcast", "--blocking=1"]).unwrap();
-        assert!(o.blocking && !o.alone);
+        assert_eq!(o.timing, Timing::Blocking);
+        assert!(bench(&["broadcast", "-z", "3"]).is_err());
     }
 
     #[test]
@@ -1115,7 +1134,7 @@ mod tests {
         assert_eq!(o.dtypes.len(), 10);
         assert_eq!(o.ops.len(), 5);
         assert_eq!(o.root, RootSel::All);
-        assert!(o.blocking);
+        assert_eq!(o.timing, Timing::Blocking);
         assert_eq!(o.average, Average::Max);
         assert_eq!(o.np, Some(3));
         assert_eq!(o.timeout, Some(2.5));

@@ -2,7 +2,9 @@
 //! `BRAID_ALGO` first, then the rules file (`BRAID_TUNING_FILE`), then —
 //! on jobs over several hosts — the cost model of [`braid_core::tune`],
 //! with the network's latency and bandwidth measured at the first call
-//! that needs them (`BRAID_TUNE_MEASURE=0`: per-transport defaults). On one
+//! that needs them, and close candidates timed at the first call of each
+//! collective and size class (`BRAID_TUNE_MEASURE=0`: per-transport
+//! defaults and no timing). On one
 //! host braid keeps its defaults (rings, recursive doubling for small
 //! AllReduce, direct moves), which the model does not improve on there.
 //! The answer is cached with the plan, per collective and datatype.
@@ -609,7 +611,7 @@ impl Communicator {
 
     /// The algorithm this communicator runs (or ran) for `coll` on `dt`,
     /// as `BRAID_ALGO` names it (`ring`, `rd`, `hier(rabenseifner)`, …),
-    /// with what decided it (`forced`, `rule`, `model` or `default`); `None`
+    /// with what decided it (`forced`, `rule`, `model`, `timed` or `default`); `None`
     /// for operations without a choice (AllToAll, groups) or when the
     /// choice would need the network measured first (call the operation
     /// once). Asks no other rank.
