@@ -321,20 +321,7 @@ impl PyComm {
         peer: i64,
         async_op: bool,
     ) -> PyResult<Option<Handle>> {
-        let peer = check_peer(py, "send", peer, self.p(), self.me())?;
-        let v = view(py, buf, "buf", false)?;
-        let ops = vec![P2pOp {
-            send: true,
-            peer,
-            buf: v.raw,
-        }];
-        let prep = Prepared::new(
-            Job::Group {
-                ops,
-                copies: vec![],
-            },
-            vec![v],
-        );
+        let prep = self.prep_p2p(py, true, buf, peer)?;
         self.launch(py, prep, async_op)
     }
 
@@ -347,20 +334,7 @@ impl PyComm {
         peer: i64,
         async_op: bool,
     ) -> PyResult<Option<Handle>> {
-        let peer = check_peer(py, "recv", peer, self.p(), self.me())?;
-        let v = view(py, buf, "buf", true)?;
-        let ops = vec![P2pOp {
-            send: false,
-            peer,
-            buf: v.raw,
-        }];
-        let prep = Prepared::new(
-            Job::Group {
-                ops,
-                copies: vec![],
-            },
-            vec![v],
-        );
+        let prep = self.prep_p2p(py, false, buf, peer)?;
         self.launch(py, prep, async_op)
     }
 

@@ -30,6 +30,12 @@ impl Prepared {
             keep_obj: None,
         }
     }
+
+    /// `coll` in place on `v`.
+    pub(super) fn in_place(coll: Collective, v: View) -> Prepared {
+        let (dt, buf) = (v.dtype, v.raw);
+        Prepared::new(Job::InPlace { coll, dt, buf }, vec![v])
+    }
 }
 
 pub(super) fn view(
@@ -230,14 +236,7 @@ impl PyComm {
             op,
         };
         Ok(match r {
-            None => Prepared::new(
-                Job::InPlace {
-                    coll,
-                    dt: s.dtype,
-                    buf: s.raw,
-                },
-                vec![s],
-            ),
+            None => Prepared::in_place(coll, s),
             Some(r) => {
                 same_dtype(py, "all_reduce", &s, &r)?;
                 if r.count() != s.count() {
@@ -299,6 +298,55 @@ impl PyComm {
         Ok(n / p)
     }
 
+    /// `whole` must hold one block of `block`'s size per rank (the
+    /// AllGather's recvbuf, the ReduceScatter's sendbuf); each is (its
+    /// name, its view).
+    pub(super) fn block_per_rank(
+        &self,
+        py: Python<'_>,
+        op: &str,
+        (bname, block): (&str, &View),
+        (wname, whole): (&str, &View),
+    ) -> PyResult<()> {
+        let p = self.p() as usize;
+        let (b, w) = (block.count(), whole.count());
+        if w != b * p {
+            return Err(invalid(
+                py,
+                format!(
+                    "{op}: {bname} holds {b} elements, so {wname} must hold {} ({p} ranks x {b}), not {w}",
+                    b * p
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// A send of `buf` to `peer` (`send`), or a receive into it, alone.
+    pub(super) fn prep_p2p(
+        &self,
+        py: Python<'_>,
+        send: bool,
+        buf: &Bound<'_, PyAny>,
+        peer: i64,
+    ) -> PyResult<Prepared> {
+        let op = if send { "send" } else { "recv" };
+        let peer = check_peer(py, op, peer, self.p(), self.me())?;
+        let v = view(py, buf, "buf", !send)?;
+        let ops = vec![P2pOp {
+            send,
+            peer,
+            buf: v.raw,
+        }];
+        Ok(Prepared::new(
+            Job::Group {
+                ops,
+                copies: vec![],
+            },
+            vec![v],
+        ))
+    }
+
     pub(super) fn prep_reduce_scatter(
         &self,
         py: Python<'_>,
@@ -311,28 +359,14 @@ impl PyComm {
         match r {
             None => {
                 let recv_count = self.blocks(py, "reduce_scatter", "the buffer", s.count())?;
-                Ok(Prepared::new(
-                    Job::InPlace {
-                        coll: Collective::ReduceScatter { recv_count, op },
-                        dt: s.dtype,
-                        buf: s.raw,
-                    },
-                    vec![s],
+                Ok(Prepared::in_place(
+                    Collective::ReduceScatter { recv_count, op },
+                    s,
                 ))
             }
             Some(r) => {
                 same_dtype(py, "reduce_scatter", &s, &r)?;
-                let p = self.p() as usize;
-                if s.count() != r.count() * p {
-                    return Err(invalid(py, format!(
-                        "reduce_scatter: recvbuf holds {} elements, so sendbuf must hold {} ({} ranks x {}), not {}",
-                        r.count(),
-                        r.count() * p,
-                        p,
-                        r.count(),
-                        s.count()
-                    )));
-                }
+                self.block_per_rank(py, "reduce_scatter", ("recvbuf", &r), ("sendbuf", &s))?;
                 let coll = Collective::ReduceScatter {
                     recv_count: r.count(),
                     op,
@@ -354,28 +388,11 @@ impl PyComm {
         match r {
             None => {
                 let send_count = self.blocks(py, "all_gather", "the buffer", s.count())?;
-                Ok(Prepared::new(
-                    Job::InPlace {
-                        coll: Collective::AllGather { send_count },
-                        dt: s.dtype,
-                        buf: s.raw,
-                    },
-                    vec![s],
-                ))
+                Ok(Prepared::in_place(Collective::AllGather { send_count }, s))
             }
             Some(r) => {
                 same_dtype(py, "all_gather", &s, &r)?;
-                let p = self.p() as usize;
-                if r.count() != s.count() * p {
-                    return Err(invalid(py, format!(
-                        "all_gather: sendbuf holds {} elements, so recvbuf must hold {} ({} ranks x {}), not {}",
-                        s.count(),
-                        s.count() * p,
-                        p,
-                        s.count(),
-                        r.count()
-                    )));
-                }
+                self.block_per_rank(py, "all_gather", ("sendbuf", &s), ("recvbuf", &r))?;
                 let coll = Collective::AllGather {
                     send_count: s.count(),
                 };
@@ -405,16 +422,12 @@ impl PyComm {
                 py,
                 "broadcast: pass the buffer (in place) or a recvbuf",
             )),
-            (Some(s), None) => Ok(Prepared::new(
-                Job::InPlace {
-                    coll: Collective::Broadcast {
-                        count: s.count(),
-                        root,
-                    },
-                    dt: s.dtype,
-                    buf: s.raw,
+            (Some(s), None) => Ok(Prepared::in_place(
+                Collective::Broadcast {
+                    count: s.count(),
+                    root,
                 },
-                vec![s],
+                s,
             )),
             (None, Some(r)) if is_root => {
                 let _ = r;
@@ -478,14 +491,7 @@ impl PyComm {
             root,
         };
         match r {
-            None => Ok(Prepared::new(
-                Job::InPlace {
-                    coll,
-                    dt: s.dtype,
-                    buf: s.raw,
-                },
-                vec![s],
-            )),
+            None => Ok(Prepared::in_place(coll, s)),
             Some(r) => {
                 same_dtype(py, "reduce", &s, &r)?;
                 if is_root && r.count() != s.count() {

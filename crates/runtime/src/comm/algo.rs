@@ -326,30 +326,19 @@ impl Communicator {
         let words = |count: usize| (count.saturating_mul(dt.size())).div_ceil(8);
         let mut send = vec![0u64; words(ns)];
         let mut recv = vec![0u64; words(nr)];
-        let mut scratch: Vec<u64> = Vec::new();
+        let bufs = [
+            RawBuf {
+                ptr: send.as_mut_ptr().cast(),
+                len: ns * dt.size(),
+            },
+            RawBuf {
+                ptr: recv.as_mut_ptr().cast(),
+                len: nr * dt.size(),
+            },
+        ];
         let mut times = Vec::with_capacity(trial.choices.len());
         for (choice, _) in &trial.choices {
             let prog = plan::plan_with(coll, dt, params, *choice, &a.hosts)?;
-            let need = prog.scratch_bytes().div_ceil(8);
-            if scratch.len() < need {
-                scratch.resize(need, 0);
-            }
-            let mut bufs = vec![
-                RawBuf {
-                    ptr: send.as_mut_ptr().cast(),
-                    len: ns * dt.size(),
-                },
-                RawBuf {
-                    ptr: recv.as_mut_ptr().cast(),
-                    len: nr * dt.size(),
-                },
-            ];
-            if need > 0 {
-                bufs.push(RawBuf {
-                    ptr: scratch.as_mut_ptr().cast(),
-                    len: prog.scratch_bytes(),
-                });
-            }
             self.run_internal(st, &prog, &bufs)?;
             let mut best = f64::INFINITY;
             for _ in 0..trial.runs {
@@ -446,10 +435,24 @@ impl Communicator {
         Ok(c)
     }
 
-    /// Run `prog` over `bufs` without operation headers (all ranks run the
-    /// same internal programs at the same point).
+    /// Run `prog` over `bufs` (its send and receive buffers; the plan's
+    /// scratch memory, if it needs any, is added here) without operation
+    /// headers (all ranks run the same internal programs at the same point).
     fn run_internal(&self, st: &mut State, prog: &Program, bufs: &[RawBuf]) -> Result<()> {
         let sh = &*self.shared;
+        let scratch = prog.scratch_bytes();
+        let mut with_scratch = bufs.to_vec();
+        if scratch > 0 {
+            let words = scratch.div_ceil(8);
+            if st.plan_scratch.len() < words {
+                st.plan_scratch.resize(words, 0);
+            }
+            with_scratch.push(RawBuf {
+                ptr: st.plan_scratch.as_mut_ptr().cast(),
+                len: scratch,
+            });
+        }
+        let bufs = &with_scratch[..];
         // Its links (the ring's, connected at creation) on first use, as
         // for any collective.
         let (send, recv) = prog.peers();
@@ -469,8 +472,10 @@ impl Communicator {
             progress: Some(&sh.progress),
         };
         // SAFETY: `bufs` point into live vectors of the caller's, of the
-        // lengths given, that the program's regions fit (it was planned for
-        // them) and that nothing else touches meanwhile.
+        // lengths given, and into `st.plan_scratch` (resized above to the
+        // program's scratch and not touched again during the call); the
+        // program's regions fit them (it was planned for them) and nothing
+        // else touches them meanwhile.
         let res = unsafe { host::execute(prog, &mut st.chans, &ex, &mut st.header_flags) };
         res.map_err(|source| {
             // As a failed collective: the peers hear why, and the
@@ -575,28 +580,8 @@ impl Communicator {
             .into_iter()
             .fold(f64::INFINITY, f64::min);
         // Agree on the slowest link: an AllReduce (maximum) of all three.
-        let mut vals = [lat, big, burst];
-        let mut out = [0f64; 3];
-        let prog = plan::plan(
-            &Collective::AllReduce {
-                count: 3,
-                op: RedOp::Max,
-            },
-            DataType::F64,
-            &params,
-        )?;
-        let bufs = [
-            RawBuf {
-                ptr: vals.as_mut_ptr().cast(),
-                len: 24,
-            },
-            RawBuf {
-                ptr: out.as_mut_ptr().cast(),
-                len: 24,
-            },
-        ];
-        self.run_internal(st, &prog, &bufs)?;
-        let [lat, big, burst] = out;
+        let out = self.agree_max(st, &params, &[lat, big, burst])?;
+        let (lat, big, burst) = (out[0], out[1], out[2]);
         // Each message of the burst is sent by one CPU and received by
         // another, and each rank does both: its time per message covers
         // one send and one receive.
