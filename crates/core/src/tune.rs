@@ -712,7 +712,16 @@ pub struct Trial {
 /// [`TRIAL_BUDGET_US`] by the estimates; `None` when the model's pick
 /// stands alone, timing would cost too much or the collective is larger
 /// than [`TRIAL_MAX_BYTES`].
-pub fn trial(costs: &Costs, shape: &Shape, kind: CollKind, bytes: usize) -> Option<Trial> {
+///
+/// `margin` replaces [`TRIAL_MARGIN`] where a rules file sets one
+/// ([`Rules::trial_margin`]).
+pub fn trial(
+    costs: &Costs,
+    shape: &Shape,
+    kind: CollKind,
+    bytes: usize,
+    margin: Option<f64>,
+) -> Option<Trial> {
     if bytes > TRIAL_MAX_BYTES {
         return None;
     }
@@ -726,7 +735,7 @@ pub fn trial(costs: &Costs, shape: &Shape, kind: CollKind, bytes: usize) -> Opti
     let best = all.first()?.1;
     let choices: Vec<(Choice, f64)> = all
         .into_iter()
-        .take_while(|(_, t)| *t <= best * (1.0 + TRIAL_MARGIN))
+        .take_while(|(_, t)| *t <= best * (1.0 + margin.unwrap_or(TRIAL_MARGIN)))
         .take(TRIAL_MAX)
         .collect();
     if choices.len() < 2 {
@@ -926,6 +935,12 @@ pub struct Rules {
     pub rules: Vec<Rule>,
     #[serde(default)]
     pub links: Option<LinkCosts>,
+    /// How close (a fraction of the best estimate) other candidates must
+    /// be to be timed ([`trial`]; default [`TRIAL_MARGIN`]): 0 times only
+    /// exact ties, a large value times every candidate (at most
+    /// [`TRIAL_MAX`]) wherever the budget allows.
+    #[serde(default)]
+    pub trial_margin: Option<f64>,
     /// Checked rules (filled by [`Rules::parse`]).
     #[serde(skip)]
     checked: Vec<(CollKind, Choice)>,
@@ -937,6 +952,13 @@ impl Rules {
     pub fn parse(text: &str) -> crate::error::Result<Rules> {
         let mut r: Rules = serde_json::from_str(text)
             .map_err(|e| crate::CoreError::InvalidArgument(format!("rules file: {e}")))?;
+        if let Some(m) = r.trial_margin {
+            if !(m.is_finite() && m >= 0.0) {
+                return Err(crate::CoreError::InvalidArgument(format!(
+                    "rules file: trial_margin is {m}; give a fraction of the best estimate, 0 or more (0.3 is the default)"
+                )));
+            }
+        }
         let mut checked = Vec::new();
         for (i, rule) in r.rules.iter().enumerate() {
             let at = |e: crate::CoreError| {
@@ -1047,6 +1069,8 @@ mod tests {
             r#"{ "rules": [ { "collective": "allreduce", "algorithm": "fast" } ] }"#,
             r#"{ "rules": [ { "collective": "allgather", "algorithm": "tree" } ] }"#,
             r#"{ "rules": [ { "collective": "allreduce", "algorithm": "rd", "max_byte": 1 } ] }"#,
+            r#"{ "trial_margin": -0.1 }"#,
+            r#"{ "trial_margin": "wide" }"#,
         ] {
             assert!(Rules::parse(bad).is_err(), "{bad}");
         }
@@ -1081,7 +1105,7 @@ mod tests {
                 .count()
                 .min(TRIAL_MAX);
             let cost: f64 = ts.iter().take(close).map(|(_, t)| 3.0 * t).sum();
-            match trial(&c, &s, kind, b) {
+            match trial(&c, &s, kind, b, None) {
                 Some(t) => {
                     seen_trial = true;
                     assert!(b <= TRIAL_MAX_BYTES, "{b}: {t:?}");
@@ -1105,6 +1129,21 @@ mod tests {
             }
         }
         assert!(seen_trial && seen_none);
+        // A rules file's margin: wide, the clear winner is timed against
+        // the next candidates too; zero, near-ties are left to the model.
+        assert!(trial(&c, &s, kind, 8, None).is_none());
+        let wide = trial(&c, &s, kind, 8, Some(100.0)).expect("timed");
+        assert_eq!(
+            wide.choices.len(),
+            TRIAL_MAX.min(candidates(kind, &s).len())
+        );
+        assert_eq!(wide.choices[0].0, best(&c, &s, kind, 8).0);
+        let narrow = (0..=26).filter_map(|k| trial(&c, &s, kind, 8 << k, Some(0.0)));
+        for t in narrow {
+            assert!(t.choices.iter().all(|x| x.1 == t.choices[0].1), "{t:?}");
+        }
+        let wide: Rules = Rules::parse(r#"{ "trial_margin": 100 }"#).unwrap();
+        assert_eq!(wide.trial_margin, Some(100.0));
         let t = Trial {
             choices: vec![
                 (Choice::of(Algo::Rabenseifner), 1.0),

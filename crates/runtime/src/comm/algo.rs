@@ -64,6 +64,25 @@ pub(super) struct Picked {
     pub(super) estimate_us: f64,
 }
 
+/// What an internal program (one the user did not call) is for.
+#[derive(Clone, Copy)]
+enum Internal {
+    /// Measuring the network, or agreeing values: through slots.
+    Measurement,
+    /// Timing a candidate algorithm, as the call would run it: by
+    /// reference where `single_copy` (its plan was cut for it).
+    Trial { single_copy: bool },
+}
+
+impl Internal {
+    fn name(self) -> &'static str {
+        match self {
+            Internal::Measurement => "tuner measurement",
+            Internal::Trial { .. } => "tuner trial",
+        }
+    }
+}
+
 /// A small stable hash (FNV-1a), to compare settings across ranks.
 fn fnv(bytes: &[u8]) -> u64 {
     bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| {
@@ -317,7 +336,7 @@ impl Communicator {
         {
             return Ok(c);
         }
-        let Some(trial) = tune::trial(costs, &a.shape, kind, bytes) else {
+        let Some(trial) = tune::trial(costs, &a.shape, kind, bytes, a.rules.trial_margin) else {
             st.tune.timed.push((kind, class, None));
             return Ok(None);
         };
@@ -336,15 +355,22 @@ impl Communicator {
                 len: nr * dt.size(),
             },
         ];
+        // Each candidate runs as the call would: by reference where the
+        // call may and the algorithm allows (its plan cuts pieces for that:
+        // `move_piece_bytes`), else through slots.
+        let single_copy = self.single_copy(coll, dt);
         let mut times = Vec::with_capacity(trial.choices.len());
         for (choice, _) in &trial.choices {
             let prog = plan::plan_with(coll, dt, params, *choice, &a.hosts)?;
-            self.run_internal(st, &prog, &bufs)?;
+            let run = Internal::Trial {
+                single_copy: single_copy && choice.single_copy_safe(),
+            };
+            self.run_internal(st, &prog, &bufs, run)?;
             let mut best = f64::INFINITY;
             for _ in 0..trial.runs {
                 self.internal_barrier(st, params)?;
                 let t0 = Instant::now();
-                self.run_internal(st, &prog, &bufs)?;
+                self.run_internal(st, &prog, &bufs, run)?;
                 best = best.min(t0.elapsed().as_secs_f64() * 1e6);
             }
             times.push(best);
@@ -396,7 +422,7 @@ impl Communicator {
                 len: 8 * vals.len(),
             },
         ];
-        self.run_internal(st, &prog, &bufs)?;
+        self.run_internal(st, &prog, &bufs, Internal::Measurement)?;
         Ok(out)
     }
 
@@ -438,7 +464,13 @@ impl Communicator {
     /// Run `prog` over `bufs` (its send and receive buffers; the plan's
     /// scratch memory, if it needs any, is added here) without operation
     /// headers (all ranks run the same internal programs at the same point).
-    fn run_internal(&self, st: &mut State, prog: &Program, bufs: &[RawBuf]) -> Result<()> {
+    fn run_internal(
+        &self,
+        st: &mut State,
+        prog: &Program,
+        bufs: &[RawBuf],
+        run: Internal,
+    ) -> Result<()> {
         let sh = &*self.shared;
         let scratch = prog.scratch_bytes();
         let mut with_scratch = bufs.to_vec();
@@ -458,13 +490,16 @@ impl Communicator {
         let (send, recv) = prog.peers();
         let links = super::connect::LinkSet { send, recv };
         if !links.connected(&st.chans) {
-            self.connect_links(st, &links, "tuner measurement", st.seq)?;
+            self.connect_links(st, &links, run.name(), st.seq)?;
         }
         let ex = Exec {
             bufs,
             policy: &sh.policy,
             abort: &sh.abort,
-            direct_min: usize::MAX,
+            direct_min: match run {
+                Internal::Trial { single_copy: true } => sh.direct_min,
+                _ => usize::MAX,
+            },
             stream_copies: false,
             slot_stores: None,
             rank: sh.rank,
@@ -485,10 +520,10 @@ impl Communicator {
                 other => format!("rank {}: {other}", sh.rank),
             };
             st.chans.abort_all(&origin);
-            st.broken = Some(format!("the tuner's network measurement failed: {source}"));
+            st.broken = Some(format!("the {} failed: {source}", run.name()));
             Error::Operation {
                 rank: sh.rank,
-                op: "tuner measurement".into(),
+                op: run.name().into(),
                 seq: st.seq,
                 source,
             }
@@ -558,7 +593,7 @@ impl Communicator {
                 });
             }
             let t0 = Instant::now();
-            this.run_internal(st, &prog, &bufs)?;
+            this.run_internal(st, &prog, &bufs, Internal::Measurement)?;
             Ok(t0.elapsed().as_secs_f64() * 1e6)
         };
         let median = |mut v: Vec<f64>| {
