@@ -34,6 +34,19 @@ fn matrix(
     sizes: &[&str],
     env: &[(&str, &str)],
 ) -> Vec<(Option<i32>, String)> {
+    suite(h, placement, "quick-matrix", sizes, env)
+}
+
+/// Runs `braid-testrank`'s suite `name` with `args` on ranks placed on
+/// `hosts` (`None`: this host), with `env`; returns each rank's exit code
+/// and output.
+fn suite(
+    h: Option<&Hosts>,
+    placement: &[usize],
+    name: &str,
+    args: &[&str],
+    env: &[(&str, &str)],
+) -> Vec<(Option<i32>, String)> {
     let ip = h.map_or(IpAddr::V4(Ipv4Addr::LOCALHOST), |h| h.root_addr());
     let (id, _root) = root_at(ip);
     let n = placement.len();
@@ -46,11 +59,11 @@ fn matrix(
                 Some(h) => h.command(host, exe),
                 None => Command::new(exe),
             };
-            c.arg("quick-matrix")
+            c.arg(name)
                 .arg(id.to_string())
                 .arg(r.to_string())
                 .arg(n.to_string())
-                .args(sizes)
+                .args(args)
                 .env("BRAID_TIMEOUT", "60")
                 .env_remove("BRAID_HOST_ID")
                 .env_remove("BRAID_TRANSPORT")
@@ -354,4 +367,42 @@ fn emulated_hosts_the_tuner_picks_a_log_step_algorithm_when_latency_bound() {
         );
     }
     let _ = std::fs::remove_dir_all(&s.workdir);
+}
+
+/// Ranks on three emulated hosts that call different collectives, counts
+/// or roots (`braid-testrank mismatch`) get the error that says what each
+/// side called, also where the tuner runs programs of its own for the call
+/// (its trials, timing every candidate with a wide margin): those carry the
+/// call's headers. Before, the trials ran apart until a wrong piece ('sent
+/// a piece of 432 bytes where 8 were expected') or the deadline.
+#[test]
+fn mismatched_calls_across_hosts_are_errors_naming_both_sides() {
+    let _g = serial();
+    let Some(h) = hosts(3) else { return };
+    let dir = std::env::temp_dir().join(format!("braid-mismatch-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let rules = dir.join("wide.json");
+    std::fs::write(&rules, r#"{ "trial_margin": 100 }"#).unwrap();
+    let wide = [("BRAID_TUNING_FILE", rules.to_str().unwrap())];
+    for env in [&wide[..], &[]] {
+        for (variant, want) in [
+            ("0", "AllGather(count=100"),
+            ("1", "count=102"),
+            // Two roots that only send can both finish: the next call
+            // finds the mismatch (as on one host).
+            ("2", "float, root="),
+            ("3", "called Barrier #0"),
+        ] {
+            let res = suite(Some(&h), &[0, 1, 2], "mismatch", &[variant], env);
+            for (r, (code, out)) in res.iter().enumerate() {
+                println!("{env:?} variant {variant} rank {r}: {out}");
+                assert_eq!(*code, Some(3), "variant {variant} rank {r}: {out}");
+                assert!(
+                    out.contains(want) && out.contains(" where rank "),
+                    "{env:?} variant {variant} rank {r}: {out}"
+                );
+            }
+        }
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -43,6 +43,22 @@ pub(super) struct TuneState {
     /// Timing trials' answers by collective and size class (`None`: the
     /// model's pick stands).
     timed: Vec<(CollKind, u32, Option<Choice>)>,
+    /// The call being chosen for while the tuner runs programs of its own
+    /// (measurement, trials).
+    call: Option<TunedCall>,
+}
+
+/// A user's call for which the tuner runs programs of its own.
+#[derive(Debug)]
+struct TunedCall {
+    name: &'static str,
+    seq: u64,
+    /// The call's operation headers (with mismatch checks on), which
+    /// every such program sends and checks: ranks that reached different
+    /// calls learn it at once, each told what the other called, as the
+    /// call's own program would tell them (instead of the tuner's
+    /// programs running apart until a wrong piece or the deadline).
+    headers: Option<Headers>,
 }
 
 /// The network as the tuner measured it (see `measure_network`).
@@ -67,10 +83,10 @@ pub(super) struct Picked {
 /// What an internal program (one the user did not call) is for.
 #[derive(Clone, Copy)]
 enum Internal {
-    /// Measuring the network, or agreeing values: through slots.
+    /// Measuring the network: through slots.
     Measurement,
-    /// Timing a candidate algorithm, as the call would run it: by
-    /// reference where `single_copy` (its plan was cut for it).
+    /// Timing candidate algorithms: a candidate as the call would run it,
+    /// by reference where `single_copy` (its plan was cut for it).
     Trial { single_copy: bool },
 }
 
@@ -82,6 +98,9 @@ impl Internal {
         }
     }
 }
+
+/// The trials' own programs (barriers, agreeing on times): through slots.
+const TRIAL_SLOTS: Internal = Internal::Trial { single_copy: false };
 
 /// A small stable hash (FNV-1a), to compare settings across ranks.
 fn fnv(bytes: &[u8]) -> u64 {
@@ -235,8 +254,33 @@ pub(super) fn default_choice(coll: &Collective, dt: DataType, params: &PlanParam
 
 impl Communicator {
     /// The algorithm for `coll` (of a kind the tuner chooses for), or
-    /// `None` for braid's defaults (`plan::plan`).
+    /// `None` for braid's defaults (`plan::plan`). `call`: the number of
+    /// the user's call this is for (`None` while the communicator is
+    /// created).
     pub(super) fn pick(
+        &self,
+        st: &mut State,
+        coll: &Collective,
+        dt: DataType,
+        params: &PlanParams,
+        call: Option<u64>,
+    ) -> Result<Option<Picked>> {
+        let sh = &*self.shared;
+        st.tune.call = call.map(|seq| TunedCall {
+            name: coll.name(),
+            seq,
+            headers: sh.check_headers.then(|| {
+                let mut h = Headers::default();
+                h.fill_collective(coll, dt, st.coll_seq, sh.nranks);
+                h
+            }),
+        });
+        let picked = self.choose(st, coll, dt, params);
+        st.tune.call = None;
+        picked
+    }
+
+    fn choose(
         &self,
         st: &mut State,
         coll: &Collective,
@@ -368,14 +412,14 @@ impl Communicator {
             self.run_internal(st, &prog, &bufs, run)?;
             let mut best = f64::INFINITY;
             for _ in 0..trial.runs {
-                self.internal_barrier(st, params)?;
+                self.internal_barrier(st, params, TRIAL_SLOTS)?;
                 let t0 = Instant::now();
                 self.run_internal(st, &prog, &bufs, run)?;
                 best = best.min(t0.elapsed().as_secs_f64() * 1e6);
             }
             times.push(best);
         }
-        let times = self.agree_max(st, params, &times)?;
+        let times = self.agree_max(st, params, &times, TRIAL_SLOTS)?;
         let pick = tune::timed_pick(&trial, &times);
         if sh.rank == 0 {
             let each: Vec<String> = trial
@@ -396,12 +440,18 @@ impl Communicator {
     }
 
     /// A barrier among all ranks over the data links (an 8-byte AllReduce).
-    fn internal_barrier(&self, st: &mut State, params: &PlanParams) -> Result<()> {
-        self.agree_max(st, params, &[0.0]).map(|_| ())
+    fn internal_barrier(&self, st: &mut State, params: &PlanParams, run: Internal) -> Result<()> {
+        self.agree_max(st, params, &[0.0], run).map(|_| ())
     }
 
     /// The element-wise maximum of `vals` over all ranks.
-    fn agree_max(&self, st: &mut State, params: &PlanParams, vals: &[f64]) -> Result<Vec<f64>> {
+    fn agree_max(
+        &self,
+        st: &mut State,
+        params: &PlanParams,
+        vals: &[f64],
+        run: Internal,
+    ) -> Result<Vec<f64>> {
         let mut inp = vals.to_vec();
         let mut out = vec![0f64; vals.len()];
         let prog = plan::plan(
@@ -422,7 +472,7 @@ impl Communicator {
                 len: 8 * vals.len(),
             },
         ];
-        self.run_internal(st, &prog, &bufs, Internal::Measurement)?;
+        self.run_internal(st, &prog, &bufs, run)?;
         Ok(out)
     }
 
@@ -487,11 +537,19 @@ impl Communicator {
         let bufs = &with_scratch[..];
         // Its links (the ring's, connected at creation) on first use, as
         // for any collective.
+        // What a failure is reported as: the user's call, as if its own
+        // program had failed (the log says it was the tuner's), else the
+        // tuner's program.
+        let (op, seq) = match &st.tune.call {
+            Some(c) => (c.name, c.seq),
+            None => (run.name(), st.seq),
+        };
         let (send, recv) = prog.peers();
         let links = super::connect::LinkSet { send, recv };
         if !links.connected(&st.chans) {
-            self.connect_links(st, &links, run.name(), st.seq)?;
+            self.connect_links(st, &links, run.name(), seq)?;
         }
+        let headers = st.tune.call.as_ref().and_then(|c| c.headers.clone());
         let ex = Exec {
             bufs,
             policy: &sh.policy,
@@ -503,7 +561,7 @@ impl Communicator {
             stream_copies: false,
             slot_stores: None,
             rank: sh.rank,
-            headers: None,
+            headers: headers.as_ref(),
             progress: Some(&sh.progress),
         };
         // SAFETY: `bufs` point into live vectors of the caller's, of the
@@ -520,11 +578,13 @@ impl Communicator {
                 other => format!("rank {}: {other}", sh.rank),
             };
             st.chans.abort_all(&origin);
-            st.broken = Some(format!("the {} failed: {source}", run.name()));
+            let msg = format!("{op} #{seq} failed: {source}");
+            tracing::error!(rank = sh.rank, "{msg} (in the {})", run.name());
+            st.broken = Some(msg);
             Error::Operation {
                 rank: sh.rank,
-                op: run.name().into(),
-                seq: st.seq,
+                op: op.to_string(),
+                seq,
                 source,
             }
         })
@@ -615,7 +675,7 @@ impl Communicator {
             .into_iter()
             .fold(f64::INFINITY, f64::min);
         // Agree on the slowest link: an AllReduce (maximum) of all three.
-        let out = self.agree_max(st, &params, &[lat, big, burst])?;
+        let out = self.agree_max(st, &params, &[lat, big, burst], Internal::Measurement)?;
         let (lat, big, burst) = (out[0], out[1], out[2]);
         // Each message of the burst is sent by one CPU and received by
         // another, and each rank does both: its time per message covers

@@ -369,7 +369,7 @@ impl Communicator {
                     ),
                     (Collective::Barrier, DataType::U8),
                 ] {
-                    let planned = self.program(&mut st, &coll, dt)?;
+                    let planned = self.program(&mut st, &coll, dt, None)?;
                     need.merge(&planned.links);
                 }
                 need

@@ -410,7 +410,7 @@ impl Communicator {
         st.seq += 1;
         let name = coll.name();
         let _span = info_span!("op", op = name, seq, rank = sh.rank).entered();
-        let planned = self.program(&mut st, &coll, dt)?;
+        let planned = self.program(&mut st, &coll, dt, Some(seq))?;
         if !planned.links.connected(&st.chans) {
             self.connect_links(&mut st, &planned.links, name, seq)?;
         }
@@ -559,7 +559,15 @@ impl Communicator {
         largest.saturating_mul(dt.size()) >= self.shared.single_copy_min
     }
 
-    fn program(&self, st: &mut State, coll: &Collective, dt: DataType) -> Result<Planned> {
+    /// The plan of `coll` (cached); `call`: the number of the user's call
+    /// it is for (`None` at creation).
+    fn program(
+        &self,
+        st: &mut State,
+        coll: &Collective,
+        dt: DataType,
+        call: Option<u64>,
+    ) -> Result<Planned> {
         let sh = &*self.shared;
         let cacheable = !matches!(coll, Collective::Group(_));
         if cacheable {
@@ -590,7 +598,7 @@ impl Communicator {
                             .saturating_mul(dt.size())
                             <= FLAT_ALLGATHER_MAX_BYTES)),
         };
-        let picked = self.pick(st, coll, dt, &params)?;
+        let picked = self.pick(st, coll, dt, &params, call)?;
         let planned = match picked {
             Some(pk) => {
                 let prog = plan::plan_with(coll, dt, &params, pk.choice, &sh.algos.hosts)?;
