@@ -258,7 +258,8 @@ fn across_emulated_hosts() {
 /// by a latency or two, far inside the trial margin): the tuner times them
 /// at the first call of each size, and every rank runs the same pick; the
 /// matrix checks every collective's results against the reference with
-/// whatever was picked.
+/// whatever was picked. With the rules file's `trial_margin` at 0 nothing
+/// is timed.
 #[test]
 fn the_tuner_times_close_candidates_alike_on_every_rank() {
     let _g = serial();
@@ -266,35 +267,36 @@ fn the_tuner_times_close_candidates_alike_on_every_rank() {
     let dir = std::env::temp_dir().join(format!("braid-trials-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let rules = dir.join("links.json");
-    std::fs::write(
-        &rules,
-        r#"{ "links": { "net": { "latency_us": 1, "gbps": 1, "overhead_us": 0.1 } } }"#,
-    )
-    .unwrap();
     let sizes = ["65539", "300000"];
-    let res = matrix(
-        Some(&h),
-        &[0, 1],
-        &sizes,
-        &[
-            ("BRAID_DEBUG", "INFO"),
-            ("BRAID_TUNING_FILE", rules.to_str().unwrap()),
-        ],
-    );
+    let links = r#""links": { "net": { "latency_us": 1, "gbps": 1, "overhead_us": 0.1 } }"#;
+    // The default margin times the close candidates; a margin of 0 times
+    // nothing, leaving the model's pick.
+    for (margin, source) in [("", "by timed"), (r#", "trial_margin": 0"#, "by model")] {
+        std::fs::write(&rules, format!("{{ {links}{margin} }}")).unwrap();
+        let res = matrix(
+            Some(&h),
+            &[0, 1],
+            &sizes,
+            &[
+                ("BRAID_DEBUG", "INFO"),
+                ("BRAID_TUNING_FILE", rules.to_str().unwrap()),
+            ],
+        );
+        assert_all_ok("tuner, 2 hosts x 1", &res);
+        let lines = |r: usize| -> Vec<String> {
+            let head = format!("rank {r} allreduce");
+            res[r]
+                .1
+                .lines()
+                .filter_map(|l| l.strip_prefix(&head).map(str::to_string))
+                .collect()
+        };
+        let (p0, p1) = (lines(0), lines(1));
+        assert_eq!(p0.len(), sizes.len(), "{p0:?}");
+        assert_eq!(p0, p1, "the ranks run different algorithms");
+        assert!(p0.iter().all(|l| l.ends_with(source)), "{margin}: {p0:?}");
+    }
     std::fs::remove_dir_all(&dir).unwrap();
-    assert_all_ok("tuner, 2 hosts x 1", &res);
-    let lines = |r: usize| -> Vec<String> {
-        let head = format!("rank {r} allreduce");
-        res[r]
-            .1
-            .lines()
-            .filter_map(|l| l.strip_prefix(&head).map(str::to_string))
-            .collect()
-    };
-    let (p0, p1) = (lines(0), lines(1));
-    assert_eq!(p0.len(), sizes.len(), "{p0:?}");
-    assert_eq!(p0, p1, "the ranks run different algorithms");
-    assert!(p0.iter().all(|l| l.ends_with("by timed")), "{p0:?}");
 }
 
 /// The emulated-host measurement in small (the full table is
