@@ -259,7 +259,8 @@ fn across_emulated_hosts() {
 /// at the first call of each size, and every rank runs the same pick; the
 /// matrix checks every collective's results against the reference with
 /// whatever was picked. With the rules file's `trial_margin` at 0 nothing
-/// is timed.
+/// is timed, nor where the first runs of the candidates overrun its
+/// `trial_budget_ms`.
 #[test]
 fn the_tuner_times_close_candidates_alike_on_every_rank() {
     let _g = serial();
@@ -296,6 +297,32 @@ fn the_tuner_times_close_candidates_alike_on_every_rank() {
         assert_eq!(p0, p1, "the ranks run different algorithms");
         assert!(p0.iter().all(|l| l.ends_with(source)), "{margin}: {p0:?}");
     }
+    // A budget that the estimates of one-element AllReduces on links said
+    // to be nearly free fit by far, but that the real first runs (over
+    // sockets: tens of µs at least) do not: the model's pick stands.
+    let fast = r#"{ "links": { "net": { "latency_us": 0.001, "gbps": 100000, "overhead_us": 0 } },
+                    "trial_margin": 100, "trial_budget_ms": 0.005 }"#;
+    let file = braid_core::tune::Rules::parse(fast).unwrap();
+    let mut costs = braid_core::tune::Costs::defaults(braid_core::transport::TransportKind::Socket);
+    costs.net = file.links.and_then(|l| l.net).unwrap();
+    let shape = braid_core::tune::Shape::uniform(2, 1, 1 << 19);
+    let kind = braid_core::plan::CollKind::AllReduce;
+    let planned = braid_core::tune::trial(&costs, &shape, kind, 4, file.trial_limits());
+    assert!(planned.is_some(), "the estimates must allow a trial");
+    std::fs::write(&rules, fast).unwrap();
+    let res = matrix(
+        Some(&h),
+        &[0, 1],
+        &["1"],
+        &[
+            ("BRAID_DEBUG", "INFO"),
+            ("BRAID_TUNING_FILE", rules.to_str().unwrap()),
+        ],
+    );
+    assert_all_ok("tuner, trial budget, 2 hosts x 1", &res);
+    let p = picks(&res[0].1);
+    assert_eq!(p.len(), 1, "{p:?}");
+    assert!(p[0].ends_with("by model"), "{p:?}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
 

@@ -24,7 +24,8 @@ mod trial;
 
 pub use settings::{parse_choice, Forced, LinkCosts, Rule, Rules};
 pub use trial::{
-    size_class, timed_pick, trial, Trial, TRIAL_BUDGET_US, TRIAL_MARGIN, TRIAL_MAX, TRIAL_MAX_BYTES,
+    runs_within, size_class, timed_pick, trial, Trial, TrialLimits, TRIAL_BUDGET_US, TRIAL_MARGIN,
+    TRIAL_MAX, TRIAL_MAX_BYTES,
 };
 
 /// What the model knows of the links and CPUs.

@@ -140,6 +140,11 @@ pub struct Rules {
     /// wherever the budget allows.
     #[serde(default)]
     pub trial_margin: Option<f64>,
+    /// The most time the trials of one collective and size class may take,
+    /// ms (default [`TRIAL_BUDGET_US`](super::TRIAL_BUDGET_US) / 1000):
+    /// where latency matters from the first call, a small budget.
+    #[serde(default)]
+    pub trial_budget_ms: Option<f64>,
     /// Checked rules (filled by [`Rules::parse`]).
     #[serde(skip)]
     checked: Vec<(CollKind, Choice)>,
@@ -158,6 +163,13 @@ impl Rules {
                 )));
             }
         }
+        if let Some(b) = r.trial_budget_ms {
+            if !(b.is_finite() && b >= 0.0) {
+                return Err(crate::CoreError::InvalidArgument(format!(
+                    "rules file: trial_budget_ms is {b}; give milliseconds, 0 or more (2000 is the default)"
+                )));
+            }
+        }
         let mut checked = Vec::new();
         for (i, rule) in r.rules.iter().enumerate() {
             let at = |e: crate::CoreError| {
@@ -170,6 +182,15 @@ impl Rules {
         }
         r.checked = checked;
         Ok(r)
+    }
+
+    /// The trials' margin and budget: the file's, else the defaults.
+    pub fn trial_limits(&self) -> super::TrialLimits {
+        let d = super::TrialLimits::default();
+        super::TrialLimits {
+            margin: self.trial_margin.unwrap_or(d.margin),
+            budget_us: self.trial_budget_ms.map_or(d.budget_us, |ms| ms * 1e3),
+        }
     }
 
     /// The first rule for `kind` that matches, with its index.
@@ -262,8 +283,15 @@ mod tests {
             r.links.and_then(|l| l.net).map(|n| n.latency_us),
             Some(500.0)
         );
-        let wide = Rules::parse(r#"{ "trial_margin": 100 }"#).unwrap();
-        assert_eq!(wide.trial_margin, Some(100.0));
+        let wide = Rules::parse(r#"{ "trial_margin": 100, "trial_budget_ms": 5 }"#).unwrap();
+        assert_eq!(
+            wide.trial_limits(),
+            super::super::TrialLimits {
+                margin: 100.0,
+                budget_us: 5000.0
+            }
+        );
+        assert_eq!(r.trial_limits(), super::super::TrialLimits::default());
         for bad in [
             "{",
             r#"{ "rulez": [] }"#,
@@ -272,6 +300,7 @@ mod tests {
             r#"{ "rules": [ { "collective": "allreduce", "algorithm": "rd", "max_byte": 1 } ] }"#,
             r#"{ "trial_margin": -0.1 }"#,
             r#"{ "trial_margin": "wide" }"#,
+            r#"{ "trial_budget_ms": -1 }"#,
         ] {
             assert!(Rules::parse(bad).is_err(), "{bad}");
         }

@@ -28,6 +28,29 @@ pub const TRIAL_BUDGET_US: f64 = 2e6;
 /// where the model is most reliable.
 pub const TRIAL_MAX_BYTES: usize = 16 << 20;
 
+/// How much timing the tuner may do: [`TRIAL_MARGIN`] and
+/// [`TRIAL_BUDGET_US`] unless a rules file sets them
+/// ([`Rules::trial_limits`](super::Rules::trial_limits)).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct TrialLimits {
+    /// Candidates within this fraction of the best estimate are timed; 0:
+    /// none (not even ties).
+    pub margin: f64,
+    /// The most time the trials of one call shape may take, µs: by the
+    /// estimates when [`trial`] plans them, and by the first (untimed)
+    /// runs when the runtime has made them ([`runs_within`]).
+    pub budget_us: f64,
+}
+
+impl Default for TrialLimits {
+    fn default() -> Self {
+        TrialLimits {
+            margin: TRIAL_MARGIN,
+            budget_us: TRIAL_BUDGET_US,
+        }
+    }
+}
+
 /// Close candidates to time, from [`trial`].
 #[derive(Clone, Debug, PartialEq)]
 pub struct Trial {
@@ -39,22 +62,19 @@ pub struct Trial {
 
 /// Whether the model's pick for `kind` of `bytes` on `shape` should be
 /// checked by timing: `Some` when another candidate's estimate lies
-/// within [`TRIAL_MARGIN`] of the best one's (at most [`TRIAL_MAX`], the
-/// best first) and 2 to 5 timed runs of each, plus one untimed, fit in
-/// [`TRIAL_BUDGET_US`] by the estimates; `None` when the model's pick
-/// stands alone, timing would cost too much or the collective is larger
-/// than [`TRIAL_MAX_BYTES`].
-///
-/// `margin` replaces [`TRIAL_MARGIN`] where a rules file sets one
-/// ([`Rules::trial_margin`](super::Rules::trial_margin)); 0 means no trials (not even of ties).
+/// within the margin of the best one's (at most [`TRIAL_MAX`], the best
+/// first) and 2 to 5 timed runs of each, plus one untimed, fit in the
+/// budget by the estimates; `None` when the model's pick stands alone,
+/// timing would cost too much, the margin is 0 or the collective is
+/// larger than [`TRIAL_MAX_BYTES`].
 pub fn trial(
     costs: &Costs,
     shape: &Shape,
     kind: CollKind,
     bytes: usize,
-    margin: Option<f64>,
+    limits: TrialLimits,
 ) -> Option<Trial> {
-    let margin = margin.unwrap_or(TRIAL_MARGIN);
+    let margin = limits.margin;
     if bytes > TRIAL_MAX_BYTES || margin <= 0.0 {
         return None;
     }
@@ -77,8 +97,23 @@ pub fn trial(
     let total: f64 = choices.iter().map(|(_, t)| t).sum();
     let runs = (2..=5usize)
         .rev()
-        .find(|&r| total * (r + 1) as f64 <= TRIAL_BUDGET_US)?;
+        .find(|&r| total * (r + 1) as f64 <= limits.budget_us)?;
     Some(Trial { choices, runs })
+}
+
+/// How many of a [`Trial`]'s timed runs still fit the budget, now that
+/// the first (untimed) run of every candidate took `first_us` in all
+/// (the ranks' agreed maximum, so every rank gets the same answer): at
+/// most `trial.runs`; 0 when not even one more run of each fits, and the
+/// model's pick should stand. The estimates can be far off — on loaded
+/// machines a 1-byte AllReduce estimated at 47 µs took 2.6 ms — and the
+/// budget is a promise about real time.
+pub fn runs_within(trial: &Trial, first_us: f64, limits: TrialLimits) -> usize {
+    let spent = first_us.max(0.0);
+    (1..=trial.runs)
+        .rev()
+        .find(|&r| spent * (r + 1) as f64 <= limits.budget_us)
+        .unwrap_or(0)
 }
 
 /// The choice with the shortest measured time of a [`Trial`] (`times` in
@@ -135,7 +170,7 @@ mod tests {
                 .count()
                 .min(TRIAL_MAX);
             let cost: f64 = ts.iter().take(close).map(|(_, t)| 3.0 * t).sum();
-            match trial(&c, &s, kind, b, None) {
+            match trial(&c, &s, kind, b, TrialLimits::default()) {
                 Some(t) => {
                     seen_trial = true;
                     assert!(b <= TRIAL_MAX_BYTES, "{b}: {t:?}");
@@ -161,14 +196,41 @@ mod tests {
         assert!(seen_trial && seen_none);
         // A rules file's margin: wide, the clear winner is timed against
         // the next candidates too; zero, near-ties are left to the model.
-        assert!(trial(&c, &s, kind, 8, None).is_none());
-        let wide = trial(&c, &s, kind, 8, Some(100.0)).expect("timed");
+        let margin = |m: f64| TrialLimits {
+            margin: m,
+            ..TrialLimits::default()
+        };
+        assert!(trial(&c, &s, kind, 8, TrialLimits::default()).is_none());
+        let wide = trial(&c, &s, kind, 8, margin(100.0)).expect("timed");
         assert_eq!(
             wide.choices.len(),
             TRIAL_MAX.min(candidates(kind, &s).len())
         );
         assert_eq!(wide.choices[0].0, best(&c, &s, kind, 8).0);
-        assert!((0..=26).all(|k| trial(&c, &s, kind, 8 << k, Some(0.0)).is_none()));
+        assert!((0..=26).all(|k| trial(&c, &s, kind, 8 << k, margin(0.0)).is_none()));
+        // The budget, by the estimates and then by the first runs.
+        let tight = TrialLimits {
+            budget_us: wide.choices.iter().map(|x| x.1).sum::<f64>() * 3.5,
+            margin: 100.0,
+        };
+        let t = trial(&c, &s, kind, 8, tight).expect("two runs fit");
+        assert_eq!(t.runs, 2, "{t:?}");
+        assert!(trial(
+            &c,
+            &s,
+            kind,
+            8,
+            TrialLimits {
+                budget_us: 0.0,
+                ..tight
+            }
+        )
+        .is_none());
+        let first = tight.budget_us / 3.0;
+        assert_eq!(runs_within(&t, first, tight), 2);
+        assert_eq!(runs_within(&t, first * 1.2, tight), 1);
+        assert_eq!(runs_within(&t, tight.budget_us, tight), 0);
+        assert_eq!(runs_within(&t, 0.0, tight), 2);
         let t = Trial {
             choices: vec![
                 (Choice::of(Algo::Rabenseifner), 1.0),

@@ -351,11 +351,13 @@ impl Communicator {
 
     /// The model's pick checked by timing, where close candidates make its
     /// error matter (`tune::trial`): each candidate runs `coll` once on
-    /// scratch buffers (connecting its links), then `runs` times after a
-    /// barrier; the ranks agree on each one's slowest time and take the
-    /// fastest. Answers once per collective kind and size class (the
-    /// bit length of its bytes). `None`: no trial (measuring is off, a
-    /// clear winner, or too costly to time).
+    /// scratch buffers (connecting its links); as many timed runs of each
+    /// as still fit the budget by the agreed time of those first runs
+    /// (`tune::runs_within`) follow, each after a barrier; the ranks agree
+    /// on each one's slowest time and take the fastest. Answers once per
+    /// collective kind and size class (the bit length of its bytes).
+    /// `None`: no trial (measuring is off, a clear winner, or too costly
+    /// to time by the estimates or by the first runs).
     fn timed(
         &self,
         st: &mut State,
@@ -380,7 +382,8 @@ impl Communicator {
         {
             return Ok(c);
         }
-        let Some(trial) = tune::trial(costs, &a.shape, kind, bytes, a.rules.trial_margin) else {
+        let limits = a.rules.trial_limits();
+        let Some(trial) = tune::trial(costs, &a.shape, kind, bytes, limits) else {
             st.tune.timed.push((kind, class, None));
             return Ok(None);
         };
@@ -403,18 +406,42 @@ impl Communicator {
         // call may and the algorithm allows (its plan cuts pieces for that:
         // `move_piece_bytes`), else through slots.
         let single_copy = self.single_copy(coll, dt);
-        let mut times = Vec::with_capacity(trial.choices.len());
+        // A first run of each connects its links; its time (agreed on)
+        // holds the rest to the budget in real time, whatever the
+        // estimates said.
+        let mut progs = Vec::with_capacity(trial.choices.len());
+        let t0 = Instant::now();
         for (choice, _) in &trial.choices {
             let prog = plan::plan_with(coll, dt, params, *choice, &a.hosts)?;
             let run = Internal::Trial {
                 single_copy: single_copy && choice.single_copy_safe(),
             };
             self.run_internal(st, &prog, &bufs, run)?;
+            progs.push((prog, run));
+        }
+        let first_us = t0.elapsed().as_secs_f64() * 1e6;
+        let first_us = self.agree_max(st, params, &[first_us], TRIAL_SLOTS)?[0];
+        let runs = tune::runs_within(&trial, first_us, limits);
+        if runs == 0 {
+            if sh.rank == 0 {
+                info!(
+                    op = coll.name(),
+                    bytes,
+                    "braid: tuner: the first runs of the close candidates took {:.1} ms, too long for the trials' budget of {:.3} ms; the model's pick stands",
+                    first_us / 1e3,
+                    limits.budget_us / 1e3
+                );
+            }
+            st.tune.timed.push((kind, class, None));
+            return Ok(None);
+        }
+        let mut times = Vec::with_capacity(progs.len());
+        for (prog, run) in &progs {
             let mut best = f64::INFINITY;
-            for _ in 0..trial.runs {
+            for _ in 0..runs {
                 self.internal_barrier(st, params, TRIAL_SLOTS)?;
                 let t0 = Instant::now();
-                self.run_internal(st, &prog, &bufs, run)?;
+                self.run_internal(st, prog, &bufs, *run)?;
                 best = best.min(t0.elapsed().as_secs_f64() * 1e6);
             }
             times.push(best);
