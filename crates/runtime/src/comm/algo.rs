@@ -539,8 +539,10 @@ impl Communicator {
     }
 
     /// Run `prog` over `bufs` (its send and receive buffers; the plan's
-    /// scratch memory, if it needs any, is added here) without operation
-    /// headers (all ranks run the same internal programs at the same point).
+    /// scratch memory, if it needs any, is added here): a program of the
+    /// tuner's, which all ranks run at the same point. It carries the
+    /// operation headers of the user's call it runs for, if any
+    /// ([`TunedCall`]); none at creation.
     fn run_internal(
         &self,
         st: &mut State,
@@ -562,8 +564,6 @@ impl Communicator {
             });
         }
         let bufs = &with_scratch[..];
-        // Its links (the ring's, connected at creation) on first use, as
-        // for any collective.
         // What a failure is reported as: the user's call, as if its own
         // program had failed (the log says it was the tuner's), else the
         // tuner's program.
@@ -571,6 +571,8 @@ impl Communicator {
             Some(c) => (c.name, c.seq),
             None => (run.name(), st.seq),
         };
+        // Its links (the ring's, connected at creation) on first use, as
+        // for any collective.
         let (send, recv) = prog.peers();
         let links = super::connect::LinkSet { send, recv };
         if !links.connected(&st.chans) {
