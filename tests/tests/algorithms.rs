@@ -26,6 +26,40 @@ fn root_at(ip: IpAddr) -> (UniqueId, RootServer) {
     Communicator::unique_id(SocketAddr::new(ip, 0)).expect("root")
 }
 
+/// A rules file (`BRAID_TUNING_FILE`) in a directory of this test
+/// process's own, removed when dropped.
+struct RulesFile {
+    dir: std::path::PathBuf,
+    file: std::path::PathBuf,
+}
+
+impl RulesFile {
+    fn new(tag: &str, text: &str) -> RulesFile {
+        let dir = std::env::temp_dir().join(format!("braid-{tag}-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let r = RulesFile {
+            file: dir.join("rules.json"),
+            dir,
+        };
+        r.write(text);
+        r
+    }
+
+    fn write(&self, text: &str) {
+        std::fs::write(&self.file, text).unwrap();
+    }
+
+    fn path(&self) -> &str {
+        self.file.to_str().unwrap()
+    }
+}
+
+impl Drop for RulesFile {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
 /// Runs `matrix` over `sizes` on ranks placed on `hosts` (`None`: this
 /// host), with `env`; returns each rank's exit code and output.
 fn matrix(
@@ -140,16 +174,12 @@ fn forcing_per_collective_rules_and_bad_settings() {
         picks(&res[0].1),
         vec!["rank 0 allreduce 5 f32: hier(rd) by forced"]
     );
-    let dir = std::env::temp_dir().join(format!("braid-rules-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let rules = dir.join("rules.json");
-    std::fs::write(
-        &rules,
+    let rules = RulesFile::new(
+        "rules",
         r#"{ "rules": [ { "collective": "allreduce", "max_bytes": 64, "algorithm": "tree" },
                         { "collective": "allreduce", "algorithm": "rabenseifner" } ] }"#,
-    )
-    .unwrap();
-    let path = rules.to_str().unwrap();
+    );
+    let path = rules.path();
     let res = matrix(
         None,
         &[0; 3],
@@ -164,11 +194,7 @@ fn forcing_per_collective_rules_and_bad_settings() {
             "rank 0 allreduce 1000 f32: rabenseifner by rule"
         ]
     );
-    std::fs::write(
-        &rules,
-        r#"{ "rules": [ { "collective": "allgather", "algorithm": "rd" } ] }"#,
-    )
-    .unwrap();
+    rules.write(r#"{ "rules": [ { "collective": "allgather", "algorithm": "rd" } ] }"#);
     for (env, want) in [
         (
             ("BRAID_ALGO", "butterfly"),
@@ -186,7 +212,6 @@ fn forcing_per_collective_rules_and_bad_settings() {
             assert!(out.contains(want), "{env:?}: rank {r}: {out}");
         }
     }
-    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 fn hosts(n: usize) -> Option<Hosts> {
@@ -232,20 +257,13 @@ fn across_emulated_hosts() {
     // candidates at every size, single-copy ones included: a trial runs
     // each as the call would (it failed once on a plan cut for references
     // run through slots: 'piece of 2097152 bytes does not fit').
-    let dir = std::env::temp_dir().join(format!("braid-wide-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let rules = dir.join("wide.json");
-    std::fs::write(&rules, r#"{ "trial_margin": 100 }"#).unwrap();
+    let rules = RulesFile::new("wide", r#"{ "trial_margin": 100 }"#);
     let res = matrix(
         Some(&h),
         &placement,
         &["1", "300000"],
-        &[
-            ("BRAID_DEBUG", "INFO"),
-            ("BRAID_TUNING_FILE", rules.to_str().unwrap()),
-        ],
+        &[("BRAID_DEBUG", "INFO"), ("BRAID_TUNING_FILE", rules.path())],
     );
-    std::fs::remove_dir_all(&dir).unwrap();
     assert_all_ok("tuner timing everything, 2 hosts x 2", &res);
     let p = picks(&res[0].1);
     assert_eq!(p.len(), 2, "{p:?}");
@@ -265,23 +283,18 @@ fn across_emulated_hosts() {
 fn the_tuner_times_close_candidates_alike_on_every_rank() {
     let _g = serial();
     let Some(h) = hosts(2) else { return };
-    let dir = std::env::temp_dir().join(format!("braid-trials-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let rules = dir.join("links.json");
+    let rules = RulesFile::new("trials", "{}");
     let sizes = ["65539", "300000"];
     let links = r#""links": { "net": { "latency_us": 1, "gbps": 1, "overhead_us": 0.1 } }"#;
     // The default margin times the close candidates; a margin of 0 times
     // nothing, leaving the model's pick.
     for (margin, source) in [("", "by timed"), (r#", "trial_margin": 0"#, "by model")] {
-        std::fs::write(&rules, format!("{{ {links}{margin} }}")).unwrap();
+        rules.write(&format!("{{ {links}{margin} }}"));
         let res = matrix(
             Some(&h),
             &[0, 1],
             &sizes,
-            &[
-                ("BRAID_DEBUG", "INFO"),
-                ("BRAID_TUNING_FILE", rules.to_str().unwrap()),
-            ],
+            &[("BRAID_DEBUG", "INFO"), ("BRAID_TUNING_FILE", rules.path())],
         );
         assert_all_ok("tuner, 2 hosts x 1", &res);
         let lines = |r: usize| -> Vec<String> {
@@ -309,21 +322,17 @@ fn the_tuner_times_close_candidates_alike_on_every_rank() {
     let kind = braid_core::plan::CollKind::AllReduce;
     let planned = braid_core::tune::trial(&costs, &shape, kind, 4, file.trial_limits());
     assert!(planned.is_some(), "the estimates must allow a trial");
-    std::fs::write(&rules, fast).unwrap();
+    rules.write(fast);
     let res = matrix(
         Some(&h),
         &[0, 1],
         &["1"],
-        &[
-            ("BRAID_DEBUG", "INFO"),
-            ("BRAID_TUNING_FILE", rules.to_str().unwrap()),
-        ],
+        &[("BRAID_DEBUG", "INFO"), ("BRAID_TUNING_FILE", rules.path())],
     );
     assert_all_ok("tuner, trial budget, 2 hosts x 1", &res);
     let p = picks(&res[0].1);
     assert_eq!(p.len(), 1, "{p:?}");
     assert!(p[0].ends_with("by model"), "{p:?}");
-    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 /// The emulated-host measurement in small (the full table is
@@ -408,11 +417,8 @@ fn emulated_hosts_the_tuner_picks_a_log_step_algorithm_when_latency_bound() {
 fn mismatched_calls_across_hosts_are_errors_naming_both_sides() {
     let _g = serial();
     let Some(h) = hosts(3) else { return };
-    let dir = std::env::temp_dir().join(format!("braid-mismatch-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let rules = dir.join("wide.json");
-    std::fs::write(&rules, r#"{ "trial_margin": 100 }"#).unwrap();
-    let wide = [("BRAID_TUNING_FILE", rules.to_str().unwrap())];
+    let rules = RulesFile::new("mismatch", r#"{ "trial_margin": 100 }"#);
+    let wide = [("BRAID_TUNING_FILE", rules.path())];
     for env in [&wide[..], &[]] {
         for (variant, want) in [
             ("0", "AllGather(count=100"),
@@ -433,5 +439,4 @@ fn mismatched_calls_across_hosts_are_errors_naming_both_sides() {
             }
         }
     }
-    std::fs::remove_dir_all(&dir).unwrap();
 }

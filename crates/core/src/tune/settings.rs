@@ -156,17 +156,21 @@ impl Rules {
     pub fn parse(text: &str) -> crate::error::Result<Rules> {
         let mut r: Rules = serde_json::from_str(text)
             .map_err(|e| crate::CoreError::InvalidArgument(format!("rules file: {e}")))?;
-        if let Some(m) = r.trial_margin {
-            if !(m.is_finite() && m >= 0.0) {
+        for (name, v, what) in [
+            (
+                "trial_margin",
+                r.trial_margin,
+                "a fraction of the best estimate, 0 or more (0.3 is the default)",
+            ),
+            (
+                "trial_budget_ms",
+                r.trial_budget_ms,
+                "milliseconds, 0 or more (2000 is the default)",
+            ),
+        ] {
+            if let Some(v) = v.filter(|v| !(v.is_finite() && *v >= 0.0)) {
                 return Err(crate::CoreError::InvalidArgument(format!(
-                    "rules file: trial_margin is {m}; give a fraction of the best estimate, 0 or more (0.3 is the default)"
-                )));
-            }
-        }
-        if let Some(b) = r.trial_budget_ms {
-            if !(b.is_finite() && b >= 0.0) {
-                return Err(crate::CoreError::InvalidArgument(format!(
-                    "rules file: trial_budget_ms is {b}; give milliseconds, 0 or more (2000 is the default)"
+                    "rules file: {name} is {v}; give {what}"
                 )));
             }
         }

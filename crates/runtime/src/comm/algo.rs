@@ -266,6 +266,8 @@ impl Communicator {
         call: Option<u64>,
     ) -> Result<Option<Picked>> {
         let sh = &*self.shared;
+        // The tuner runs programs of its own only on several hosts.
+        let call = call.filter(|_| sh.algos.shape.nhosts > 1);
         st.tune.call = call.map(|seq| TunedCall {
             name: coll.name(),
             seq,
