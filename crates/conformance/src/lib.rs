@@ -43,7 +43,8 @@ use std::time::{Duration, Instant};
 
 use braid_core::error::CoreError;
 use braid_core::transport::{
-    PeerDesc, PendingRecv, PendingSend, RecvChannel, SendChannel, SlotBuf, Transport,
+    sleep_any, PeerDesc, PendingRecv, PendingSend, RecvChannel, SendChannel, SlotBuf, Transport,
+    WakeWord, Woken,
 };
 use braid_core::types::MemKind;
 
@@ -1284,6 +1285,106 @@ pub fn drained_after_peer_closes(factory: &Factory) {
     );
 }
 
+/// Sleeps on `word` (armed on an end of a live channel) until it is rung,
+/// failing the case if it is not rung within [`WAIT`].
+fn sleep_until_rung(word: WakeWord, what: &str) {
+    let t0 = Instant::now();
+    loop {
+        // SAFETY: the caller keeps the armed end alive during the call.
+        let r = unsafe { sleep_any(&[word], Duration::from_millis(100)) };
+        if r != Woken::TimedOut {
+            return;
+        }
+        assert!(
+            t0.elapsed() < WAIT,
+            "conformance: an end armed with arm_wake was not woken by {what} within {WAIT:?}"
+        );
+    }
+}
+
+/// Case 14: an end that has a doorbell ([`SendChannel::arm_wake`]) is woken
+/// by what it waits for — the receiver by a commit and by the sender's
+/// abort, the sender by a release — when it armed before its last poll and
+/// sleeps after; and a change made between the arm and the sleep is not
+/// lost. Ends without a doorbell (`None`) pass: the engine polls them.
+pub fn sleepers_are_woken(factory: &Factory) {
+    let (mut tx, mut rx) = fresh_pair(factory);
+    // A commit made between the arm and the sleep: the sleep ends at once.
+    if let Some(w) = rx.arm_wake() {
+        let buf = wait_acquire(&mut *tx, "a credit");
+        put(&mut *tx, buf, 0, 0, 40);
+        sleep_until_rung(w, "a commit made after the arm");
+        rx.disarm_wake();
+        let (buf, len) = wait_peek(&mut *rx, "the message");
+        check_msg(&*rx, buf, len, 0, 0, 40);
+        rx.release().expect("conformance: release");
+    }
+    // The receiver asleep, the sender commits from another thread.
+    if let Some(w) = rx.arm_wake() {
+        assert!(
+            rx.poll_peek().expect("conformance: poll_peek").is_none(),
+            "conformance: a message nobody sent"
+        );
+        let sender = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(50));
+            let buf = wait_acquire(&mut *tx, "a credit");
+            put(&mut *tx, buf, 0, 1, 40);
+            tx
+        });
+        sleep_until_rung(w, "the sender's commit");
+        rx.disarm_wake();
+        tx = sender.join().expect("conformance: sender thread");
+        let (buf, len) = wait_peek(&mut *rx, "the message");
+        check_msg(&*rx, buf, len, 0, 1, 40);
+        rx.release().expect("conformance: release");
+    }
+    // The sender asleep without credit, the receiver releases.
+    let slots = tx.slots() as u64;
+    for i in 0..slots {
+        let buf = wait_acquire(&mut *tx, "a credit");
+        put(&mut *tx, buf, 0, 2 + i, 40);
+    }
+    if let Some(w) = tx.arm_wake() {
+        // Still full: the sender has nothing to do but sleep.
+        let full = tx
+            .poll_acquire()
+            .expect("conformance: poll_acquire")
+            .is_none();
+        let receiver = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(50));
+            let (buf, len) = wait_peek(&mut *rx, "a message");
+            check_msg(&*rx, buf, len, 0, 2, 40);
+            rx.release().expect("conformance: release");
+            rx
+        });
+        if full {
+            sleep_until_rung(w, "the receiver's release");
+        }
+        tx.disarm_wake();
+        rx = receiver.join().expect("conformance: receiver thread");
+        wait_acquire(&mut *tx, "the released slot");
+        for i in 1..slots {
+            let (buf, len) = wait_peek(&mut *rx, "a message");
+            check_msg(&*rx, buf, len, 0, 2 + i, 40);
+            rx.release().expect("conformance: release");
+        }
+    }
+    // The receiver asleep, the sender aborts.
+    if let Some(w) = rx.arm_wake() {
+        let aborter = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(50));
+            tx.abort("conformance: abort while the peer sleeps");
+            tx
+        });
+        sleep_until_rung(w, "the sender's abort");
+        rx.disarm_wake();
+        let _tx = aborter.join().expect("conformance: aborting thread");
+        wait_for("the receiver to see the abort", WAIT, || {
+            rx.check_peer().err()
+        });
+    }
+}
+
 /// Expands to one `#[test]` per conformance case for the transport made by
 /// `$factory` (a non-capturing closure or fn returning a `Transport` or a
 /// `Box<dyn Transport>`). Use once per module.
@@ -1315,6 +1416,7 @@ macro_rules! transport_conformance_tests {
             conformance_direct_transfers_when_offered => direct_transfers_when_offered,
             conformance_small_acquisitions => small_acquisitions,
             conformance_drained_after_peer_closes => drained_after_peer_closes,
+            conformance_sleepers_are_woken => sleepers_are_woken,
         );
     };
 }

@@ -26,7 +26,9 @@
 //! | 384 | sender side: pid, attached, closed, abort, abort reason, probe address | sender |
 //! | 896 | receiver side: pid, attached, closed, abort, abort reason, direct_ok | receiver |
 //! | 1408 | `help`: the direct transfer shared with the sender (claim, done, failed) | both |
-//! | 1536 | `boxes[boxes]` ([`boxes_for`]`(slots)` of them), 64 bytes each: up to 48 bytes of inline payload, the length word and the message number (`seq`) of each message; message `n` is announced in box `n % boxes` | sender |
+//! | 1536 | `recv_bell`: the receiver's doorbell (the sender rings it after publishing a message, a helped chunk, its abort or close) | both |
+//! | 1664 | `send_bell`: the sender's doorbell (the receiver rings it after releasing, its abort or close) | both |
+//! | 1792 | `boxes[boxes]` ([`boxes_for`]`(slots)` of them), 64 bytes each: up to 48 bytes of inline payload, the length word and the message number (`seq`) of each message; message `n` is announced in box `n % boxes` | sender |
 //! | `data_offset` (multiple of 4096) | `slots` slots, each `stride` bytes apart (`stride` = `slot_bytes` rounded up to 4096) | sender writes, receiver reads |
 //!
 //! Fields that different processes write sit on separate 128-byte lines (two
@@ -43,12 +45,13 @@ use nix::fcntl::OFlag;
 use nix::sys::mman::{self, MapFlags, MmapAdvise, ProtFlags};
 use nix::sys::stat::Mode;
 
+use braid_core::transport::Doorbell;
 use braid_core::types::Element;
 
 /// `"BRAIDSHM"` in ASCII: the first word of every segment.
 pub(crate) const HEADER_MAGIC: u64 = u64::from_be_bytes(*b"BRAIDSHM");
 /// Version of the in-memory layout (bumped on any change to [`Header`]).
-pub(crate) const LAYOUT_VERSION: u32 = 6;
+pub(crate) const LAYOUT_VERSION: u32 = 7;
 /// Page size the layout aligns to.
 pub(crate) const PAGE: usize = 4096;
 /// Payload bytes a message may carry inside its slot's box (see [`SlotBox`]).
@@ -164,6 +167,10 @@ pub(crate) struct Header {
     pub receiver: Padded<Side>,
     /// The direct transfer being shared.
     pub help: Padded<Help>,
+    /// Where the receiver sleeps while it waits (see `braid_core::transport::Doorbell`).
+    pub recv_bell: Padded<Doorbell>,
+    /// Where the sender sleeps while it waits.
+    pub send_bell: Padded<Doorbell>,
 }
 
 /// The cache line that announces a slot's message: the receiver polls
@@ -790,11 +797,13 @@ mod tests {
         assert_eq!(std::mem::offset_of!(Header, sender), 384);
         assert_eq!(std::mem::offset_of!(Header, receiver), 896);
         assert_eq!(std::mem::offset_of!(Header, help), 1408);
-        assert_eq!(size_of::<Header>(), 1536);
+        assert_eq!(std::mem::offset_of!(Header, recv_bell), 1536);
+        assert_eq!(std::mem::offset_of!(Header, send_bell), 1664);
+        assert_eq!(size_of::<Header>(), 1792);
         assert_eq!(size_of::<SlotBox>(), 64);
         assert_eq!(std::mem::align_of::<SlotBox>(), 64);
         assert_eq!(std::mem::offset_of!(SlotBox, inline), 0);
-        assert_eq!(Layout::new(4096, 2).unwrap().boxes_offset, 1536);
+        assert_eq!(Layout::new(4096, 2).unwrap().boxes_offset, 1792);
     }
 
     #[test]

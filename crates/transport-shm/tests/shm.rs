@@ -216,6 +216,11 @@ fn child_sender() {
     let buf = tx.poll_acquire().unwrap().unwrap();
     write(buf, msg.as_bytes());
     tx.commit(msg.len()).unwrap();
+    // A second message, still unread when the parent kills us.
+    let last = format!("last from {}", std::process::id());
+    let buf = tx.poll_acquire().unwrap().unwrap();
+    write(buf, last.as_bytes());
+    tx.commit(last.len()).unwrap();
     writeln!(out, "SENT").unwrap();
     out.flush().unwrap();
     // Wait to be killed (bounded, in case the parent died).
@@ -268,9 +273,23 @@ fn killed_sender_is_reported_gone() {
     assert_eq!(read(buf, len), format!("hello from {child_pid}").as_bytes());
     rx.release().unwrap();
     rx.check_peer().expect("child is alive");
+    loop {
+        let l = lines.next().expect("child exited before SENT").unwrap();
+        if l.contains("SENT") {
+            break;
+        }
+    }
 
     // SIGKILL: the child cannot set any flag. Not reaped yet: a zombie.
     child.0.kill().unwrap();
+    // The message it published before it died is still delivered, and its
+    // death is not an error while that message waits.
+    std::thread::sleep(Duration::from_millis(100));
+    rx.check_peer()
+        .expect("a dead sender's published message is still there to read");
+    let (buf, len) = rx.poll_peek().unwrap().expect("the last message");
+    assert_eq!(read(buf, len), format!("last from {child_pid}").as_bytes());
+    rx.release().unwrap();
     let start = Instant::now();
     let err = wait_for(
         "check_peer to report the killed child",

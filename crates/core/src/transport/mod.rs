@@ -30,13 +30,18 @@
 //! - single-copy transfers ([`DirectSend`] / [`DirectRecv`], reached through
 //!   `direct()`, default `None`): shared memory and sockets;
 //! - the link as a ring in GPU memory driven from a CUDA stream
-//!   ([`SendChannel::device_ring`], default `None`): nvlink and pcie P2P.
+//!   ([`SendChannel::device_ring`], default `None`): nvlink and pcie P2P;
+//! - a doorbell to sleep on while the end cannot move
+//!   ([`SendChannel::arm_wake`], default `None`: the engine polls): shared
+//!   memory and sockets (see [`Doorbell`]).
 
 mod kind;
+mod wake;
 
 use std::time::Instant;
 
 pub use kind::TransportKind;
+pub use wake::{sleep_any, Doorbell, WakeWord, Woken};
 
 use crate::error::Result;
 use crate::types::MemKind;
@@ -239,6 +244,18 @@ pub trait SendChannel: Send {
     fn check_peer(&mut self) -> Result<()>;
     /// Tell the peer that this side gave up (best effort, never blocks).
     fn abort(&mut self, reason: &str);
+    /// Sleeping (see [`Doorbell`]): count the caller as asleep on this
+    /// end's doorbell, which the transport rings whenever the end may be
+    /// able to move (the receiver released slots, a queued piece left, the
+    /// peer aborted or closed), and return the word to sleep on; `None`
+    /// (the default) where the transport has no doorbell and the engine
+    /// must poll. The caller polls the end once more before it sleeps, and
+    /// calls [`SendChannel::disarm_wake`] once for every armed call.
+    fn arm_wake(&mut self) -> Option<WakeWord> {
+        None
+    }
+    /// Undo one [`SendChannel::arm_wake`] that returned a word.
+    fn disarm_wake(&mut self) {}
     /// The link as a device ring, where it is one (see [`DeviceRing`]).
     fn device_ring(&self) -> Option<DeviceRing> {
         None
@@ -274,6 +291,18 @@ pub trait RecvChannel: Send {
     /// reads, [`DirectSend::poll_help`]) is given up to a second to finish
     /// that write, so nothing lands in the caller's buffer afterwards.
     fn abort(&mut self, reason: &str);
+    /// Sleeping (see [`Doorbell`]): count the caller as asleep on this
+    /// end's doorbell, which the transport rings whenever the end may be
+    /// able to move (a message arrived, bytes of a
+    /// direct message can be read, the peer aborted or closed), and return the word to sleep on; `None`
+    /// (the default) where the transport has no doorbell and the engine
+    /// must poll. The caller polls the end once more before it sleeps, and
+    /// calls [`RecvChannel::disarm_wake`] once for every armed call.
+    fn arm_wake(&mut self) -> Option<WakeWord> {
+        None
+    }
+    /// Undo one [`RecvChannel::arm_wake`] that returned a word.
+    fn disarm_wake(&mut self) {}
     /// The link as a device ring, where it is one (see [`DeviceRing`]).
     fn device_ring(&self) -> Option<DeviceRing> {
         None

@@ -205,9 +205,9 @@ impl Communicator {
             oversubscribed = oversub,
             "braid: waits {}",
             if oversub {
-                "yield at once (ranks here share CPUs)"
+                "sleep at once (ranks here share CPUs)"
             } else {
-                "spin before yielding"
+                "spin up to 50 µs, then sleep"
             }
         );
         let piece = if piece == u64::MAX {

@@ -196,7 +196,7 @@ impl Communicator {
 
     /// Whether this rank shares its CPUs with more ranks of this host than
     /// those CPUs can run at once (decided at creation from every local
-    /// rank's CPU affinity). Then a waiting rank yields its CPU at once
+    /// rank's CPU affinity). Then a waiting rank sleeps at once
     /// instead of spinning first (`BRAID_SPIN` overrides either way).
     pub fn oversubscribed(&self) -> bool {
         self.shared.oversubscribed

@@ -12,12 +12,13 @@ use braid_core::config;
 /// at 256 KiB no difference beyond the noise.
 pub(super) const FLAT_ALLGATHER_MAX_BYTES: usize = 64 * 1024;
 
-/// How long a waiting rank spins before it yields the CPU. Spinning is what
-/// makes small operations fast (a flag in shared memory is seen in ~0.1 µs,
-/// a woken thread in 25–30 µs), but when ranks on this host share CPUs (more
-/// ranks than cores, see [`oversubscribed`]) a spinning rank steals the core
-/// from the rank it waits for, so it yields at once. `BRAID_SPIN` overrides
-/// (iterations).
+/// How long a waiting rank spins before it sleeps (on its links' doorbells;
+/// see `engine::Waiter`). Spinning is what makes small operations fast (a
+/// flag in shared memory is seen in ~0.1 µs, a woken thread in 25–30 µs),
+/// but when ranks on this host share CPUs (more ranks than cores, see
+/// [`oversubscribed`]) a spinning rank steals the core from the rank it
+/// waits for, so it sleeps at once. `BRAID_SPIN` overrides (iterations; a
+/// spin also ends after `engine::SPIN_MAX`).
 pub(super) fn spin_budget(oversubscribed: bool) -> Result<u32> {
     if let Some(v) = config::number(&config::process_env, "BRAID_SPIN")? {
         return Ok(v);

@@ -137,11 +137,24 @@ pub unsafe fn execute(
     run_stages(prog, chans, &mut waiter, &mut run)?;
     // Peers sent references into the caller's buffers must finish reading
     // them before the caller gets its buffers back.
-    for &peer in &run.direct {
+    let r = drain_direct(chans, &mut waiter, &run.direct);
+    if r.is_err() {
+        waiter.disarm(chans);
+    }
+    r
+}
+
+/// Waits until every peer in `direct` has read what we sent it by reference.
+fn drain_direct(
+    chans: &mut Channels,
+    waiter: &mut Waiter<'_>,
+    direct: &[u32],
+) -> Result<(), CoreError> {
+    for &peer in direct {
         while !chans.sender(peer)?.poll_drained()? {
-            waiter.idle(chans, (peer, WAIT_DRAIN), &run.direct)?;
+            waiter.idle(chans, (peer, WAIT_DRAIN), direct)?;
         }
-        waiter.progressed();
+        waiter.progressed(chans);
     }
     Ok(())
 }
@@ -196,6 +209,26 @@ unsafe fn execute_small(
     flags: &mut Vec<u8>,
 ) -> Result<(), CoreError> {
     let mut waiter = Waiter::new(ex.policy, ex.abort, ex.progress);
+    // SAFETY: forwarded from this function's contract.
+    let r = unsafe { small_ops(prog, chans, ex, flags, &mut waiter) };
+    if r.is_err() {
+        waiter.disarm(chans);
+    }
+    r
+}
+
+/// The body of [`execute_small`].
+///
+/// # Safety
+///
+/// As for [`execute`].
+unsafe fn small_ops(
+    prog: &Program,
+    chans: &mut Channels,
+    ex: &Exec<'_>,
+    flags: &mut Vec<u8>,
+    waiter: &mut Waiter<'_>,
+) -> Result<(), CoreError> {
     let n = ex.headers.map(|h| h.nranks()).unwrap_or(0);
     flags.clear();
     flags.resize(n, 0);
@@ -218,11 +251,11 @@ unsafe fn execute_small(
         }
         let len = op.wire_len();
         let input = match op.recv_peer() {
-            Some(from) => Some(small_input(chans, ex, &mut hdr, &mut waiter, from, len)?),
+            Some(from) => Some(small_input(chans, ex, &mut hdr, waiter, from, len)?),
             None => None,
         };
         let output = match op.send_peer() {
-            Some(to) => Some(small_output(chans, &mut hdr, &mut waiter, to, len)?),
+            Some(to) => Some(small_output(chans, &mut hdr, waiter, to, len)?),
             None => None,
         };
         let i = || input.ok_or_else(|| CoreError::InvalidArgument("op without input".into()));
@@ -340,7 +373,7 @@ fn small_input(
             if got != len {
                 return Err(wrong_piece(from, got, len));
             }
-            waiter.progressed();
+            waiter.progressed(chans);
             return Ok(p);
         }
         waiter.idle(chans, (from, WAIT_DATA), &[])?;
@@ -374,7 +407,7 @@ fn small_output(
                 // SAFETY: the slot holds `need` = len + HEADER_BYTES bytes.
                 unsafe { std::ptr::copy_nonoverlapping(hb.as_ptr(), slot.ptr, HEADER_BYTES) };
             }
-            waiter.progressed();
+            waiter.progressed(chans);
             // SAFETY: cap ≥ extra + len.
             return Ok((to, unsafe { slot.ptr.add(extra) }, extra));
         }

@@ -28,7 +28,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use braid_core::plan::{Op, Program};
-use braid_core::transport::{RecvChannel, SendChannel};
+use braid_core::transport::{sleep_any, RecvChannel, SendChannel, WakeWord};
 use braid_core::CoreError;
 
 use crate::progress::{Progress, Waiting};
@@ -123,7 +123,8 @@ impl Channels {
 pub struct WaitPolicy {
     /// Give up after this long without progress.
     pub timeout: Duration,
-    /// Busy-poll iterations before yielding.
+    /// Busy-poll iterations before sleeping (or yielding, on links without
+    /// a doorbell); the spin also ends after [`SPIN_MAX`].
     pub spin: u32,
     /// Log a wait at WARN once it lasts this long.
     pub stall_warn: Duration,
@@ -139,14 +140,26 @@ impl Default for WaitPolicy {
     }
 }
 
-/// Tracks one wait with no progress: spin, then yield, then sleep; checks
-/// the abort flag and the peer's liveness now and then; publishes a wait
+/// The longest spin of one wait, whatever [`WaitPolicy::spin`] says: a
+/// peer that has not answered by then is not running or far behind, and a
+/// waiter that spins on takes a core from whoever needs it.
+pub(crate) const SPIN_MAX: Duration = Duration::from_micros(50);
+
+/// The longest sleep on a doorbell: a dead peer never rings, and the abort
+/// flag is a plain store, so the waiter looks at both at least this often.
+const SLEEP_MAX: Duration = Duration::from_millis(5);
+
+/// Tracks one wait with no progress: spin, then sleep on the links'
+/// doorbells (or, on links without one, yield, then sleep briefly); checks
+/// the abort flag and the peers' liveness now and then; publishes a wait
 /// that lasts (hang dump), warns once it stalls, and times out.
 pub(crate) struct Waiter<'a> {
     policy: &'a WaitPolicy,
     abort: &'a AtomicBool,
     progress: Option<&'a Progress>,
     iters: u32,
+    /// When this wait's spin began (read every 64 iterations).
+    spin_start: Option<Instant>,
     since: Option<Instant>,
     last_check: Option<Instant>,
     /// The stage being run (for the progress record).
@@ -154,6 +167,12 @@ pub(crate) struct Waiter<'a> {
     /// The current wait was published / logged as a stall.
     published: bool,
     warned: bool,
+    /// The link ends whose doorbells count this waiter as asleep, and the
+    /// words to sleep on: armed before the last poll, slept on if it found
+    /// nothing, disarmed after the sleep or once something moved.
+    armed: Vec<(Blocked, WakeWord)>,
+    /// Sleeps so far (for tests and the wait statistics).
+    pub(crate) sleeps: u64,
 }
 
 impl<'a> Waiter<'a> {
@@ -167,18 +186,25 @@ impl<'a> Waiter<'a> {
             abort,
             progress,
             iters: 0,
+            spin_start: None,
             since: None,
             last_check: None,
             stage: 0,
             published: false,
             warned: false,
+            armed: Vec::new(),
+            sleeps: 0,
         }
     }
 
     /// Something moved: the next wait starts afresh.
-    pub(crate) fn progressed(&mut self) {
+    pub(crate) fn progressed(&mut self, chans: &mut Channels) {
         self.iters = 0;
+        self.spin_start = None;
         self.since = None;
+        if !self.armed.is_empty() {
+            self.disarm(chans);
+        }
         if self.published {
             self.published = false;
             self.warned = false;
@@ -188,20 +214,57 @@ impl<'a> Waiter<'a> {
         }
     }
 
-    /// Called when nothing could move. `blocked` names what we wait for;
-    /// `helping` are the peers this operation sent direct slots to, whose
-    /// copies we take a share of meanwhile ([`DirectSend::poll_help`]) —
-    /// unless we wait for data: then we have work of our own coming, and
-    /// side by side (AllGather on 2 ranks, 16 MiB) helping there made the
-    /// operation 12% slower, while helping from slot and drain waits made
-    /// Broadcast on 2 ranks 1.6x faster.
+    /// Takes this waiter off every doorbell it is armed on. Also needed
+    /// before an error ends the operation with the waiter armed.
+    pub(crate) fn disarm(&mut self, chans: &mut Channels) {
+        for ((peer, what), _) in self.armed.drain(..) {
+            if what == WAIT_DATA {
+                if let Ok(c) = chans.receiver(peer) {
+                    c.disarm_wake();
+                }
+            } else if let Ok(c) = chans.sender(peer) {
+                c.disarm_wake();
+            }
+        }
+    }
+
+    /// Called when nothing could move: see [`Waiter::idle_any`].
     pub(crate) fn idle(
         &mut self,
         chans: &mut Channels,
-        blocked: (u32, &'static str),
+        blocked: Blocked,
         helping: &[u32],
     ) -> Result<(), CoreError> {
-        if !helping.is_empty() && blocked.1 != WAIT_DATA {
+        self.idle_any(chans, &[blocked], helping)
+    }
+
+    /// Called when nothing could move. `blocked` names what the blocked
+    /// ops wait for (at least one; the first is the one errors and the
+    /// hang dump name); `helping` are the peers this operation sent direct
+    /// slots to, whose copies we take a share of meanwhile
+    /// ([`DirectSend::poll_help`]) — unless we wait for data: then we have
+    /// work of our own coming, and side by side (AllGather on 2 ranks,
+    /// 16 MiB) helping there made the operation 12% slower, while helping
+    /// from slot and drain waits made Broadcast on 2 ranks 1.6x faster.
+    ///
+    /// Each call returns for the caller to poll again. The first calls
+    /// spin; after the spin, a call arms the blocked ends' doorbells (so
+    /// the next poll is the last before sleeping) and the next call, if
+    /// the same ends are still blocked, sleeps until one of them rings,
+    /// at most [`SLEEP_MAX`]. Where an end has no doorbell the calls yield
+    /// the CPU instead, and after 20 ms sleep 50 µs each.
+    ///
+    /// [`DirectSend::poll_help`]: braid_core::transport::DirectSend::poll_help
+    pub(crate) fn idle_any(
+        &mut self,
+        chans: &mut Channels,
+        blocked: &[Blocked],
+        helping: &[u32],
+    ) -> Result<(), CoreError> {
+        let Some(&first) = blocked.first() else {
+            return Ok(());
+        };
+        if !helping.is_empty() && first.1 != WAIT_DATA {
             for &peer in helping {
                 if let Some(d) = chans.sender(peer)?.direct() {
                     if d.poll_help()? {
@@ -219,11 +282,15 @@ impl<'a> Waiter<'a> {
             if self.iters.is_multiple_of(16) {
                 std::hint::spin_loop();
             }
-            return Ok(());
-        }
-        if !self.iters.is_multiple_of(64) {
-            std::thread::yield_now();
-            return Ok(());
+            if !self.iters.is_multiple_of(64) {
+                return Ok(());
+            }
+            let now = Instant::now();
+            let t0 = *self.spin_start.get_or_insert(now);
+            if now.duration_since(t0) < SPIN_MAX {
+                return Ok(());
+            }
+            self.iters = self.policy.spin;
         }
         let now = Instant::now();
         let since = match self.since {
@@ -236,20 +303,27 @@ impl<'a> Waiter<'a> {
             }
         };
         if self.abort.load(Ordering::Relaxed) {
+            self.disarm(chans);
             return Err(CoreError::Aborted("the communicator was aborted".into()));
         }
-        let (peer, what) = blocked;
         if self
             .last_check
             .is_none_or(|t| now.duration_since(t) >= Duration::from_millis(2))
         {
             self.last_check = Some(now);
-            if what != WAIT_DATA {
-                chans.sender(peer)?.check_peer()?;
-            } else {
-                chans.receiver(peer)?.check_peer()?;
+            for &(peer, what) in blocked {
+                let r = if what != WAIT_DATA {
+                    chans.sender(peer)?.check_peer()
+                } else {
+                    chans.receiver(peer)?.check_peer()
+                };
+                if let Err(e) = r {
+                    self.disarm(chans);
+                    return Err(e);
+                }
             }
         }
+        let (peer, what) = first;
         let waited = now.duration_since(since);
         let mut transport = || -> Result<&'static str, CoreError> {
             Ok(if what != WAIT_DATA {
@@ -285,6 +359,7 @@ impl<'a> Waiter<'a> {
         }
         if waited >= self.policy.timeout {
             let transport = transport()?;
+            self.disarm(chans);
             return Err(CoreError::Timeout {
                 transport,
                 peer,
@@ -292,13 +367,52 @@ impl<'a> Waiter<'a> {
                 after: waited,
             });
         }
+        let same = self.armed.len() == blocked.len()
+            && self.armed.iter().zip(blocked).all(|(a, b)| a.0 == *b);
+        if same {
+            // Armed before the poll that just found these ends blocked:
+            // anything that moves now rings.
+            let words: Vec<WakeWord> = self.armed.iter().map(|a| a.1).collect();
+            let left = self.policy.timeout.saturating_sub(waited);
+            // SAFETY: the words come from `arm_wake` of ends in `chans`,
+            // which live for the whole operation; we disarm them below.
+            unsafe { sleep_any(&words, left.min(SLEEP_MAX)) };
+            self.sleeps += 1;
+            self.disarm(chans);
+            return Ok(());
+        }
+        self.disarm(chans);
+        if self.arm(chans, blocked)? {
+            return Ok(());
+        }
         if waited > Duration::from_millis(20) {
-            // Long waits (a slow peer, oversubscription): stop burning a core.
+            // Long waits on links without a doorbell: stop burning a core.
             std::thread::sleep(Duration::from_micros(50));
         } else {
             std::thread::yield_now();
         }
         Ok(())
+    }
+
+    /// Arms the doorbells of the ends in `blocked`: true if every one has
+    /// a doorbell (otherwise none stays armed).
+    fn arm(&mut self, chans: &mut Channels, blocked: &[Blocked]) -> Result<bool, CoreError> {
+        for &b in blocked {
+            let (peer, what) = b;
+            let w = if what == WAIT_DATA {
+                chans.receiver(peer)?.arm_wake()
+            } else {
+                chans.sender(peer)?.arm_wake()
+            };
+            match w {
+                Some(w) => self.armed.push((b, w)),
+                None => {
+                    self.disarm(chans);
+                    return Ok(false);
+                }
+            }
+        }
+        Ok(true)
     }
 }
 
@@ -334,8 +448,22 @@ pub(crate) fn run_stages<R: OpRunner>(
     waiter: &mut Waiter<'_>,
     runner: &mut R,
 ) -> Result<(), CoreError> {
+    let r = stages_inner(prog, chans, waiter, runner);
+    if r.is_err() {
+        waiter.disarm(chans);
+    }
+    r
+}
+
+fn stages_inner<R: OpRunner>(
+    prog: &Program,
+    chans: &mut Channels,
+    waiter: &mut Waiter<'_>,
+    runner: &mut R,
+) -> Result<(), CoreError> {
     let mut pending: Vec<bool> = Vec::new();
     let mut claimed: Vec<(Option<u32>, Option<u32>)> = Vec::new();
+    let mut blocked: Vec<Blocked> = Vec::new();
     for (si, stage) in prog.stages().enumerate() {
         waiter.stage = si;
         if let [op] = stage {
@@ -343,15 +471,15 @@ pub(crate) fn run_stages<R: OpRunner>(
             while let Some(blocked) = runner.try_op(op, chans)? {
                 waiter.idle(chans, blocked, runner.helping())?;
             }
-            waiter.progressed();
+            waiter.progressed(chans);
             continue;
         }
         pending.clear();
         pending.resize(stage.len(), true);
         let mut left = stage.len();
         while left > 0 {
-            let mut blocked = None;
             let mut moved = false;
+            blocked.clear();
             claimed.clear();
             for (i, op) in stage.iter().enumerate() {
                 if !pending[i] || claims_overlap(&claimed, op) {
@@ -364,14 +492,15 @@ pub(crate) fn run_stages<R: OpRunner>(
                         moved = true;
                     }
                     Some(b) => {
-                        blocked = Some(b);
+                        blocked.push(b);
                         claimed.push((op.recv_peer(), op.send_peer()));
                     }
                 }
             }
-            match (moved, blocked) {
-                (true, _) | (_, None) => waiter.progressed(),
-                (false, Some(b)) => waiter.idle(chans, b, runner.helping())?,
+            if moved || blocked.is_empty() {
+                waiter.progressed(chans);
+            } else {
+                waiter.idle_any(chans, &blocked, runner.helping())?;
             }
         }
     }

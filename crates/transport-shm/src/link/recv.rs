@@ -3,7 +3,7 @@
 use std::sync::atomic::Ordering;
 
 use braid_core::error::{CoreError, Result};
-use braid_core::transport::{DirectRecv, Incoming, RecvChannel, SlotBuf};
+use braid_core::transport::{DirectRecv, Incoming, RecvChannel, SlotBuf, WakeWord};
 use braid_core::types::MemKind;
 
 use super::{
@@ -475,10 +475,25 @@ impl RecvChannel for ShmRecv {
         // Release: our reads of the slot happen before the sender's Acquire
         // load of `tail` that lets it overwrite the slot.
         self.seg.header().tail.0.store(self.tail, Ordering::Release);
+        self.seg.header().send_bell.0.ring(true);
         Ok(())
     }
 
     fn check_peer(&mut self) -> Result<()> {
+        // A message that is published and in the segment can still be
+        // read whatever became of its sender (which may have finished the
+        // operation and exited): only its absence makes a dead or aborted
+        // sender an error. A direct message lives in the sender's memory:
+        // it needs the sender alive.
+        if !self.peeked && self.aborted.is_none() {
+            let bx = self.tail_box;
+            // Acquire: as in `poll_peek_any`.
+            if self.seg.box_seq(bx).load(Ordering::Acquire) == self.tail + 1
+                && self.seg.len_word(bx).load(Ordering::Relaxed) & DIRECT_FLAG == 0
+            {
+                return Ok(());
+            }
+        }
         let sender = &self.seg.header().sender.0;
         check_abort_and_process(sender, self.peer, self.peer_pid)?;
         // Acquire: pairs with the Release in ShmSend::drop, so the `head`
@@ -504,6 +519,17 @@ impl RecvChannel for ShmRecv {
         }
         self.withdraw();
         publish_abort(&self.seg.header().receiver.0, reason);
+        self.seg.header().send_bell.0.ring(true);
+    }
+
+    /// The sender rings it after every message it publishes, every chunk
+    /// of a shared transfer it finishes, and on its abort and close.
+    fn arm_wake(&mut self) -> Option<WakeWord> {
+        Some(self.seg.header().recv_bell.0.arm(true))
+    }
+
+    fn disarm_wake(&mut self) {
+        self.seg.header().recv_bell.0.disarm();
     }
 
     fn direct(&mut self) -> Option<&mut dyn DirectRecv> {
@@ -574,5 +600,6 @@ impl Drop for ShmRecv {
             .0
             .closed
             .store(1, Ordering::Release);
+        self.seg.header().send_bell.0.ring(true);
     }
 }

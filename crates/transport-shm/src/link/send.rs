@@ -3,7 +3,7 @@
 use std::sync::atomic::Ordering;
 
 use braid_core::error::{CoreError, Result};
-use braid_core::transport::{DirectSend, SendChannel, SlotBuf};
+use braid_core::transport::{DirectSend, SendChannel, SlotBuf, WakeWord};
 use braid_core::types::MemKind;
 
 use super::{
@@ -94,6 +94,7 @@ impl ShmSend {
         // a line it rarely reads).
         self.seg.header().head.0.store(self.head, Ordering::Release);
         self.acquired = Acquired::Nothing;
+        self.seg.header().recv_bell.0.ring(true);
         Ok(())
     }
 
@@ -252,6 +253,17 @@ impl SendChannel for ShmSend {
             self.aborted = Some(reason.to_owned());
         }
         publish_abort(&self.seg.header().sender.0, reason);
+        self.seg.header().recv_bell.0.ring(true);
+    }
+
+    /// The receiver rings it after every release, and on its abort and
+    /// close; the caller's next poll sees whatever came before the arm.
+    fn arm_wake(&mut self) -> Option<WakeWord> {
+        Some(self.seg.header().send_bell.0.arm(true))
+    }
+
+    fn disarm_wake(&mut self) {
+        self.seg.header().send_bell.0.disarm();
     }
 
     fn direct(&mut self) -> Option<&mut dyn DirectSend> {
@@ -375,6 +387,7 @@ impl DirectSend for ShmSend {
         // Release: our writes into the destination happen before the
         // receiver's Acquire load that sees this count.
         h.done.fetch_add(1, Ordering::Release);
+        self.seg.header().recv_bell.0.ring(true);
         Ok(true)
     }
 }
@@ -389,5 +402,6 @@ impl Drop for ShmSend {
             .0
             .closed
             .store(1, Ordering::Release);
+        self.seg.header().recv_bell.0.ring(true);
     }
 }

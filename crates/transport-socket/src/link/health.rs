@@ -15,6 +15,7 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use braid_core::error::CoreError;
+use braid_core::transport::Doorbell;
 
 use super::lock;
 use crate::NAME;
@@ -58,6 +59,10 @@ pub(super) struct Health {
     pub(super) local_closing: AtomicBool,
     st: Mutex<HealthState>,
     cv: Condvar,
+    /// Where this end's engine sleeps while it waits: rung by whoever moves
+    /// something it may wait for (a message in, a credit, a piece out, a
+    /// failure, the peer's abort or close). Process-private.
+    pub(super) bell: Doorbell,
 }
 
 impl Health {
@@ -69,6 +74,7 @@ impl Health {
             local_closing: AtomicBool::new(false),
             st: Mutex::new(HealthState::default()),
             cv: Condvar::new(),
+            bell: Doorbell::new(),
         })
     }
 
@@ -89,6 +95,12 @@ impl Health {
         }
         drop(st);
         self.cv.notify_all();
+        self.ring();
+    }
+
+    /// Wakes this end's engine if it sleeps (see [`Health::bell`]).
+    pub(super) fn ring(&self) {
+        self.bell.ring(false);
     }
 
     /// A data socket failed (seen by the progress thread, which must not
@@ -110,6 +122,8 @@ impl Health {
             ));
             self.failed.store(true, Ordering::Release);
         }
+        drop(st);
+        self.ring();
     }
 
     pub(super) fn lost(&self, what: &str, e: &io::Error) {
@@ -123,6 +137,7 @@ impl Health {
     pub(super) fn ctrl_finished(&self) {
         lock(&self.st).ctrl_finished = true;
         self.cv.notify_all();
+        self.ring();
     }
 
     /// A data helper saw its socket fail or close: give the control socket a

@@ -13,7 +13,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use braid_core::error::{CoreError, Result};
-use braid_core::transport::{DirectRecv, Incoming, RecvChannel, SlotBuf};
+use braid_core::transport::{DirectRecv, Incoming, RecvChannel, SlotBuf, WakeWord};
 use braid_core::types::MemKind;
 
 use super::ctrl::{CtrlIn, CtrlOut};
@@ -199,6 +199,13 @@ impl Source for RecvShared {
             let mut d = lock(d);
             // The event disarmed it.
             d.armed = false;
+            if matches!(d.rx.st, RxState::Handed { .. }) {
+                // A direct payload the engine reads itself has bytes (it
+                // armed the socket before it went to sleep).
+                drop(d);
+                self.health.ring();
+                return;
+            }
             self.pump_data(&mut d, idx);
         } else if let Some(c) = &self.ctrl {
             let mut c = lock(c);
@@ -307,6 +314,8 @@ fn piece_done(sh: &RecvShared, slot: usize, seq: u64) {
         // through the fill mutex) and the length are visible to an engine
         // that loads `ready` with Acquire.
         sh.ready[slot].store(seq + 1, Ordering::Release);
+        drop(f);
+        sh.health.ring();
     }
 }
 
@@ -939,6 +948,27 @@ impl RecvChannel for SocketRecv {
 
     fn check_peer(&mut self) -> Result<()> {
         self.check_live()
+    }
+
+    /// Rung once a message is complete, the bytes of a direct message the
+    /// engine reads can be read, or the link fails or closes: the progress
+    /// thread is made to watch every data socket that is not ended.
+    fn arm_wake(&mut self) -> Option<WakeWord> {
+        let w = self.shared.health.bell.arm(false);
+        if let Some(a) = self.shared.armer.get() {
+            for (i, d) in self.shared.data.iter().enumerate() {
+                let mut d = lock(d);
+                if !d.armed && !matches!(d.rx.st, RxState::Done) {
+                    a.arm(i, d.sock.as_fd(), IN);
+                    d.armed = true;
+                }
+            }
+        }
+        Some(w)
+    }
+
+    fn disarm_wake(&mut self) {
+        self.shared.health.bell.disarm();
     }
 
     fn abort(&mut self, reason: &str) {

@@ -13,7 +13,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use braid_core::error::{CoreError, Result};
-use braid_core::transport::{DirectSend, SendChannel, SlotBuf};
+use braid_core::transport::{DirectSend, SendChannel, SlotBuf, WakeWord};
 use braid_core::types::MemKind;
 
 use super::ctrl::{check_credit, CtrlIn, CtrlOut};
@@ -138,6 +138,7 @@ impl SendShared {
         if event {
             tx.armed = false;
         }
+        let mut sent = false;
         while !tx.closing {
             let Some(p) = tx.items.front_mut() else { break };
             match write_piece(&tx.sock, p) {
@@ -145,6 +146,7 @@ impl SendShared {
                     let slot = p.slot;
                     tx.items.pop_front();
                     self.inflight[slot].fetch_sub(1, Ordering::Release);
+                    sent = true;
                 }
                 Ok(n) => {
                     // The socket is full: the next writable edge goes on.
@@ -164,6 +166,10 @@ impl SendShared {
             }
         }
         self.arm_out(i, tx);
+        drop(guard);
+        if sent {
+            self.health.ring();
+        }
     }
 
     /// Reads what the control socket has (credits, the peer's abort or
@@ -175,6 +181,7 @@ impl SendShared {
                 let old = self.released.load(Ordering::Relaxed);
                 check_credit(v, old, committed)?;
                 self.released.store(v, Ordering::Release);
+                self.health.ring();
                 Ok(())
             };
             let sock = &c.sock;
@@ -517,6 +524,23 @@ impl SendChannel for SocketSend {
             Some(e) => Err(e),
             None => Ok(()),
         }
+    }
+
+    /// Rung when a credit arrives, a queued piece leaves, or the link
+    /// fails or closes: the progress thread is made to watch the control
+    /// socket and every data socket with pieces queued.
+    fn arm_wake(&mut self) -> Option<WakeWord> {
+        let sh = &self.shared;
+        let w = sh.health.bell.arm(false);
+        for (i, d) in sh.data.iter().enumerate() {
+            sh.arm_out(i, &mut lock(d));
+        }
+        sh.arm_ctrl(&lock(&sh.ctrl));
+        Some(w)
+    }
+
+    fn disarm_wake(&mut self) {
+        self.shared.health.bell.disarm();
     }
 
     fn abort(&mut self, reason: &str) {
