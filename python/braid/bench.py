@@ -4,6 +4,8 @@
     python -m braid.bench --np 2 -b 8 -e 16M --plot bench.png --json bench.json
     python -m braid.bench --api --np 2 -e 1M --braid-perf target/release/braid-perf \
         --braid-run target/release/braid-run   # the Python API against the Rust API
+    python -m braid.bench --np 2 -e 64M -f 8 --load busy    # under one busy process per core
+    python -m braid.bench --train              # DDP and FSDP2 steps, 1 host and 2 emulated nodes
 
 Starts the ranks itself (one process each, ``OMP_NUM_THREADS=1`` as torchrun
 sets it), joins a braid default group and a gloo group over the same ranks,
@@ -20,6 +22,16 @@ algbw x factor (all_reduce 2(n-1)/n; all_gather, reduce_scatter, all_to_all
 Then a DDP training step (forward, backward with gradient all_reduce,
 optimizer step) of two models, braid and gloo alternating step by step;
 median milliseconds per step.
+
+``--load busy`` runs the collectives with one busy process per core beside
+them, ``--load torch`` with every rank multiplying matrices on torch's
+default intra-op threads beside its collectives: what a training step does
+to the collectives it overlaps.
+
+``--train`` instead times whole training steps (``braid._train``): DDP and
+FSDP2 on braid and on gloo in one job each, launched with torchrun on this
+host and, as root, on two emulated nodes (separate network, UTS, mount and
+pid namespaces: two hosts that talk TCP).
 """
 
 from __future__ import annotations
@@ -87,6 +99,16 @@ def _worker(rank: int, n: int, spec: dict) -> None:
     )
     gloo = dist.new_group(backend="gloo")
     groups = {"braid": None, "gloo": gloo}
+    stop = None
+    if spec.get("load") == "torch":
+        import threading
+
+        # torch's default: one intra-op thread per core (the ranks' own
+        # calls stay single-threaded as above only for their element-wise
+        # work; the products run on the default pool).
+        torch.set_num_threads(os.cpu_count() or 1)
+        stop = threading.Event()
+        threading.Thread(target=_compute_beside, args=(stop,), daemon=True).start()
     res: dict = {"np": n, "colls": {}, "ddp": {}}
 
     def tensors(coll: str, nbytes: int):
@@ -137,6 +159,8 @@ def _worker(rank: int, n: int, spec: dict) -> None:
             rows.append({"bytes": whole, "count": per, "braid_us": best["braid"], "gloo_us": best["gloo"]})
         res["colls"][coll] = rows
 
+    if stop is not None:
+        stop.set()
     if spec["ddp_steps"] > 0:
         res["ddp"] = _ddp(rank, n, gloo, spec["ddp_steps"])
     if rank == 0:
@@ -415,6 +439,28 @@ def _api(a: argparse.Namespace, sizes: list[int]) -> None:
             print(line, flush=True)
 
 
+_LOAD_TEXT = {
+    "busy": "one busy process per core for the whole run",
+    "torch": "every rank multiplies matrices on torch's default intra-op threads beside its collectives",
+}
+
+
+def _busy(n: int) -> list[subprocess.Popen]:
+    """`n` processes that keep a core busy each."""
+    return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+
+
+def _compute_beside(stop) -> None:
+    """Matrix products on torch's default intra-op threads until `stop` is set
+    (the GIL is released while they run)."""
+    import torch
+
+    a = torch.randn(256, 256)
+    b = torch.randn(256, 256)
+    while not stop.is_set():
+        torch.mm(a, b)
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "--worker":
@@ -440,7 +486,38 @@ def main(argv: list[str] | None = None) -> None:
                     help="instead: braid's Python API (numpy all_reduce) against the Rust API")
     ap.add_argument("--braid-perf", help="with --api: the braid-perf binary to compare with")
     ap.add_argument("--braid-run", default="braid-run", help="with --api: the braid-run binary")
+    ap.add_argument("--load", choices=["none", "busy", "torch"], default="none",
+                    help="collectives under load: busy = one busy process per core for the whole "
+                         "run; torch = every rank computes matrix products on torch's default "
+                         "intra-op threads beside its collectives (default none)")
+    tr = ap.add_argument_group("training step (--train)")
+    tr.add_argument("--train", action="store_true",
+                    help="instead: DDP and FSDP2 training steps on braid and on gloo, launched with "
+                         "torchrun on this host (--np) and, as root, on 2 emulated nodes (--per-node)")
+    tr.add_argument("--kinds", nargs="+", default=["ddp", "fsdp"], choices=["ddp", "fsdp"])
+    tr.add_argument("--per-node", type=int, nargs="+", default=[1, 2],
+                    help="ranks per emulated node (default: 1 2)")
+    tr.add_argument("--no-nodes", dest="nodes", action="store_false",
+                    help="skip the emulated nodes")
+    tr.add_argument("--width", type=int, default=512, help="MLP width (default 512)")
+    tr.add_argument("--depth", type=int, default=4, help="hidden layers (default 4: 1.19 M parameters)")
+    tr.add_argument("--batch", type=int, default=64, help="samples per rank and step (default 64)")
+    tr.add_argument("--bucket-mb", type=float, default=1.0, help="DDP bucket_cap_mb (default 1)")
+    tr.add_argument("--steps", type=int, default=30, help="timed steps per round (default 30)")
+    tr.add_argument("--warmup", type=int, default=5, help="untimed steps first (default 5)")
+    tr.add_argument("--threads", type=int, default=0,
+                    help="torch intra-op threads per rank (default 0: as torchrun sets them)")
     a = ap.parse_args(argv)
+    if a.train:
+        from ._train import main_train
+
+        if "--np" not in argv:
+            a.np = [2, 4]
+        if "--rounds" not in argv:
+            a.rounds = 5
+        if "--timeout" not in argv:
+            a.timeout = 600.0
+        raise SystemExit(main_train(a))
     if a.api:
         _api(a, _sizes(_size(a.minbytes), _size(a.maxbytes), max(2, a.stepfactor)))
         return
@@ -450,6 +527,7 @@ def main(argv: list[str] | None = None) -> None:
         "rounds": max(1, a.rounds),
         "scale": a.scale,
         "ddp_steps": a.ddp_steps,
+        "load": a.load,
     }
     import platform
 
@@ -459,9 +537,17 @@ def main(argv: list[str] | None = None) -> None:
 
     print(f"# braid {braid.__version__}, torch {torch.__version__}, python {platform.python_version()}, "
           f"{os.cpu_count()} CPUs, {time.strftime('%Y-%m-%d %H:%M')}, load average {_load()}", flush=True)
+    if a.load != "none":
+        print(f"# under load: {_LOAD_TEXT[a.load]}", flush=True)
     results = []
     for n in a.np:
-        res = _run(n, spec, a.timeout)
+        busy = _busy(os.cpu_count() or 1) if a.load == "busy" else []
+        try:
+            res = _run(n, spec, a.timeout)
+        finally:
+            for b in busy:
+                b.kill()
+                b.wait()
         results.append(res)
         for coll in a.collectives:
             print(_table(coll, n, res["colls"][coll]), flush=True)

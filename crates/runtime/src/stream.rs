@@ -64,6 +64,8 @@ impl Stream {
         let worker = std::thread::Builder::new()
             .name(format!("braid-stream-r{}", comm.rank()))
             .spawn(move || {
+                // Nobody is blocked on what runs here: waits sleep early.
+                crate::engine::set_background(true);
                 while let Ok(job) = rx.recv() {
                     job(&comm);
                 }
