@@ -152,15 +152,14 @@ pub(crate) const SPIN_MAX: Duration = Duration::from_micros(50);
 /// preempt the very thread that submitted). DDP step on 2 ranks, 2 cores:
 /// issuing a bucket's all-reduce took 0.3 ms of the backward pass with the
 /// full spin, 0.01 ms without.
-pub(crate) const BACKGROUND_SPIN: u32 = BACKGROUND_SPIN_ITERS;
-const BACKGROUND_SPIN_ITERS: u32 = 0;
+pub(crate) const BACKGROUND_SPIN: u32 = 0;
 
 thread_local! {
     static BACKGROUND: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
 }
 
 /// Marks the calling thread as a background worker (a stream's): its waits
-/// spin at most [`BACKGROUND_SPIN`] iterations before they sleep.
+/// spin [`BACKGROUND_SPIN`] iterations before they sleep.
 pub(crate) fn set_background(on: bool) {
     BACKGROUND.with(|b| b.set(on));
 }
@@ -177,8 +176,8 @@ pub(crate) struct Waiter<'a> {
     policy: &'a WaitPolicy,
     abort: &'a AtomicBool,
     progress: Option<&'a Progress>,
-    /// Spin iterations before sleeping: the policy's, or
-    /// [`BACKGROUND_SPIN`] at most on a background thread.
+    /// Spin iterations before sleeping: the policy's, or [`BACKGROUND_SPIN`]
+    /// on a background thread.
     spin: u32,
     iters: u32,
     /// When this wait's spin began (read every 64 iterations).
@@ -205,7 +204,7 @@ impl<'a> Waiter<'a> {
         progress: Option<&'a Progress>,
     ) -> Self {
         let spin = if BACKGROUND.with(|b| b.get()) {
-            policy.spin.min(BACKGROUND_SPIN)
+            BACKGROUND_SPIN
         } else {
             policy.spin
         };
@@ -740,6 +739,128 @@ mod tests {
         assert!(took >= policy.timeout, "{took:?}");
         assert!(took < Duration::from_secs(5), "{took:?}");
         assert_eq!(*seen.lock().unwrap(), Some((2, WAIT_DATA, "fake")));
+    }
+
+    /// A link end with a doorbell (the data arrives when another thread
+    /// sets the runner's flag and rings).
+    struct Belled {
+        peer: u32,
+        bell: Arc<braid_core::transport::Doorbell>,
+    }
+
+    impl RecvChannel for Belled {
+        fn peer(&self) -> u32 {
+            self.peer
+        }
+        fn transport(&self) -> &'static str {
+            "fake"
+        }
+        fn mem_kind(&self) -> MemKind {
+            MemKind::Host
+        }
+        fn slot_bytes(&self) -> usize {
+            4096
+        }
+        fn poll_peek(&mut self) -> braid_core::error::Result<Option<(SlotBuf, usize)>> {
+            Ok(None)
+        }
+        fn release(&mut self) -> braid_core::error::Result<()> {
+            Ok(())
+        }
+        fn check_peer(&mut self) -> braid_core::error::Result<()> {
+            Ok(())
+        }
+        fn abort(&mut self, _: &str) {}
+        fn arm_wake(&mut self) -> Option<WakeWord> {
+            Some(self.bell.arm(false))
+        }
+        fn disarm_wake(&mut self) {
+            self.bell.disarm();
+        }
+    }
+
+    /// Ops run once `ready` is set.
+    struct WhenReady(Arc<AtomicBool>);
+
+    impl OpRunner for WhenReady {
+        fn try_op(&mut self, op: &Op, _: &mut Channels) -> Result<Option<Blocked>, CoreError> {
+            let from = op.recv_peer().expect("recv");
+            if self.0.load(Ordering::SeqCst) {
+                Ok(None)
+            } else {
+                Ok(Some((from, WAIT_DATA)))
+            }
+        }
+    }
+
+    fn thread_cpu() -> Duration {
+        // SAFETY: `ru` is a valid rusage to write; RUSAGE_THREAD is the
+        // calling thread.
+        let ru = unsafe {
+            let mut ru: libc::rusage = std::mem::zeroed();
+            libc::getrusage(libc::RUSAGE_THREAD, &mut ru);
+            ru
+        };
+        let t = |v: libc::timeval| Duration::new(v.tv_sec as u64, v.tv_usec as u32 * 1000);
+        t(ru.ru_utime) + t(ru.ru_stime)
+    }
+
+    /// A wait on an end with a doorbell sleeps after its spin instead of
+    /// polling (the waiting thread uses almost no CPU while the peer takes
+    /// 300 ms), ends as soon as the peer rings, and leaves nobody armed.
+    #[test]
+    fn a_wait_sleeps_on_the_doorbell_and_ends_when_rung() {
+        let prog = program(vec![vec![recv(1)]]);
+        let ready = Arc::new(AtomicBool::new(false));
+        let bell = Arc::new(braid_core::transport::Doorbell::new());
+        let mut ch = chans(2);
+        ch.recv[1] = Some(Box::new(Belled {
+            peer: 1,
+            bell: bell.clone(),
+        }));
+        let (r2, b2) = (ready.clone(), bell.clone());
+        let peer = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(300));
+            r2.store(true, Ordering::SeqCst);
+            b2.ring(false);
+            Instant::now()
+        });
+        let policy = WaitPolicy::default();
+        let abort = AtomicBool::new(false);
+        let mut waiter = Waiter::new(&policy, &abort, None);
+        let cpu0 = thread_cpu();
+        run_stages(&prog, &mut ch, &mut waiter, &mut WhenReady(ready)).unwrap();
+        let done = Instant::now();
+        let cpu = thread_cpu() - cpu0;
+        eprintln!("waiting thread CPU: {cpu:?}");
+        let rung = peer.join().unwrap();
+        assert!(waiter.sleeps >= 1, "never slept");
+        // Polling (yield, then 50 µs sleeps) used 36 ms here.
+        assert!(
+            cpu < Duration::from_millis(15),
+            "the wait used {cpu:?} of CPU in 300 ms"
+        );
+        assert!(
+            done.duration_since(rung) < Duration::from_millis(100),
+            "woke {:?} after the ring",
+            done.duration_since(rung)
+        );
+        assert_eq!(bell.armed(), 0, "left armed");
+    }
+
+    /// A stream's worker (a background thread) sleeps without spinning;
+    /// the caller's own thread spins first.
+    #[test]
+    fn background_threads_do_not_spin() {
+        let policy = WaitPolicy::default();
+        let abort = AtomicBool::new(false);
+        assert_eq!(Waiter::new(&policy, &abort, None).spin, policy.spin);
+        let bg = std::thread::spawn(move || {
+            set_background(true);
+            let abort = AtomicBool::new(false);
+            Waiter::new(&WaitPolicy::default(), &abort, None).spin
+        });
+        assert_eq!(bg.join().unwrap(), 0);
     }
 
     /// An abort makes a waiting stage runner fail promptly.
