@@ -76,6 +76,9 @@ class Handle:
     def add_done_callback(self, fn: Callable[[BaseException | None], Any]) -> None:
         """Call ``fn(error_or_None)`` when the operation finishes (on the
         thread that finishes it), or now if it has."""
+    def _sources(self) -> list[int] | None:
+        """Private (torch backend): the sender of each receive of a tagged
+        batch (``_raw_tagged``) once it succeeded; None otherwise."""
 
 class Group:
     """Point-to-point operations that run together (``Communicator.group()``)."""
@@ -230,3 +233,11 @@ class Communicator:
         async_op: bool = False,
         keep: Any = None,
     ) -> Handle | None: ...
+    def _mailbox(self) -> Communicator:
+        """Private (torch backend): the group's mailbox for tagged
+        point-to-point messages, as the communicator it owns (a
+        collective: every rank calls it)."""
+    def _raw_tagged(self, ops: list[tuple[bool, int, int, int, int]], keep: Any = None) -> Handle:
+        """Private (torch backend): tagged sends and receives ``(is_send,
+        peer, tag, addr, len)`` run together on a ``_mailbox()``
+        communicator (peer -1: a receive from any rank)."""

@@ -15,8 +15,10 @@ What it does:
 - Every collective ``torch.distributed`` has on CPU tensors: all_reduce (and
   coalesced), broadcast, reduce, all_gather, all_gather_into_tensor (and
   coalesced), gather, scatter, reduce_scatter, reduce_scatter_tensor (and
-  coalesced), all_to_all, all_to_all_single (with split sizes), send, recv,
-  isend, irecv, batch_isend_irecv, barrier; ``async_op=True`` returns a Work
+  coalesced), all_to_all, all_to_all_single (with split sizes: any sequence
+  of ints), send, recv, isend, irecv, batch_isend_irecv (tags, and receives
+  from any source), barrier; all_reduce of sparse COO tensors (SUM, as
+  gloo's: a coalesced sparse result); ``async_op=True`` returns a Work
   with ``wait()``, ``is_completed()`` and ``get_future()``; operations run in
   issue order, like a CUDA stream.
 - ReduceOp SUM, PRODUCT, MIN, MAX, AVG and PREMUL_SUM (the input is scaled,
@@ -35,17 +37,23 @@ What it does:
 
 isend/irecv are issued together: point-to-point operations wait until their
 Work is waited on or polled, a blocking send/recv follows, or any other
-operation is issued, and then run as one braid group (so two ranks that
-isend to each other before they irecv do not deadlock, whatever the size).
+operation is issued, and then run together (so two ranks that isend to each
+other before they irecv do not deadlock, whatever the size). They travel
+through the group's braid mailbox (``braid::Mailbox``, a communicator of
+their own), which matches messages by source and tag as gloo does and
+receives from any source (``recv`` without ``src``; the Work's
+``_source_rank()`` says who sent).
 """
 
 from __future__ import annotations
 
 import datetime
+import operator
 import os
 import socket
 import threading
 import warnings
+import zlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -88,6 +96,8 @@ for _name, _code in (("uint32", 3), ("uint64", 5)):
     if hasattr(torch, _name):
         _DT[getattr(torch, _name)] = _code
 _U8 = 1
+# Dimensions a sparse all_reduce's metadata has room for.
+_SPARSE_DIMS = 64
 # Complex tensors reduce as pairs of real numbers (SUM, AVG, PREMUL_SUM only).
 _COMPLEX = {torch.complex64: 8, torch.complex128: 9}
 
@@ -167,14 +177,67 @@ def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
 
 
 def _any_cuda(*objs: Any) -> bool:
+    """Whether any tensor is on a CUDA device (other devices raise)."""
     for o in objs:
         if isinstance(o, torch.Tensor):
             if not o.is_cpu:
+                _check_device(o)
                 return True
         elif isinstance(o, (list, tuple)):
             if _any_cuda(*o):
                 return True
     return False
+
+
+def _check_device(t: torch.Tensor) -> None:
+    """Raise for a tensor braid cannot move: neither on the CPU nor on a
+    CUDA device (the CUDA path then says whether CUDA is there)."""
+    kind = t.device.type
+    if kind in ("cpu", "cuda"):
+        return
+    if kind == "meta":
+        raise InvalidArgumentError(
+            "braid: a meta tensor was passed: it has a shape but no data, so there is nothing "
+            "to communicate; pass a CPU (or CUDA) tensor"
+        )
+    raise InvalidArgumentError(
+        f"braid: a tensor on device {t.device} was passed; braid takes CPU and CUDA tensors "
+        "(move it with tensor.cpu())"
+    )
+
+
+def _split_sizes(sizes: Any, what: str) -> list[int]:
+    """Split sizes as any sequence of non-negative ints (list, tuple, numpy
+    array, 1-d integer tensor; None or empty: equal splits)."""
+    if sizes is None:
+        return []
+    if isinstance(sizes, torch.Tensor):
+        if sizes.dim() > 1 or sizes.is_floating_point() or sizes.is_complex():
+            raise InvalidArgumentError(
+                f"braid: all_to_all: {what} must be a sequence of ints, not a {sizes.dim()}-d "
+                f"{sizes.dtype} tensor"
+            )
+        sizes = sizes.tolist()
+    try:
+        items = list(sizes)
+    except TypeError:
+        raise InvalidArgumentError(
+            f"braid: all_to_all: {what} must be a sequence of ints, not {type(sizes).__name__}"
+        ) from None
+    out = []
+    for x in items:
+        try:
+            if isinstance(x, bool):
+                raise TypeError
+            v = operator.index(x)
+        except TypeError:
+            raise InvalidArgumentError(
+                f"braid: all_to_all: {what} must hold ints, not {x!r} ({type(x).__name__})"
+            ) from None
+        if v < 0:
+            raise InvalidArgumentError(f"braid: all_to_all: {what} {items} holds a negative size")
+        out.append(v)
+    return out
 
 
 _Work = dist._Work
@@ -191,6 +254,8 @@ class BraidWork(_Work):
     _fut: torch.futures.Future | None = None
     # Deferred point-to-point work: issued by the core's flush.
     _core: _Core | None = None
+    # A receive's place among its batch's receives (for _source_rank).
+    _src_index: int | None = None
 
     def __init__(
         self,
@@ -270,6 +335,22 @@ class BraidWork(_Work):
     def synchronize(self) -> None:
         self.wait()
 
+    def _source_rank(self) -> int:
+        """The rank a receive's message came from (torch calls it after a
+        receive from any source, as on gloo)."""
+        i = self._src_index
+        if i is None:
+            raise RuntimeError(
+                "sourceRank() may only be called on work objects that correspond to a recv "
+                "or recv-from-any call."
+            )
+        self.wait()
+        h = self._h
+        srcs = h._sources() if h is not None else None
+        if not srcs or i >= len(srcs):
+            raise RuntimeError("braid: this receive has no sender (it did not complete)")
+        return srcs[i]
+
     def get_future(self) -> torch.futures.Future:
         self._issue()
         if self._fut is None:
@@ -293,16 +374,23 @@ class _Core:
         rank: int,
         size: int,
         timeout: float | None,
+        mbox: _braid.Communicator,
     ) -> None:
         self.comm = comm
         self.raw = comm._raw
         self.raw_seq = comm._raw_seq
         self.raw_group = comm._raw_group
+        # Point to point: the group's mailbox (tags, any source), on a
+        # communicator and worker of its own.
+        self.mbox = mbox
+        self.raw_tagged = mbox._raw_tagged
         self.rank = rank
         self.size = size
         self.timeout = timeout
-        # Point-to-point operations not yet issued (see flush).
-        self.p2p_ops: list[tuple[bool, int, int, int]] = []
+        # Point-to-point operations not yet issued (see flush):
+        # (is_send, peer or -1 for any source, tag, address, bytes).
+        self.p2p_ops: list[tuple[bool, int, int, int, int]] = []
+        self.p2p_recvs = 0
         self.p2p_keep: list[torch.Tensor] = []
         self.p2p_works: list[BraidWork] = []
         self.coalescing = False
@@ -322,20 +410,23 @@ class _Core:
         else:
             text = store.get(key).decode()
             comm = _braid.Communicator.init(text, rank, size, timeout=secs)
-        return cls(comm, rank, size, secs)
+        # Every rank of the group creates the mailbox (a collective).
+        return cls(comm, rank, size, secs, comm._mailbox())
 
     # ---- argument checks ----------------------------------------------
 
     @staticmethod
     def host(t: torch.Tensor, what: str = "tensor") -> tuple[int, int]:
-        """(address, bytes) of a contiguous CPU tensor."""
+        """(address, bytes) of a contiguous dense tensor."""
+        if t.layout != torch.strided:
+            kind = "sparse" if t.is_sparse or "sparse" in str(t.layout) else "not dense"
+            raise InvalidArgumentError(
+                f"braid: the {what} is {kind} ({t.layout}); braid takes dense (strided) tensors "
+                "here (all_reduce also takes sparse COO tensors, as gloo); pass tensor.to_dense()"
+            )
         if not t.is_contiguous():
             raise InvalidArgumentError(
                 f"braid: the {what} is not contiguous; pass tensor.contiguous()"
-            )
-        if t.layout != torch.strided:
-            raise InvalidArgumentError(
-                f"braid: the {what} is {t.layout}; braid takes dense (strided) tensors"
             )
         return t.data_ptr(), t.numel() * t.element_size()
 
@@ -395,30 +486,60 @@ class _Core:
     # ---- point-to-point batching --------------------------------------
 
     def add_p2p(
-        self, is_send: bool, tensors: Sequence[torch.Tensor], peer: int
+        self, is_send: bool, tensors: Sequence[torch.Tensor], peer: int | None, tag: Any = 0
     ) -> BraidWork:
-        if not 0 <= peer < self.size or peer == self.rank:
+        """Queue sends to / receives from `peer` (None: a receive from any
+        source) with `tag`; checked here, before anything is sent."""
+        if peer is None:
+            peer = -1
+        elif not isinstance(peer, int) or not 0 <= peer < self.size or peer == self.rank:
             raise InvalidArgumentError(
                 f"braid: peer {peer} is not another rank of this group (0..{self.size - 1}, "
                 f"this rank is {self.rank})"
             )
+        if isinstance(tag, bool) or not isinstance(tag, int) or not 0 <= tag < 1 << 63:
+            raise InvalidArgumentError(
+                f"braid: tag {tag!r} is not a non-negative integer (as gloo's tags)"
+            )
+        bufs = [self.host(t) for t in tensors]
         with self.lock:
-            for t in tensors:
-                addr, n = self.host(t)
-                self.p2p_ops.append((is_send, peer, addr, n))
+            # A receive needs memory of its own within the batch.
+            for i, (addr, n) in enumerate(bufs):
+                mine = ([] if is_send else bufs[:i]) + [
+                    op[3:] for op in self.p2p_ops if not is_send or not op[0]
+                ]
+                if n and any(b and addr < a + b and a < addr + n for a, b in mine):
+                    raise InvalidArgumentError(
+                        "braid: this tensor overlaps another tensor of the point-to-point "
+                        "operations not yet run; a receive needs memory of its own"
+                    )
+            first = self.p2p_recvs
+            for t, (addr, n) in zip(tensors, bufs, strict=True):
+                self.p2p_ops.append((is_send, peer, tag, addr, n))
                 self.p2p_keep.append(t)
             w = BraidWork(None, list(tensors), core=self)
+            if not is_send:
+                w._src_index = first
+                self.p2p_recvs += len(bufs)
             self.p2p_works.append(w)
         return w
 
     def flush(self) -> _braid.Handle | None:
-        """Issue the pending point-to-point operations as one group."""
+        """Issue the pending point-to-point operations together, on the
+        mailbox (they run on its worker, beside the collectives)."""
         with self.lock:
             if not self.p2p_ops:
                 return None
             ops, keep, works = self.p2p_ops, self.p2p_keep, self.p2p_works
             self.p2p_ops, self.p2p_keep, self.p2p_works = [], [], []
-            h = self.raw_group(ops, [], True, keep)
+            self.p2p_recvs = 0
+            try:
+                h = self.raw_tagged(ops, keep)
+            except BaseException as e:
+                for w in works:  # their wait() raises it
+                    w._core = None
+                    w._exc = e
+                raise
             for w in works:
                 w._attach(h)
             return h
@@ -504,6 +625,8 @@ class _Ops:
     ) -> BraidWork:
         """A collective on CUDA tensors through braid's device communicator,
         on the current CUDA stream (stream-ordered, like NCCL's)."""
+        _check_device(send)
+        _check_device(recv)
         _Cuda.available()
         c = self._core
         if c.p2p_ops:
@@ -529,17 +652,104 @@ class _Ops:
         if opts is None:
             opts = AllreduceOptions()
         if len(tensors) != 1:
+            if any(t.layout == torch.sparse_coo for t in tensors):
+                return self._sparse_allreduce(tensors, opts)
             return self.allreduce_coalesced(tensors, opts)
         t = tensors[0]
+        try:
+            addr, n = c.host(t)
+        except InvalidArgumentError:
+            if t.layout == torch.sparse_coo:
+                return self._sparse_allreduce(tensors, opts)
+            raise
         dt, op, factor = c.reduction(t, opts.reduceOp)
         if factor is not None:
             c.premul(t, factor, True)
         if not t.is_cpu:
             return self._device("all_reduce", t, t, dt, op, 0, tensors)
-        addr, n = c.host(t)
         a = opts.asyncOp
         h = c.raw("all_reduce", dt, addr, n, addr, n, op, 0, a, tensors if a else None)
         return BraidWork(h, tensors)
+
+    def _sparse_allreduce(self, tensors: list[torch.Tensor], opts: Any) -> BraidWork:
+        """all_reduce of sparse COO tensors, as gloo's: the (summed,
+        coalesced) input's indices and values are gathered from every rank
+        (padded to the largest count), summed in rank order and coalesced;
+        the result replaces each input tensor (a coalesced sparse tensor).
+        The sum is torch's own sparse addition in gloo's order, so the values
+        are gloo's bit for bit."""
+        c = self._core
+        code = _opcode(opts.reduceOp)
+        if code != _SUM:
+            raise InvalidArgumentError(
+                "braid: all_reduce of sparse tensors takes ReduceOp.SUM only (as gloo), not "
+                f"ReduceOp.{_OP_NAME.get(code, code)}"
+            )
+        for t in tensors:
+            if t.layout != torch.sparse_coo:
+                raise InvalidArgumentError(
+                    f"braid: all_reduce of sparse tensors takes sparse COO tensors, not {t.layout}"
+                )
+            if not t.is_cpu:
+                _check_device(t)
+                _Cuda.check()
+        with torch.no_grad():
+            inp = tensors[0].cpu()
+            for t in tensors[1:]:
+                inp = inp + t.cpu()
+            inp = inp.coalesce()
+            shape = list(inp.shape)
+            sd, nnz = inp.sparse_dim(), inp._nnz()
+            dense = shape[sd:]
+            dtype_id = zlib.crc32(str(inp.dtype).encode())
+            mine = [sd, inp.dense_dim(), len(shape), dtype_id, nnz] + shape
+            if len(shape) > _SPARSE_DIMS:
+                raise InvalidArgumentError(
+                    f"braid: all_reduce of sparse tensors takes at most {_SPARSE_DIMS} dimensions"
+                )
+            meta = torch.zeros(5 + _SPARSE_DIMS, dtype=torch.int64)
+            meta[: len(mine)] = torch.tensor(mine, dtype=torch.int64)
+            metas = torch.empty(c.size, meta.numel(), dtype=torch.int64)
+            self._gather_raw(meta, metas)
+            rows = [row[: 5 + int(row[2])].tolist() for row in metas]
+            for r, row in enumerate(rows):
+                if row[:4] + row[5:] != mine[:4] + mine[5:]:
+                    raise InvalidArgumentError(
+                        "braid: all_reduce of sparse tensors: the tensors differ across ranks "
+                        f"(rank {c.rank}: shape {shape}, sparse_dim {sd}, {inp.dtype}; rank {r}: "
+                        f"shape {row[5:]}, sparse_dim {row[0]}); every rank needs the same"
+                    )
+            counts = [row[4] for row in rows]
+            most = max(counts)
+            gidx = torch.zeros(c.size, sd, most, dtype=torch.int64)
+            gval = torch.zeros([c.size, most] + dense, dtype=inp.dtype)
+            if most > 0:
+                pidx = torch.zeros(sd, most, dtype=torch.int64)
+                pidx[:, :nnz] = inp._indices()
+                pval = torch.zeros([most] + dense, dtype=inp.dtype)
+                pval[:nnz] = inp._values()
+                self._gather_raw(pidx, gidx)
+                self._gather_raw(pval, gval)
+            parts = [
+                torch.sparse_coo_tensor(
+                    gidx[r][:, : counts[r]], gval[r][: counts[r]], shape, check_invariants=False
+                )
+                for r in range(c.size)
+            ]
+            out = parts[0]
+            for part in parts[1:]:
+                out += part
+            out = out.coalesce()
+            for t in tensors:
+                t.copy_(out if t.is_cpu else out.to(t.device))
+        return BraidWork(None, tensors)
+
+    def _gather_raw(self, inp: torch.Tensor, out: torch.Tensor) -> None:
+        """Blocking all_gather of a contiguous CPU tensor (as bytes)."""
+        c = self._core
+        sa, sn = c.host(inp, "input")
+        ra, rn = c.host(out, "output")
+        c.raw("all_gather", _U8, sa, sn, ra, rn, 0, 0, False, None)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> BraidWork:
         c = self._core
@@ -567,12 +777,12 @@ class _Ops:
         t = tensors[0] if len(tensors) == 1 else None
         if t is None:
             raise InvalidArgumentError("braid: reduce takes exactly one tensor")
+        addr, n = c.host(t)  # before PREMUL_SUM scales a tensor braid refuses
         dt, op, factor = c.reduction(t, opts.reduceOp)
         if factor is not None:
             c.premul(t, factor, True)
         if not t.is_cpu:
             return self._device("reduce", t, t, dt, op, opts.rootRank, tensors)
-        addr, n = c.host(t)
         a = opts.asyncOp
         h = c.raw("reduce", dt, addr, n, addr, n, op, opts.rootRank, a, tensors if a else None)
         return BraidWork(h, tensors)
@@ -645,6 +855,8 @@ class _Ops:
             )
         out = output_tensors[0]
         for t in input_tensors[0]:
+            if t.layout != torch.strided:
+                self._core.host(t, "input")  # raises, naming the layout
             if t.numel() != out.numel() or t.dtype != out.dtype:
                 raise InvalidArgumentError(
                     "braid: reduce_scatter: every input tensor must match the output's "
@@ -896,6 +1108,8 @@ class _Ops:
         self._flush()
         if opts is None:
             opts = AllToAllOptions()
+        output_split_sizes = _split_sizes(output_split_sizes, "output_split_sizes")
+        input_split_sizes = _split_sizes(input_split_sizes, "input_split_sizes")
         if _any_cuda(output, input):
             if not output_split_sizes and not input_split_sizes and output.dtype == input.dtype:
                 return self._device("all_to_all", input, output, c.dtype(input), 0, 0, [output])
@@ -919,8 +1133,8 @@ class _Ops:
         out_rows = output.shape[0] if output.dim() > 0 else 1
         in_row = sn // in_rows if in_rows else 0
         out_row = rn // out_rows if out_rows else 0
-        isz = list(input_split_sizes) or [in_rows // p] * p
-        osz = list(output_split_sizes) or [out_rows // p] * p
+        isz = input_split_sizes or [in_rows // p] * p
+        osz = output_split_sizes or [out_rows // p] * p
         if len(isz) != p or len(osz) != p:
             raise InvalidArgumentError(f"braid: all_to_all: split sizes need {p} entries")
         if sum(isz) != in_rows or sum(osz) != out_rows:
@@ -989,26 +1203,26 @@ class _Ops:
         if _any_cuda(tensors):
             _Cuda.check()
             host = [t.detach().to("cpu").contiguous() for t in tensors]
-            w = self._core.add_p2p(True, host, dst)
+            w = self._core.add_p2p(True, host, dst, tag)
             w.wait()
             return BraidWork(None, tensors)
-        return self._core.add_p2p(True, tensors, dst)
+        return self._core.add_p2p(True, tensors, dst, tag)
 
-    def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> BraidWork:
+    def recv(self, tensors: list[torch.Tensor], src: int | None, tag: int = 0) -> BraidWork:
         if _any_cuda(tensors):
             _Cuda.check()
             host = [torch.empty_like(t, device="cpu") for t in tensors]
-            w = self._core.add_p2p(False, host, src)
+            w = self._core.add_p2p(False, host, src, tag)
             w.wait()
             for t, h in zip(tensors, host, strict=True):
                 t.copy_(h)
-            return BraidWork(None, tensors)
-        return self._core.add_p2p(False, tensors, src)
+            w._result = tensors
+            return w
+        return self._core.add_p2p(False, tensors, src, tag)
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> BraidWork:
-        raise InvalidArgumentError(
-            "braid: receiving from any source is not supported; pass src= to recv/irecv"
-        )
+        # The Work's _source_rank() says who sent (torch's recv returns it).
+        return self.recv(tensors, None, tag)
 
     def start_coalescing(self, device: Any = None) -> None:
         self._flush()
@@ -1035,12 +1249,14 @@ class _Ops:
 
     def abort(self) -> None:
         self._core.comm.abort()
+        self._core.mbox.abort()
 
     def shutdown(self) -> None:
         c = self._core
         try:
             c.flush()
         finally:
+            c.mbox.close()
             c.comm.close()
 
     def eager_connect_single_device(self, device: Any = None) -> None:
@@ -1049,7 +1265,9 @@ class _Ops:
     def get_error(self) -> Any:
         from torch._C._distributed_c10d import ErrorType
 
-        return ErrorType.SUCCESS if self._core.comm.async_error() is None else ErrorType.COMM_ERROR
+        c = self._core
+        ok = c.comm.async_error() is None and c.mbox.async_error() is None
+        return ErrorType.SUCCESS if ok else ErrorType.COMM_ERROR
 
     def set_timeout(self, timeout: Any) -> None:
         # braid's deadline is fixed when the communicator is created.

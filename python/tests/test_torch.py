@@ -58,6 +58,19 @@ def test_killed_rank_raises_naming_it():
     assert shm_left([x.pid for x in r.ranks]) == []
 
 
+def test_killed_rank_ends_receives_from_it_and_from_any_rank():
+    t0 = time.monotonic()
+    r = run("torch_p2p_kill", 3, uid=False, env=TORCH_ENV, spec={"timeout": 20},
+            allow_fail={2}, timeout=120)
+    assert r.ranks[2].returncode == -signal.SIGKILL
+    for res in r.results()[:2]:
+        assert res["type"] == "PeerFailedError", res
+        assert "rank 2" in res["msg"], res
+        # Found dead, not timed out.
+        assert res["t_err"] - t0 < 60 and "timed out" not in res["msg"], res
+    assert shm_left([x.pid for x in r.ranks]) == []
+
+
 def test_bench_runs():
     # A smoke run of python -m braid.bench (the real run is by hand).
     import json
@@ -84,3 +97,34 @@ def test_bench_runs():
             capture_output=True, text=True, timeout=120,
         )
         assert p.returncode == 0 and "       8" in p.stdout, p.stdout + p.stderr
+
+
+@pytest.mark.parametrize("nranks", [2, 3])
+def test_tags_and_any_source_against_gloo(nranks):
+    r = run("torch_p2p_tags", nranks, uid=False, env=TORCH_ENV, timeout=300)
+    for res in r.results():
+        assert len(res["checked"]) == 4 and res["gloo_refused"] == [], res
+
+
+@pytest.mark.parametrize("nranks", [2, 3])
+def test_sparse_all_reduce_and_ddp_against_gloo(nranks):
+    r = run("torch_sparse", nranks, uid=False, env=TORCH_ENV, timeout=300)
+    for res in r.results():
+        assert res["gloo_refused"] == [] and len(res["checked"]) == 4 + (2 if nranks == 2 else 1), res
+        # Bit-identical parameters, and training moved them.
+        assert all(d == 0.0 for d in res["ddp_diffs"].values()), res
+        assert res["moved"] > 0, res
+
+
+def test_split_sizes_of_any_sequence_and_precise_messages():
+    r = run("torch_args", 2, uid=False, env=TORCH_ENV, timeout=300)
+    for res in r.results():
+        assert len(res["checked"]) == 6, res
+        m = res["msgs"]
+        assert "must hold ints" in m["float split sizes"], m
+        assert "negative" in m["negative split size"], m
+        for k, v in m.items():
+            if k.startswith("sparse"):
+                assert "sparse" in v and "contiguous" not in v, (k, v)
+            if k.startswith("meta"):
+                assert "meta tensor" in v and "CUDA tensor" not in v, (k, v)

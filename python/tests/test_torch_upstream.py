@@ -29,6 +29,9 @@ SELECTION = [
     "test_all_reduce_sum_async",
     "test_broadcast",
     "test_send_recv",
+    "test_send_recv_any_source",
+    "test_send_recv_any_source_autograd_profiler",
+    "test_send_recv_any_source_torch_profiler",
     "test_DistributedDataParallelCPU",
 ]
 

@@ -395,3 +395,322 @@ def torch_kill(rank, p, spec):
         except braid.Error as e:
             return {"type": type(e).__name__, "msg": str(e), "t_err": time.monotonic()}
     raise AssertionError("no error")
+
+
+# ---------------------------------------------------------------------------
+# What gloo does that programs rely on: tags, receives from any source,
+# sparse all_reduce, split sizes of any sequence type, precise messages.
+
+
+def _others(rank, p):
+    return [q for q in range(p) if q != rank]
+
+
+@scenario
+def torch_p2p_tags(rank, p, spec):
+    """Point to point with tags and from any source, against gloo."""
+    gloo = init(rank, p, spec)
+    c = Checker(gloo)
+    sizes = {1: 5, 2: 300_000, 3: 17}  # tag 2: larger than a burst's head
+
+    def out_of_order(g):
+        # Every rank isends three tagged messages to every other rank, which
+        # receives them in another order than they were sent.
+        reqs = [
+            dist.isend(vals((n,), torch.float32, rank, tag * 10 + q), q, group=g, tag=tag)
+            for q in _others(rank, p)
+            for tag, n in sizes.items()
+        ]
+        out = []
+        for q in _others(rank, p):
+            bufs = {tag: torch.empty(n) for tag, n in sizes.items()}
+            for tag in (3, 1, 2):
+                dist.recv(bufs[tag], q, group=g, tag=tag)
+            out += [bufs[t] for t in sorted(bufs)]
+        for r in reqs:
+            r.wait()
+        return out
+    c.both("tags out of order", out_of_order)
+
+    def batch(g):
+        # batch_isend_irecv with tags; the receives are posted in the
+        # other order; two messages with one tag keep their order.
+        ops, outs = [], {}
+        for q in _others(rank, p):
+            for tag in (5, 6, 6):
+                ops.append(dist.P2POp(dist.isend, vals((7 + tag,), torch.int64, rank, tag + len(ops)),
+                                      q, group=g, tag=tag))
+        for q in _others(rank, p):
+            for k, tag in enumerate((6, 5, 6)):
+                t = torch.empty(7 + tag, dtype=torch.int64)
+                outs[(q, k)] = t
+                ops.append(dist.P2POp(dist.irecv, t, q, group=g, tag=tag))
+        for r in dist.batch_isend_irecv(ops):
+            r.wait()
+        return [outs[k] for k in sorted(outs)]
+    c.both("batch_isend_irecv tags", batch)
+
+    def any_source(g):
+        # Rank 0 receives from any source (recv and irecv, tag 4) while a
+        # tag-9 message of every sender waits for its own receive.
+        if rank == 0:
+            got = []
+            for i in range(2 * (p - 1)):
+                t = torch.full((6,), -1.0)
+                if i % 2 == 0:
+                    s = dist.recv(t, group=g, tag=4)
+                else:
+                    w = dist.irecv(t, group=g, tag=4)
+                    w.wait()
+                    s = w._source_rank()
+                assert torch.equal(t, torch.full((6,), float(s))), (s, t)
+                got.append(s)
+            late = []
+            for q in _others(rank, p):
+                t = torch.empty(3, dtype=torch.int32)
+                dist.recv(t, q, group=g, tag=9)
+                late.append(t)
+            # Which sender comes first varies: compare the multiset.
+            return [torch.tensor(sorted(got))] + late
+        w9 = dist.isend(torch.full((3,), 100 + rank, dtype=torch.int32), 0, group=g, tag=9)
+        dist.send(torch.full((6,), float(rank)), 0, group=g, tag=4)
+        dist.send(torch.full((6,), float(rank)), 0, group=g, tag=4)
+        w9.wait()
+        return []
+    c.both("recv from any source", any_source)
+
+    def big_unexpected(g):
+        # A large message that no receive wants yet is kept while a later
+        # small one with another tag is received first.
+        nxt, prv = (rank + 1) % p, (rank - 1) % p
+        a = dist.isend(vals((1 << 20,), torch.float32, rank, 1), nxt, group=g, tag=11)
+        b = dist.isend(vals((3,), torch.float32, rank, 2), nxt, group=g, tag=12)
+        small, big = torch.empty(3), torch.empty(1 << 20)
+        dist.recv(small, prv, group=g, tag=12)
+        dist.recv(big, prv, group=g, tag=11)
+        a.wait()
+        b.wait()
+        return [small, big]
+    c.both("large unexpected message", big_unexpected)
+
+    # Bad tags and peers raise before anything is sent; the group goes on.
+    import braid
+    errors = []
+    for bad in (lambda: dist.isend(torch.ones(2), (rank + 1) % p, tag=-1),
+                lambda: dist.irecv(torch.ones(2), (rank + 1) % p, tag=-3),
+                lambda: dist.isend(torch.ones(2), rank)):
+        try:
+            bad()
+        except (braid.InvalidArgumentError, ValueError) as e:
+            errors.append(str(e))
+    assert len(errors) == 3, errors
+    assert "tag -1" in errors[0] and "non-negative" in errors[0], errors
+    # A receive into a tensor that a pending send uses is refused; the send
+    # still goes (and is received).
+    nxt, prv = (rank + 1) % p, (rank - 1) % p
+    x, y = vals((4,), torch.float32, rank, 20), torch.empty(4)
+    w = dist.isend(x, nxt, tag=20)
+    try:
+        dist.irecv(x, prv, tag=20)
+        raise AssertionError("overlap not refused")
+    except braid.InvalidArgumentError as e:
+        assert "overlaps" in str(e), e
+    dist.recv(y, prv, tag=20)
+    w.wait()
+    assert torch.equal(y, vals((4,), torch.float32, prv, 20)), y
+    t = torch.ones(2)
+    dist.all_reduce(t)
+    assert torch.equal(t, torch.full((2,), float(p)))
+    dist.destroy_process_group()
+    return {"checked": c.checked, "gloo_refused": sorted(c.gloo_refused)}
+
+
+def _sparse_case(case, rank, p):
+    g = torch.Generator().manual_seed(100 * case + rank)
+    if case == 0:  # 1-d, duplicates (not coalesced), nnz differs per rank
+        n = 3 + rank
+        i = torch.randint(0, 20, (1, n), generator=g)
+        i[0, -1] = i[0, 0]
+        return torch.sparse_coo_tensor(i, torch.randn(n, generator=g), (20,))
+    if case == 1:  # 2 sparse dims, float64
+        n = 5 + 2 * rank
+        i = torch.stack([torch.randint(0, 6, (n,), generator=g), torch.randint(0, 7, (n,), generator=g)])
+        return torch.sparse_coo_tensor(i, torch.randn(n, generator=g, dtype=torch.float64), (6, 7))
+    if case == 2:  # hybrid: 1 sparse dim, dense rows of 3; int64 values
+        n = 4
+        i = torch.randint(0, 9, (1, n), generator=g)
+        return torch.sparse_coo_tensor(i, torch.randint(-5, 5, (n, 3), generator=g), (9, 3))
+    # case 3: rank 1 has no entries at all
+    n = 0 if rank == 1 else 4
+    i = torch.randint(0, 10, (1, n), generator=g)
+    return torch.sparse_coo_tensor(i, torch.randn(n, generator=g), (10,))
+
+
+class _SparseNet(torch.nn.Module):
+    def __init__(self, with_dense):
+        super().__init__()
+        self.emb = torch.nn.Embedding(60, 8, sparse=True)
+        self.lin = torch.nn.Linear(8, 3) if with_dense else None
+
+    def forward(self, idx):
+        h = self.emb(idx).sum(1)
+        return self.lin(h) if self.lin is not None else h[:, :3]
+
+
+@scenario
+def torch_sparse(rank, p, spec):
+    """Sparse all_reduce against gloo's (indices, values, layout), and DDP
+    with a sparse embedding against gloo's."""
+    import braid
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    gloo = init(rank, p, spec)
+    c = Checker(gloo)
+    for case in range(4):
+        def sp(g, case=case):
+            t = _sparse_case(case, rank, p)
+            w = dist.all_reduce(t, group=g, async_op=True)
+            w.wait()
+            assert w.result()[0] is t
+            assert t.layout == torch.sparse_coo
+            return [t._indices(), t._values(), torch.tensor([t.is_coalesced()])]
+        c.both(f"sparse all_reduce[{case}]", sp)
+    # Only SUM, as gloo; different shapes raise on every rank; the group
+    # stays usable.
+    errs = []
+    try:
+        dist.all_reduce(_sparse_case(0, rank, p), op=dist.ReduceOp.MAX)
+    except braid.InvalidArgumentError as e:
+        errs.append(str(e))
+    try:
+        dist.all_reduce(torch.sparse_coo_tensor([[0]], [1.0], (5 + rank,)))
+    except braid.InvalidArgumentError as e:
+        errs.append(str(e))
+    assert len(errs) == 2 and "SUM" in errs[0] and "differ across ranks" in errs[1], errs
+    t = torch.ones(3)
+    dist.all_reduce(t)
+    assert torch.equal(t, torch.full((3,), float(p)))
+
+    # DDP with a sparse embedding: the same training on braid and gloo.
+    # Every gradient sum is in rank order on both (sparse), so the
+    # parameters end bit-identical; with a dense layer too on 2 ranks (two
+    # summands add alike in any order).
+    diffs = {}
+    for with_dense in ([False, True] if p == 2 else [False]):
+        models = []
+        for group in (None, gloo):
+            torch.manual_seed(0)
+            m = DDP(_SparseNet(with_dense), process_group=group)
+            opt = torch.optim.SGD(m.parameters(), lr=0.1)
+            g = torch.Generator().manual_seed(7 + rank)
+            for _ in range(8):
+                idx = torch.randint(0, 60, (5, 4), generator=g)
+                y = torch.randn(5, 3, generator=g)
+                opt.zero_grad()
+                torch.nn.functional.mse_loss(m(idx), y).backward()
+                assert m.module.emb.weight.grad.is_sparse
+                opt.step()
+            models.append(m)
+        mb, mg = models
+        diffs[str(with_dense)] = max(float((a - b).abs().max())
+                                     for a, b in zip(mb.parameters(), mg.parameters()))
+        moved = float((mb.module.emb.weight - _SparseNet(with_dense).emb.weight).abs().max())
+        c.checked.append(f"ddp sparse (dense layer: {with_dense})")
+    dist.destroy_process_group()
+    return {"checked": c.checked, "gloo_refused": sorted(c.gloo_refused), "ddp_diffs": diffs,
+            "moved": moved}
+
+
+@scenario
+def torch_args(rank, p, spec):
+    """all_to_all_single's split sizes as any sequence of ints (against
+    gloo's result with lists), and argument errors that name their cause."""
+    import numpy as np
+
+    import braid
+
+    gloo = init(rank, p, spec)
+    isz = [(rank + q) % 3 + 1 for q in range(p)]
+    osz = [(q + rank) % 3 + 1 for q in range(p)]
+    inp = vals((sum(isz), 4), torch.float32, rank, 11)
+    want = torch.empty(sum(osz), 4)
+    dist.all_to_all_single(want, inp, osz, isz, group=gloo)
+    forms = {
+        "list": list, "tuple": tuple,
+        "numpy int64": lambda x: np.array(x, dtype=np.int64),
+        "numpy int32": lambda x: np.array(x, dtype=np.int32),
+        "tensor int64": lambda x: torch.tensor(x, dtype=torch.int64),
+        "tensor int32": lambda x: torch.tensor(x, dtype=torch.int32),
+    }
+    checked = []
+    for name, conv in forms.items():
+        got = torch.empty(sum(osz), 4)
+        dist.all_to_all_single(got, inp, conv(osz), conv(isz))
+        assert torch.equal(got, want), name
+        w = dist.all_to_all_single(got, inp, conv(osz), conv(isz), async_op=True)
+        w.wait()
+        assert torch.equal(got, want), name
+        checked.append(f"split sizes as {name}")
+
+    def err(fn):
+        try:
+            fn()
+        except braid.Error as e:
+            return str(e)
+        raise AssertionError("no error")
+
+    msgs = {
+        "float split sizes": err(lambda: dist.all_to_all_single(
+            torch.empty(sum(osz), 4), inp, [1.5] * p, isz)),
+        "negative split size": err(lambda: dist.all_to_all_single(
+            torch.empty(sum(osz), 4), inp, osz, [-1] + isz[1:])),
+    }
+    sparse = torch.sparse_coo_tensor([[0, 2]], [1.0, 2.0], (4,))
+    meta = torch.empty(4, device="meta")
+    msgs["sparse broadcast"] = err(lambda: dist.broadcast(sparse, src=0))
+    msgs["sparse all_gather_into_tensor"] = err(
+        lambda: dist.all_gather_into_tensor(torch.empty(4 * p), sparse))
+    msgs["sparse reduce_scatter_tensor"] = err(
+        lambda: dist.reduce_scatter_tensor(torch.empty(4), torch.sparse_coo_tensor([[0]], [1.0], (4 * p,))))
+    msgs["sparse isend"] = err(lambda: dist.isend(sparse, (rank + 1) % p))
+    msgs["sparse reduce"] = err(lambda: dist.reduce(sparse, dst=0))
+    msgs["sparse reduce_scatter"] = err(
+        lambda: dist.reduce_scatter(torch.empty(4), [sparse] * p))
+    msgs["sparse all_reduce_coalesced"] = err(
+        lambda: dist.all_reduce_coalesced([sparse, torch.ones(2)]))
+    msgs["meta all_reduce"] = err(lambda: dist.all_reduce(meta))
+    msgs["meta broadcast"] = err(lambda: dist.broadcast(meta, src=0))
+    msgs["meta all_gather_into_tensor"] = err(
+        lambda: dist.all_gather_into_tensor(torch.empty(4 * p, device="meta"), meta))
+    msgs["meta all_to_all_single"] = err(
+        lambda: dist.all_to_all_single(torch.empty(4, device="meta"), meta))
+    msgs["meta isend"] = err(lambda: dist.isend(meta, (rank + 1) % p))
+    # Still usable.
+    t = torch.ones(2)
+    dist.all_reduce(t)
+    assert torch.equal(t, torch.full((2,), float(p)))
+    dist.destroy_process_group()
+    return {"checked": checked, "msgs": msgs}
+
+
+@scenario
+def torch_p2p_kill(rank, p, spec):
+    """A rank dies while the others wait for its messages: a receive from
+    it and a receive from any rank both end with braid's error naming it."""
+    init(rank, p, spec, timeout=spec.get("timeout", 10))
+    import braid
+
+    t = torch.ones(4)
+    dist.all_reduce(t)  # every rank is up
+    if rank == p - 1:
+        time.sleep(0.5)
+        os.kill(os.getpid(), signal.SIGKILL)
+    buf = torch.empty(4)
+    try:
+        if rank == 0:
+            dist.recv(buf, p - 1, tag=3)
+        else:
+            dist.recv(buf, tag=3)  # from any rank
+    except braid.Error as e:
+        return {"type": type(e).__name__, "msg": str(e), "t_err": time.monotonic()}
+    raise AssertionError("no error")

@@ -6,9 +6,10 @@ backend through its plugin hook.
     BACKEND=braid WORLD_SIZE=2 TEMP_DIR=$(mktemp -d) python upstream_dist.py -k <pattern>
 
 The suite gates tests by backend: braid joins DistTestCases.backend_feature
-"plugin" (available), "ddp" and "subgroup", and skip_collective "sendrecv
-anysource" (as NCCL: no receive from any source); tests written only for
-gloo or nccl (by name) skip themselves. test_torch_upstream.py runs a selection.
+"plugin" (available), "ddp" and "subgroup" (it receives from any source, as
+gloo does, so it is not in skip_collective "sendrecv anysource"); tests
+written only for gloo or nccl (by name) skip themselves.
+test_torch_upstream.py runs a selection.
 """
 
 import os
@@ -32,8 +33,6 @@ from torch.testing._internal.common_distributed import DistTestCases  # noqa: E4
 
 for feature in ("plugin", "ddp", "subgroup"):
     DistTestCases.backend_feature[feature].add("braid")
-# Like NCCL, braid has no receive from any source.
-DistTestCases.skip_collective["sendrecv anysource"].add("braid")
 
 from torch.testing._internal.common_utils import run_tests  # noqa: E402
 from torch.testing._internal.distributed.distributed_test import (  # noqa: E402

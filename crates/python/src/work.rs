@@ -1,7 +1,7 @@
 //! What an operation is once its arguments are checked ([`Job`]), and the
 //! handle of an asynchronous one ([`Handle`]).
 
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use braid::{Collective, Communicator, DataType};
@@ -43,6 +43,24 @@ pub(crate) enum Job {
     /// Several operations, one after the other (coalesced calls); the first
     /// failure ends it.
     Seq(Vec<Job>),
+    /// Tagged sends and receives run together on a mailbox (the torch
+    /// backend's point to point); each receive's sender lands in `sources`
+    /// (in the order of the receives).
+    Tagged {
+        mb: braid::Mailbox,
+        ops: Vec<TaggedOp>,
+        sources: Arc<Mutex<Vec<i64>>>,
+    },
+}
+
+/// One tagged send (`send: true`) or receive; a receive without a peer
+/// takes a message from any rank.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct TaggedOp {
+    pub send: bool,
+    pub peer: Option<u32>,
+    pub tag: u64,
+    pub buf: Raw,
 }
 
 /// One send (`send: true`) or receive of a group, in bytes.
@@ -101,6 +119,28 @@ impl Job {
                 g.run()
             }
             Job::Seq(jobs) => jobs.iter().try_for_each(|j| j.run(comm)),
+            Job::Tagged { mb, ops, sources } => {
+                let mut b = mb.batch();
+                for op in ops {
+                    if op.send {
+                        // SAFETY: as above.
+                        b.send::<u8>(
+                            unsafe { op.buf.slice() },
+                            op.peer.unwrap_or(u32::MAX),
+                            op.tag,
+                        );
+                    } else {
+                        // SAFETY: as above; receive buffers overlap no other
+                        // buffer of the batch (checked when it was built).
+                        b.recv::<u8>(unsafe { op.buf.slice_mut() }, op.peer, op.tag);
+                    }
+                }
+                let got = b.run()?;
+                if let Ok(mut s) = sources.lock() {
+                    *s = got.into_iter().map(i64::from).collect();
+                }
+                Ok(())
+            }
         }
     }
 }
@@ -244,6 +284,8 @@ pub(crate) struct Handle {
     /// The buffers the operation uses (exports, and objects that own the
     /// memory of a raw-pointer operation), held until it is done.
     keep: Mutex<Option<Kept>>,
+    /// The sender of each receive of a tagged batch (`_raw_tagged`).
+    sources: OnceLock<Arc<Mutex<Vec<i64>>>>,
 }
 
 /// Buffer exports and memory owners an operation uses.
@@ -258,7 +300,13 @@ impl Handle {
         Handle {
             done,
             keep: Mutex::new(Some((keep, keep_obj))),
+            sources: OnceLock::new(),
         }
+    }
+
+    /// Where a tagged batch puts the sender of each receive.
+    pub(crate) fn set_sources(&self, s: Arc<Mutex<Vec<i64>>>) {
+        let _ = self.sources.set(s);
     }
 
     fn release(&self) {
@@ -307,6 +355,17 @@ impl Handle {
             None => None,
         };
         self.wait_inner(py, t)
+    }
+
+    /// Private (torch backend): the sender of each receive of a tagged
+    /// batch, once it succeeded; None before, and for other operations.
+    fn _sources(&self) -> Option<Vec<i64>> {
+        if !matches!(self.done.result(), Some(Ok(()))) {
+            return None;
+        }
+        self.sources
+            .get()
+            .and_then(|s| s.lock().ok().map(|v| v.clone()))
     }
 
     /// Whether the operation finished (successfully or not).

@@ -25,7 +25,7 @@ use pyo3::types::{PyList, PyTuple};
 use crate::errors::{invalid, py_err, ErrInfo, Kind};
 use crate::uid::{timeout_arg, PyUniqueId};
 use crate::views::dtype_from_code;
-use crate::work::{Handle, Job, P2pOp};
+use crate::work::{Handle, Job, P2pOp, TaggedOp};
 
 /// A communicator: a group of ranks that run collectives together.
 ///
@@ -47,6 +47,9 @@ pub(crate) struct PyComm {
     closed: AtomicBool,
     /// The device communicator, once a CUDA tensor came (torch backend).
     cuda: Mutex<Option<crate::cuda::CudaState>>,
+    /// Set on the communicator `_mailbox` returns: tagged messages
+    /// (`_raw_tagged`) travel on it.
+    mailbox: Option<braid::Mailbox>,
 }
 
 impl Drop for PyComm {
@@ -620,5 +623,87 @@ impl PyComm {
             keep_obj: keep,
         };
         self.launch(py, prep, async_op)
+    }
+
+    /// Private (torch backend): this group's mailbox for tagged
+    /// point-to-point messages (``braid::Mailbox``), returned as the
+    /// communicator it owns (every rank calls it; a collective). Its
+    /// operations run on a worker of their own, apart from the collectives.
+    fn _mailbox(&self, py: Python<'_>) -> PyResult<PyComm> {
+        self.check_open(py)?;
+        let comm = &self.comm;
+        let mb = py.detach(|| comm.mailbox()).map_err(|e| py_err(py, &e))?;
+        let mut c = PyComm::wrap(mb.communicator().clone());
+        c.mailbox = Some(mb);
+        Ok(c)
+    }
+
+    /// Private (torch backend): tagged sends and receives on raw host
+    /// addresses, run together on a ``_mailbox()`` communicator. ``ops``
+    /// holds ``(is_send, peer, tag, addr, len)``; a receive's peer of -1
+    /// takes a message from any rank. The handle's ``_sources()`` gives
+    /// each receive's sender once done.
+    #[pyo3(signature = (ops, keep = None))]
+    fn _raw_tagged(
+        &self,
+        py: Python<'_>,
+        ops: Vec<(bool, i64, i64, usize, usize)>,
+        keep: Option<Py<PyAny>>,
+    ) -> PyResult<Handle> {
+        let Some(mb) = self.mailbox.clone() else {
+            return Err(invalid(
+                py,
+                "_raw_tagged needs the communicator _mailbox() returns",
+            ));
+        };
+        let (p, me) = (self.p(), self.me());
+        let mut out: Vec<TaggedOp> = Vec::with_capacity(ops.len());
+        for (is_send, peer, tag, addr, len) in ops {
+            let what = if is_send { "send" } else { "recv" };
+            let peer = if !is_send && peer == -1 {
+                None
+            } else {
+                Some(check_peer(py, what, peer, p, me)?)
+            };
+            let tag = u64::try_from(tag).map_err(|_| {
+                invalid(
+                    py,
+                    format!("{what}: tag {tag} is negative; tags are integers from 0"),
+                )
+            })?;
+            let buf = Self::raw_range(py, addr, len)?;
+            // A receive writes its buffer: no other buffer of the batch may
+            // share its bytes.
+            let clash = out
+                .iter()
+                .any(|o| (!is_send || !o.send) && o.buf.overlaps(&buf));
+            if clash {
+                return Err(invalid(
+                    py,
+                    format!("{what}: this buffer overlaps another buffer of the batch; a receive needs memory of its own"),
+                ));
+            }
+            out.push(TaggedOp {
+                send: is_send,
+                peer,
+                tag,
+                buf,
+            });
+        }
+        let sources = Arc::new(Mutex::new(Vec::new()));
+        let prep = Prepared {
+            job: Job::Tagged {
+                mb,
+                ops: out,
+                sources: sources.clone(),
+            },
+            keep: vec![],
+            keep_obj: keep,
+        };
+        let h = self
+            .launch(py, prep, true)?
+            .ok_or_else(|| invalid(py, "_raw_tagged: no handle"))?;
+        h.set_sources(sources);
+        Ok(h)
     }
 }

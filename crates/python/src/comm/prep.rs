@@ -137,6 +137,7 @@ impl PyComm {
             pending: Arc::new(AtomicUsize::new(0)),
             closed: AtomicBool::new(false),
             cuda: Mutex::new(None),
+            mailbox: None,
         }
     }
 

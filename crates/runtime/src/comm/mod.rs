@@ -9,6 +9,8 @@
 //! - [`connect`]: links on demand (those of the default collectives at
 //!   creation, the others on first use; `BRAID_CONNECT`).
 //! - [`ops`]: the typed collective API and its argument checks.
+//! - [`p2p`]: tagged point-to-point messages ([`Mailbox`]: matched by
+//!   source and tag, received from any source).
 
 use std::collections::HashMap;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
@@ -43,6 +45,7 @@ mod connect;
 mod create;
 pub(crate) mod links;
 mod ops;
+mod p2p;
 mod tuning;
 
 pub use config::Config;
@@ -50,6 +53,7 @@ pub(crate) use links::LinkSetup;
 use links::*;
 use ops::raw_bytes;
 pub use ops::Group;
+pub use p2p::{MailBatch, Mailbox};
 use tuning::*;
 
 /// A group of ranks that run collectives together. Cheap to clone: clones
