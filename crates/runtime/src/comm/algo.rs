@@ -589,6 +589,11 @@ impl Communicator {
                 Internal::Trial { single_copy: true } => sh.direct_min,
                 _ => usize::MAX,
             },
+            // A trial runs as the call would.
+            free_direct_min: match run {
+                Internal::Trial { .. } => sh.direct_min,
+                _ => usize::MAX,
+            },
             stream_copies: false,
             slot_stores: None,
             rank: sh.rank,

@@ -467,6 +467,7 @@ impl Communicator {
             } else {
                 usize::MAX
             },
+            free_direct_min: sh.direct_min,
             stream_copies: buf_bytes >= sh.stream_min,
             slot_stores: Some(&st.slot_stores),
             rank: sh.rank,

@@ -973,7 +973,9 @@ impl Communicator {
             bufs,
             policy: &sh.policy,
             abort: &sh.abort,
+            // Never by reference: a round must not wait for a peer to read.
             direct_min: usize::MAX,
+            free_direct_min: usize::MAX,
             stream_copies: false,
             slot_stores: Some(&st.slot_stores),
             rank: sh.rank,

@@ -36,6 +36,13 @@ pub struct Exec<'a> {
     /// Pieces of at least this many bytes of pure data movement go by
     /// reference where the link allows it (single copy); `usize::MAX` never.
     pub direct_min: usize,
+    /// The same for links whose receiver does not pay for a reference
+    /// ([`DirectSend::costs_receiver`] false: sockets, whose writes then
+    /// come from the caller's memory instead of a slot copy), whether or not
+    /// the call goes single-copy: a reference there only saves a copy.
+    ///
+    /// [`DirectSend::costs_receiver`]: braid_core::transport::DirectSend::costs_receiver
+    pub free_direct_min: usize,
     /// Copies between the caller's buffers use streaming stores (the
     /// operation's buffers exceed the cache; `braid_core::copy`).
     pub stream_copies: bool,
@@ -116,7 +123,7 @@ pub unsafe fn execute(
     ex: &Exec<'_>,
     flags: &mut Vec<u8>,
 ) -> Result<(), CoreError> {
-    if small_program(prog, ex.direct_min) {
+    if small_program(prog, ex.direct_min.min(ex.free_direct_min)) {
         // SAFETY: forwarded from this function's contract.
         return unsafe { execute_small(prog, chans, ex, flags) };
     }
@@ -633,10 +640,10 @@ impl HostRun<'_> {
             && matches!(op, Op::RecvCopySend { .. } | Op::RecvReduceCopySend { .. });
         // The link's single-copy capability, and whether the receiver pays
         // for a reference (None: no single copy on this link now).
-        let costs_receiver = if len >= ex.direct_min {
-            ch.direct().map(|d| d.costs_receiver())
-        } else {
-            None
+        let costs_receiver = match ch.direct().map(|d| d.costs_receiver()) {
+            Some(true) if len >= ex.direct_min => Some(true),
+            Some(false) if len >= ex.direct_min.min(ex.free_direct_min) => Some(false),
+            _ => None,
         };
         let direct_ok = costs_receiver.is_some()
             && !matches!(op, Op::RecvReduceSend { .. })
