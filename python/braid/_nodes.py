@@ -55,6 +55,19 @@ def _children(pid: int) -> list[int]:
         return []
 
 
+def _sweep_dead() -> None:
+    """Removes the namespaces and bridges of emulated nodes whose creator
+    died without cleaning up (their names carry its pid)."""
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    for line in out.splitlines():
+        name = line.split()[0] if line.split() else ""
+        parts = name.split("-")
+        if len(parts) == 3 and parts[0] == "braid" and parts[2].startswith("n") and parts[1].isdigit():
+            if not os.path.exists(f"/proc/{parts[1]}"):
+                subprocess.run(["ip", "netns", "del", name], capture_output=True)
+                subprocess.run(["ip", "link", "del", f"bnb{parts[1]}"[:15]], capture_output=True)
+
+
 class EmulatedNodes:
     """``n`` emulated nodes; ``addr(i)`` is node ``i``'s address, ``popen(i,
     argv)`` starts a process inside it."""
@@ -71,6 +84,7 @@ class EmulatedNodes:
         self.cpus: list[list[int]] = [
             mine[i * k:(i + 1) * k] if split_cpus and k > 0 else mine for i in range(n)
         ]
+        _sweep_dead()
         pid = os.getpid()
         self.tag = tag or str(pid % 10_000_000)
         self.subnet = 10 + pid % 200
