@@ -193,8 +193,11 @@ pub(crate) struct Waiter<'a> {
     /// words to sleep on: armed before the last poll, slept on if it found
     /// nothing, disarmed after the sleep or once something moved.
     armed: Vec<(Blocked, WakeWord)>,
-    /// Sleeps so far (for tests and the wait statistics).
+    /// Sleeps on doorbells so far (for tests).
     pub(crate) sleeps: u64,
+    /// On ends without a doorbell: yields and short sleeps so far (tests).
+    pub(crate) yields: u64,
+    pub(crate) naps: u64,
 }
 
 impl<'a> Waiter<'a> {
@@ -222,6 +225,8 @@ impl<'a> Waiter<'a> {
             warned: false,
             armed: Vec::new(),
             sleeps: 0,
+            yields: 0,
+            naps: 0,
         }
     }
 
@@ -413,11 +418,16 @@ impl<'a> Waiter<'a> {
         if self.arm(chans, blocked)? {
             return Ok(());
         }
-        if waited > Duration::from_millis(20) {
-            // Long waits on links without a doorbell: stop burning a core.
+        if waited > Duration::from_millis(20) || self.spin == 0 {
+            // Links without a doorbell: long waits, and waits of threads
+            // that must not take a core (a stream's worker, oversubscribed
+            // ranks), sleep instead of yielding: a yielding thread keeps its
+            // share of a busy core.
             std::thread::sleep(Duration::from_micros(50));
+            self.naps += 1;
         } else {
             std::thread::yield_now();
+            self.yields += 1;
         }
         Ok(())
     }
@@ -846,6 +856,42 @@ mod tests {
             done.duration_since(rung)
         );
         assert_eq!(bell.armed(), 0, "left armed");
+    }
+
+    /// A background thread waiting on an end without a doorbell sleeps
+    /// between polls from the start instead of yielding (a yielding thread
+    /// keeps its share of a busy core); the caller's own thread yields for
+    /// its first 20 ms, then sleeps too.
+    #[test]
+    fn background_waits_without_a_doorbell_sleep() {
+        let wait = |background: bool| {
+            std::thread::spawn(move || {
+                set_background(background);
+                let prog = program(vec![vec![recv(1)]]);
+                let ready = Arc::new(AtomicBool::new(false));
+                let r2 = ready.clone();
+                let peer = std::thread::spawn(move || {
+                    std::thread::sleep(Duration::from_millis(60));
+                    r2.store(true, Ordering::SeqCst);
+                });
+                let policy = WaitPolicy::default();
+                let abort = AtomicBool::new(false);
+                let mut waiter = Waiter::new(&policy, &abort, None);
+                run_stages(&prog, &mut chans(2), &mut waiter, &mut WhenReady(ready)).unwrap();
+                peer.join().unwrap();
+                (waiter.yields, waiter.naps, waiter.sleeps)
+            })
+            .join()
+            .unwrap()
+        };
+        let (yields, naps, sleeps) = wait(true);
+        assert_eq!((yields, sleeps), (0, 0), "background: {naps} naps");
+        assert!(naps > 10, "background: {naps} naps");
+        let (yields, naps, _) = wait(false);
+        assert!(
+            yields > 0 && naps > 0,
+            "caller: {yields} yields, {naps} naps"
+        );
     }
 
     /// A stream's worker (a background thread) sleeps without spinning;
