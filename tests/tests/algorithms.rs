@@ -270,6 +270,31 @@ fn across_emulated_hosts() {
     assert!(p.iter().all(|l| l.ends_with("by timed")), "{p:?}");
 }
 
+/// Pieces go by reference over sockets (from 64 KiB) only in plans that
+/// leave a region they sent unchanged until the receiver has it: recursive
+/// doubling reduces the partner's reply into the region it has just sent,
+/// which may still be on its way out of the progress thread. In-place Sum
+/// AllReduce with new values each time (as DDP's buckets), 2 hosts of one
+/// rank, each algorithm forced, every result checked (without the rule,
+/// `rd` gave wrong sums at 1 MiB).
+#[test]
+fn sent_regions_stay_unchanged_until_read() {
+    let _g = serial();
+    let Some(h) = hosts(2) else { return };
+    for algo in ["rd", "ring", "rabenseifner"] {
+        for n in ["262144", "40000"] {
+            let res = suite(
+                Some(&h),
+                &[0, 1],
+                "inplace-sum",
+                &["600", n],
+                &[("BRAID_ALGO", algo)],
+            );
+            assert_all_ok(&format!("BRAID_ALGO={algo}, {n} f32, 2 hosts"), &res);
+        }
+    }
+}
+
 /// Two emulated hosts of one rank, with the model's link costs given by a
 /// rules file (1 µs, 1 GB/s between hosts: on two ranks recursive
 /// doubling, the ring and Rabenseifner then move the same bytes and differ

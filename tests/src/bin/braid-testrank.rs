@@ -432,6 +432,40 @@ fn main() -> ExitCode {
                 }
             }
         }
+        "inplace-sum" => {
+            // In-place Sum AllReduce, again and again with new values in
+            // the buffer each time (as DDP's buckets), each result checked
+            // against a plain sum over ranks (small integers: exact in f32).
+            let iters = extra.first().copied().unwrap_or(100);
+            let n = extra.get(1).copied().unwrap_or(1 << 18);
+            let value =
+                |r: u32, it: usize, i: usize| ((r as usize * 7 + it * 13 + i) % 1021) as f32;
+            let mut buf = vec![0.0f32; n];
+            for it in 0..iters {
+                for (i, x) in buf.iter_mut().enumerate() {
+                    *x = value(rank, it, i);
+                }
+                if let Err(e) = comm.all_reduce_in_place(&mut buf, RedOp::Sum) {
+                    println!("error: {e}");
+                    return ExitCode::from(3);
+                }
+                let wrong = (0..n)
+                    .filter(|&i| buf[i] != (0..nranks).map(|r| value(r, it, i)).sum::<f32>())
+                    .count();
+                if wrong > 0 {
+                    let i = (0..n)
+                        .find(|&i| buf[i] != (0..nranks).map(|r| value(r, it, i)).sum::<f32>())
+                        .unwrap_or(0);
+                    println!(
+                        "rank {rank} inplace-sum: iteration {it}: {wrong} of {n} elements wrong (first at {i}: {} instead of {})",
+                        buf[i],
+                        (0..nranks).map(|r| value(r, it, i)).sum::<f32>()
+                    );
+                    return ExitCode::from(5);
+                }
+            }
+            println!("rank {rank} inplace-sum: {iters} x {n} ok");
+        }
         "mixed" => {
             // A long series of mixed collectives (fault tests): prints
             // "ready" once the first round completed.

@@ -86,8 +86,10 @@ enum Internal {
     /// Measuring the network: through slots.
     Measurement,
     /// Timing candidate algorithms: a candidate as the call would run it,
-    /// by reference where `single_copy` (its plan was cut for it).
-    Trial { single_copy: bool },
+    /// by reference where `single_copy` (its plan was cut for it), and on
+    /// links where a reference only saves a copy where `by_ref` (its
+    /// algorithm leaves what it sent unchanged: `Choice::single_copy_safe`).
+    Trial { single_copy: bool, by_ref: bool },
 }
 
 impl Internal {
@@ -100,7 +102,10 @@ impl Internal {
 }
 
 /// The trials' own programs (barriers, agreeing on times): through slots.
-const TRIAL_SLOTS: Internal = Internal::Trial { single_copy: false };
+const TRIAL_SLOTS: Internal = Internal::Trial {
+    single_copy: false,
+    by_ref: false,
+};
 
 /// A small stable hash (FNV-1a), to compare settings across ranks.
 fn fnv(bytes: &[u8]) -> u64 {
@@ -417,6 +422,7 @@ impl Communicator {
             let prog = plan::plan_with(coll, dt, params, *choice, &a.hosts)?;
             let run = Internal::Trial {
                 single_copy: single_copy && choice.single_copy_safe(),
+                by_ref: choice.single_copy_safe(),
             };
             self.run_internal(st, &prog, &bufs, run)?;
             progs.push((prog, run));
@@ -586,12 +592,14 @@ impl Communicator {
             policy: &sh.policy,
             abort: &sh.abort,
             direct_min: match run {
-                Internal::Trial { single_copy: true } => sh.direct_min,
+                Internal::Trial {
+                    single_copy: true, ..
+                } => sh.direct_min,
                 _ => usize::MAX,
             },
             // A trial runs as the call would.
             free_direct_min: match run {
-                Internal::Trial { .. } => sh.direct_min,
+                Internal::Trial { by_ref: true, .. } => sh.direct_min,
                 _ => usize::MAX,
             },
             stream_copies: false,

@@ -151,6 +151,13 @@ struct State {
 struct Planned {
     prog: Arc<Program>,
     single_copy: bool,
+    /// The plan leaves every region it sent unchanged until the receiver
+    /// has it ([`Choice::single_copy_safe`]), so pieces may go by reference
+    /// where that only saves a copy (`Exec::free_direct_min`) even when the
+    /// call is not single-copy.
+    ///
+    /// [`Choice::single_copy_safe`]: braid_core::plan::Choice::single_copy_safe
+    by_ref: bool,
     links: Arc<connect::LinkSet>,
     algo: Option<(braid_core::plan::Choice, braid_core::tune::Source)>,
     /// Bytes of scratch memory the plan uses (`plan::SCRATCH`).
@@ -160,6 +167,9 @@ struct Planned {
 impl Planned {
     /// `picked`: an algorithm chose it (its plans may use `plan::SCRATCH`;
     /// braid's defaults and groups, whose buffer 2 is a caller's, do not).
+    /// `single_copy`: the call moves data single-copy; it does so only where
+    /// the algorithm allows (`by_ref` below). A plan without an algorithm
+    /// (groups of sends and receives) sends regions nobody rewrites.
     fn new(
         prog: Program,
         single_copy: bool,
@@ -167,10 +177,12 @@ impl Planned {
         picked: bool,
     ) -> Planned {
         let (send, recv) = prog.peers();
+        let by_ref = algo.is_none_or(|(c, _)| c.single_copy_safe());
         Planned {
             scratch: if picked { prog.scratch_bytes() } else { 0 },
             prog: Arc::new(prog),
-            single_copy,
+            single_copy: single_copy && by_ref,
+            by_ref,
             links: Arc::new(connect::LinkSet { send, recv }),
             algo,
         }
@@ -467,7 +479,11 @@ impl Communicator {
             } else {
                 usize::MAX
             },
-            free_direct_min: sh.direct_min,
+            free_direct_min: if planned.by_ref {
+                sh.direct_min
+            } else {
+                usize::MAX
+            },
             stream_copies: buf_bytes >= sh.stream_min,
             slot_stores: Some(&st.slot_stores),
             rank: sh.rank,
@@ -624,12 +640,7 @@ impl Communicator {
                     }
                 };
                 log("braid: algorithm");
-                Planned::new(
-                    prog,
-                    single_copy && pk.choice.single_copy_safe(),
-                    Some((pk.choice, pk.source)),
-                    true,
-                )
+                Planned::new(prog, single_copy, Some((pk.choice, pk.source)), true)
             }
             None => {
                 let algo = braid_core::plan::CollKind::of(coll).map(|_| {
