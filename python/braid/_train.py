@@ -2,9 +2,10 @@
 
 A DDP step and an FSDP2 (``fully_shard``) step of the same model on braid and
 on gloo, side by side in one job: every rank joins a braid default group and a
-gloo group over the same ranks, builds the model twice from the same seed (one
-copy on each backend), and runs the two alternately, step by step, with a
-barrier (on gloo) in front of every timed step. A step's time is the slowest
+gloo group over the same ranks, builds the model three times from the same
+seed (one copy on each backend, and one trained alone on every rank, without
+collectives: the machine's floor and its own jitter), and runs them in turn,
+step by step, with a barrier (on gloo) in front of every timed step. A step's time is the slowest
 rank's (forward, backward with the gradient collectives overlapping it,
 optimizer step). The jobs are launched with torchrun, as users launch them:
 on this host (``--standalone``), and, as root, across emulated nodes (network,
@@ -15,7 +16,8 @@ ranks per node, torch's default (one per core) with one.
 
 Each configuration runs ``--rounds`` times (a fresh job each); the table gives
 the median over rounds of each round's median step time, the median of the
-rounds' 90th percentiles, and gloo's time over braid's.
+rounds' 90th percentiles, gloo's time over braid's, and the same for the model
+alone.
 """
 
 from __future__ import annotations
@@ -29,6 +31,9 @@ import time
 from dataclasses import dataclass
 
 RESULT = "BRAID-TRAIN-RESULT:"
+# braid, gloo, and the same model trained alone on every rank (no collectives):
+# the machine's floor and its own jitter.
+BACKENDS = ("braid", "gloo", "alone")
 
 
 def _mlp(width: int, depth: int, inputs: int, outputs: int):
@@ -63,7 +68,9 @@ def worker(spec: dict) -> None:
     def build(kind: str, group):
         torch.manual_seed(0)
         m = _mlp(spec["width"], spec["depth"], inputs, outputs)
-        if kind == "ddp":
+        if group == "alone":
+            pass  # the same computation without collectives: the floor
+        elif kind == "ddp":
             from torch.nn.parallel import DistributedDataParallel as DDP
 
             m = DDP(m, process_group=group, bucket_cap_mb=spec["bucket_mb"])
@@ -79,15 +86,16 @@ def worker(spec: dict) -> None:
         return m, torch.optim.SGD(m.parameters(), lr=0.01)
 
     for kind in spec["kinds"]:
-        backends = spec.get("backends", ["braid", "gloo"])
-        models = {be: build(kind, None if be == "braid" else gloo) for be in backends}
+        backends = spec.get("backends", ["braid", "gloo", "alone"])
+        models = {be: build(kind, {"braid": None, "gloo": gloo, "alone": "alone"}[be]) for be in backends}
         gen = torch.Generator().manual_seed(rank)
-        times: dict[str, list[float]] = {"braid": [], "gloo": []}
+        times: dict[str, list[float]] = {be: [] for be in BACKENDS}
         warm, steps = spec["warmup"], spec["steps"]
         for step in range(warm + steps):
             x = torch.randn(spec["batch"], inputs, generator=gen)
             y = torch.randn(spec["batch"], outputs, generator=gen)
-            order = backends if step % 2 == 0 else backends[::-1]
+            k = step % len(backends)
+            order = backends[k:] + backends[:k]
             for be in order:
                 m, opt = models[be]
                 dist.barrier(group=gloo)
@@ -99,11 +107,10 @@ def worker(spec: dict) -> None:
                 if step >= warm:
                     times[be].append(dt)
         # The job's step time is its slowest rank's.
-        t = torch.tensor([times.get("braid") or [0.0] * steps, times.get("gloo") or [0.0] * steps],
-                         dtype=torch.float64)
+        t = torch.tensor([times[be] or [0.0] * steps for be in BACKENDS], dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=gloo)
         diff = 0.0
-        if len(models) == 2:
+        if "braid" in models and "gloo" in models:
             for a, b in zip(models["braid"][0].parameters(), models["gloo"][0].parameters(), strict=True):
                 if kind == "fsdp":
                     a, b = a.full_tensor(), b.full_tensor()
@@ -111,8 +118,7 @@ def worker(spec: dict) -> None:
         # (an FSDP2 parameter is a DTensor: numel() is the whole tensor's)
         params = sum(p.numel() for p in models[backends[0]][0].parameters())
         out["kinds"][kind] = {
-            "braid_s": t[0].tolist(),
-            "gloo_s": t[1].tolist(),
+            **{f"{be}_s": t[i].tolist() for i, be in enumerate(BACKENDS)},
             "max_diff": diff,
             "params": params,
         }
@@ -198,7 +204,7 @@ def _p90(v: list[float]) -> float:
 def summarize(cfg: Config, rounds: list[dict]) -> list[dict]:
     rows = []
     for kind in rounds[0]["kinds"]:
-        per = {be: [r["kinds"][kind][f"{be}_s"] for r in rounds] for be in ("braid", "gloo")}
+        per = {be: [r["kinds"][kind].get(f"{be}_s", [0.0]) for r in rounds] for be in BACKENDS}
         row = {
             "config": cfg.label,
             "kind": kind,
@@ -207,7 +213,7 @@ def summarize(cfg: Config, rounds: list[dict]) -> list[dict]:
             "max_diff": max(r["kinds"][kind]["max_diff"] for r in rounds),
             "rounds": len(rounds),
         }
-        for be in ("braid", "gloo"):
+        for be in BACKENDS:
             row[f"{be}_ms"] = statistics.median(statistics.median(v) for v in per[be]) * 1e3
             row[f"{be}_p90_ms"] = statistics.median(_p90(v) for v in per[be]) * 1e3
             row[f"{be}_round_ms"] = [statistics.median(v) * 1e3 for v in per[be]]
@@ -221,16 +227,17 @@ def table(rows: list[dict], spec: dict) -> str:
         f"# training step (forward, backward with the gradient collectives, SGD step): an MLP of "
         f"{spec['depth'] + 2} layers, width {spec['width']}, batch {spec['batch']} per rank, DDP "
         f"bucket_cap_mb={spec['bucket_mb']}; {spec['steps']} timed steps per round, braid and gloo "
-        "alternating; median over rounds of the median step (ms), median p90",
+        "alternating with the model alone (no collectives: the floor); median over rounds of the median "
+        "step (ms), median p90",
         f"# {'ranks':<16} {'step':<5} {'thr':>3} {'params':>9}  {'braid':>8} {'p90':>8}  "
-        f"{'gloo':>8} {'p90':>8}  {'x':>5}  {'max |diff|':>10}",
+        f"{'gloo':>8} {'p90':>8}  {'x':>5}  {'alone':>8} {'p90':>8}  {'max |diff|':>10}",
     ]
     for r in rows:
         x = r["gloo_ms"] / r["braid_ms"] if r["braid_ms"] > 0 else float("nan")
         lines.append(
             f"  {r['config']:<16} {r['kind']:<5} {r['threads']:>3} {r['params']:>9}  "
             f"{r['braid_ms']:8.2f} {r['braid_p90_ms']:8.2f}  {r['gloo_ms']:8.2f} {r['gloo_p90_ms']:8.2f}  "
-            f"{x:5.2f}  {r['max_diff']:10.2e}"
+            f"{x:5.2f}  {r['alone_ms']:8.2f} {r['alone_p90_ms']:8.2f}  {r['max_diff']:10.2e}"
         )
     return "\n".join(lines)
 

@@ -72,6 +72,6 @@ def test_bench_train_mode_prints_its_table():
         got = {(r["config"], r["kind"]) for r in rows}
         assert got == {(c, k) for c in ("1 host x 2", "2 nodes x 1") for k in ("ddp", "fsdp")}, got
         for r in rows:
-            assert r["braid_ms"] > 0 and r["gloo_ms"] > 0, r
+            assert r["braid_ms"] > 0 and r["gloo_ms"] > 0 and r["alone_ms"] > 0, r
             assert r["max_diff"] == 0.0, r
         assert "2 nodes x 1" in p.stdout and "ddp" in p.stdout, p.stdout
