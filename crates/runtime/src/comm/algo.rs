@@ -117,10 +117,14 @@ fn fnv(bytes: &[u8]) -> u64 {
 impl Algos {
     /// Reads `BRAID_ALGO`, `BRAID_TUNING_FILE` and `BRAID_TUNE_MEASURE`;
     /// errors name the variable (or the file) and what is wrong.
+    /// `direct_min`: pieces from this size go by reference on links that
+    /// allow it (`BRAID_DIRECT_MIN_BYTES`); the model counts it between
+    /// hosts over sockets, whose references spare the sender a copy.
     pub(super) fn from_env(
         plan: &braid_core::topo::Plan,
         piece: usize,
         move_piece: usize,
+        direct_min: usize,
     ) -> Result<Algos> {
         let env = &config::process_env;
         let forced_text = config::value(env, "BRAID_ALGO").unwrap_or_default();
@@ -150,6 +154,13 @@ impl Algos {
             per_host: per.into_iter().max().unwrap_or(1),
             piece,
             move_piece,
+            net_ref_min: if net == Some(TransportKind::Socket)
+                && config::flag(env, braid_transport_socket::ENV_DIRECT, true)?
+            {
+                direct_min
+            } else {
+                usize::MAX
+            },
         };
         Ok(Algos {
             forced,
@@ -168,7 +179,11 @@ impl Algos {
     /// on when it is taken).
     pub(super) fn fingerprint(&self) -> u64 {
         let rules = format!("{:?}", self.rules);
-        fnv(format!("{}|{rules}|{}", self.forced_text, self.measure).as_bytes())
+        fnv(format!(
+            "{}|{rules}|{}|{}",
+            self.forced_text, self.measure, self.shape.net_ref_min
+        )
+        .as_bytes())
     }
 
     /// Checks that every rank has the same settings (a mismatch would make
@@ -177,7 +192,7 @@ impl Algos {
         let all = boot.allgather(&self.fingerprint().to_le_bytes())?;
         if let Some(r) = all.iter().position(|b| b[..] != all[rank as usize][..]) {
             return Err(Error::Env(format!(
-                "BRAID_ALGO, BRAID_TUNING_FILE or BRAID_TUNE_MEASURE differ between rank {rank} and rank {r} (here: BRAID_ALGO={:?}, BRAID_TUNING_FILE={:?}); set them alike on every rank",
+                "BRAID_ALGO, BRAID_TUNING_FILE, BRAID_TUNE_MEASURE, BRAID_DIRECT_MIN_BYTES or BRAID_SOCKET_DIRECT differ between rank {rank} and rank {r} (here: BRAID_ALGO={:?}, BRAID_TUNING_FILE={:?}); set them alike on every rank",
                 self.forced_text, self.rules_path
             )));
         }

@@ -218,7 +218,7 @@ impl Communicator {
         // The tuner's settings, the same on every rank (one more round);
         // its piece for pure data movement is set with the communicator's,
         // once the first links are connected (below).
-        let algos = super::algo::Algos::from_env(&topo_plan, piece, piece)?;
+        let algos = super::algo::Algos::from_env(&topo_plan, piece, piece, direct_min)?;
         algos.agree(&boot, rank)?;
         let transports = choice
             .iter()
