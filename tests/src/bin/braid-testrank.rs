@@ -449,17 +449,14 @@ fn main() -> ExitCode {
                     println!("error: {e}");
                     return ExitCode::from(3);
                 }
-                let wrong = (0..n)
-                    .filter(|&i| buf[i] != (0..nranks).map(|r| value(r, it, i)).sum::<f32>())
-                    .count();
-                if wrong > 0 {
-                    let i = (0..n)
-                        .find(|&i| buf[i] != (0..nranks).map(|r| value(r, it, i)).sum::<f32>())
-                        .unwrap_or(0);
+                let want = |i: usize| (0..nranks).map(|r| value(r, it, i)).sum::<f32>();
+                let wrong: Vec<usize> = (0..n).filter(|&i| buf[i] != want(i)).collect();
+                if let Some(&i) = wrong.first() {
                     println!(
-                        "rank {rank} inplace-sum: iteration {it}: {wrong} of {n} elements wrong (first at {i}: {} instead of {})",
+                        "rank {rank} inplace-sum: iteration {it}: {} of {n} elements wrong (first at {i}: {} instead of {})",
+                        wrong.len(),
                         buf[i],
-                        (0..nranks).map(|r| value(r, it, i)).sum::<f32>()
+                        want(i)
                     );
                     return ExitCode::from(5);
                 }

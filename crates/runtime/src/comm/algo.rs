@@ -155,7 +155,7 @@ impl Algos {
             piece,
             move_piece,
             net_ref_min: if net == Some(TransportKind::Socket)
-                && config::flag(env, braid_transport_socket::ENV_DIRECT, true)?
+                && braid_transport_socket::SocketConfig::from_env(env)?.direct()
             {
                 direct_min
             } else {

@@ -561,8 +561,10 @@ mod tests {
     use braid_core::types::MemKind;
     use std::sync::Arc;
 
-    /// A link end that is always alive and never moves anything itself.
-    struct Idle(u32);
+    /// A link end that is always alive and never moves anything itself;
+    /// as a receiving end, with a doorbell if given one (rung by whoever
+    /// makes the data arrive).
+    struct Idle(u32, Option<Arc<braid_core::transport::Doorbell>>);
 
     impl SendChannel for Idle {
         fn peer(&self) -> u32 {
@@ -618,15 +620,23 @@ mod tests {
             Ok(())
         }
         fn abort(&mut self, _: &str) {}
+        fn arm_wake(&mut self) -> Option<WakeWord> {
+            self.1.as_ref().map(|b| b.arm(false))
+        }
+        fn disarm_wake(&mut self) {
+            if let Some(b) = &self.1 {
+                b.disarm();
+            }
+        }
     }
 
     fn chans(p: u32) -> Channels {
         Channels {
             send: (0..p)
-                .map(|q| Some(Box::new(Idle(q)) as Box<dyn SendChannel>))
+                .map(|q| Some(Box::new(Idle(q, None)) as Box<dyn SendChannel>))
                 .collect(),
             recv: (0..p)
-                .map(|q| Some(Box::new(Idle(q)) as Box<dyn RecvChannel>))
+                .map(|q| Some(Box::new(Idle(q, None)) as Box<dyn RecvChannel>))
                 .collect(),
             scratch: Vec::new(),
         }
@@ -751,44 +761,6 @@ mod tests {
         assert_eq!(*seen.lock().unwrap(), Some((2, WAIT_DATA, "fake")));
     }
 
-    /// A link end with a doorbell (the data arrives when another thread
-    /// sets the runner's flag and rings).
-    struct Belled {
-        peer: u32,
-        bell: Arc<braid_core::transport::Doorbell>,
-    }
-
-    impl RecvChannel for Belled {
-        fn peer(&self) -> u32 {
-            self.peer
-        }
-        fn transport(&self) -> &'static str {
-            "fake"
-        }
-        fn mem_kind(&self) -> MemKind {
-            MemKind::Host
-        }
-        fn slot_bytes(&self) -> usize {
-            4096
-        }
-        fn poll_peek(&mut self) -> braid_core::error::Result<Option<(SlotBuf, usize)>> {
-            Ok(None)
-        }
-        fn release(&mut self) -> braid_core::error::Result<()> {
-            Ok(())
-        }
-        fn check_peer(&mut self) -> braid_core::error::Result<()> {
-            Ok(())
-        }
-        fn abort(&mut self, _: &str) {}
-        fn arm_wake(&mut self) -> Option<WakeWord> {
-            Some(self.bell.arm(false))
-        }
-        fn disarm_wake(&mut self) {
-            self.bell.disarm();
-        }
-    }
-
     /// Ops run once `ready` is set.
     struct WhenReady(Arc<AtomicBool>);
 
@@ -824,10 +796,7 @@ mod tests {
         let ready = Arc::new(AtomicBool::new(false));
         let bell = Arc::new(braid_core::transport::Doorbell::new());
         let mut ch = chans(2);
-        ch.recv[1] = Some(Box::new(Belled {
-            peer: 1,
-            bell: bell.clone(),
-        }));
+        ch.recv[1] = Some(Box::new(Idle(1, Some(bell.clone()))));
         let (r2, b2) = (ready.clone(), bell.clone());
         let peer = std::thread::spawn(move || {
             std::thread::sleep(Duration::from_millis(300));
