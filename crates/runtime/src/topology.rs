@@ -73,6 +73,8 @@ fn local_system() -> Result<(System, String)> {
         Err(e) if env(topo::TOPO_FILE_ENV).is_some_and(|f| !f.trim().is_empty()) => {
             Err(Error::Topology(e))
         }
+        // Out of descriptors: a fallback would describe another machine.
+        Err(e @ topo::TopoError::Exhausted { .. }) => Err(Error::Topology(e)),
         Err(e) => {
             warn!(
                 "braid: topology detection failed ({e}); assuming one NUMA node, no GPUs, no NICs"

@@ -65,6 +65,11 @@ pub enum TopoError {
     /// The inputs do not make sense together (e.g. a rank on a missing GPU).
     #[error("{0}")]
     Invalid(String),
+    /// Detection could not read this machine: the process is out of file
+    /// descriptors or memory (a model from what it could read would
+    /// describe a different machine).
+    #[error("{path}: {msg}")]
+    Exhausted { path: String, msg: String },
 }
 
 /// Environment variable naming a topology file merged with detection.
@@ -121,6 +126,7 @@ pub fn load_host(
                 let root = root.display().to_string();
                 (sys, Source::Merged { file: f, root }, notes)
             }
+            Err(e @ TopoError::Exhausted { .. }) => return Err(e),
             Err(e) => {
                 let note = format!("detection failed ({e}): the file {f} alone");
                 (file, Source::File(f), vec![note])

@@ -169,6 +169,29 @@ struct Recording {
 pub struct SysfsReader {
     root: PathBuf,
     rec: Option<RefCell<Recording>>,
+    /// The first read that failed for want of descriptors or memory
+    /// (path, error): what detection found is then not this machine.
+    exhausted: RefCell<Option<(PathBuf, String)>>,
+}
+
+/// Whether a failed read says the process is out of descriptors or memory
+/// (as opposed to a file that is absent or unreadable for everyone).
+fn is_exhaustion(e: &std::io::Error) -> bool {
+    matches!(
+        e.raw_os_error(),
+        Some(libc::EMFILE | libc::ENFILE | libc::ENOMEM | libc::ENOBUFS)
+    )
+}
+
+/// The error of a detection cut short by `e` at `path`.
+fn exhausted_error(path: &Path, e: &str) -> TopoError {
+    TopoError::Exhausted {
+        path: path.display().to_string(),
+        msg: format!(
+            "{e}: this process is out of file descriptors (or memory), so topology detection \
+             cannot read this machine; raise the limit (`ulimit -n`) or close what holds them"
+        ),
+    }
 }
 
 impl SysfsReader {
@@ -197,12 +220,19 @@ impl SysfsReader {
         // note. Only a root without sys/ is refused.
         let sys = root.join("sys");
         if let Err(e) = fs::read_dir(&sys) {
+            if is_exhaustion(&e) {
+                return Err(exhausted_error(&sys, &e.to_string()));
+            }
             return Err(TopoError::Io {
                 path: sys.display().to_string(),
                 msg: format!("cannot read the sysfs tree ({e}); is the root a sysfs tree (it must hold sys/)?"),
             });
         }
-        Ok(SysfsReader { root, rec: None })
+        Ok(SysfsReader {
+            root,
+            rec: None,
+            exhausted: RefCell::new(None),
+        })
     }
 
     /// Like [`SysfsReader::new`], recording every file and symlink read.
@@ -214,6 +244,26 @@ impl SysfsReader {
 
     pub fn root(&self) -> &Path {
         &self.root
+    }
+
+    /// Notes a failed access to `path` if it failed for want of
+    /// descriptors or memory.
+    fn check(&self, path: &Path, e: &std::io::Error) {
+        if is_exhaustion(e) {
+            let mut x = self.exhausted.borrow_mut();
+            if x.is_none() {
+                *x = Some((path.to_path_buf(), e.to_string()));
+            }
+        }
+    }
+
+    /// An error if some read failed for want of descriptors or memory:
+    /// what was read does not describe this machine.
+    pub fn complete(&self) -> Result<(), TopoError> {
+        match &*self.exhausted.borrow() {
+            Some((p, e)) => Err(exhausted_error(p, e)),
+            None => Ok(()),
+        }
     }
 
     /// Resolve a root-relative path, following symlinks inside the root.
@@ -228,7 +278,11 @@ impl SysfsReader {
                 Component::Normal(c) => {
                     let cand = cur.join(c);
                     let full = self.root.join(&cand);
-                    match fs::symlink_metadata(&full) {
+                    let meta = fs::symlink_metadata(&full);
+                    if let Err(e) = &meta {
+                        self.check(&full, e);
+                    }
+                    match meta {
                         Ok(m) if m.file_type().is_symlink() && depth < 40 => {
                             let Ok(target) = fs::read_link(&full) else {
                                 cur = cand;
@@ -261,7 +315,14 @@ impl SysfsReader {
     /// node `cpumap` ends in `\n\0`); None if absent or unreadable.
     pub fn read(&self, rel: impl AsRef<Path>) -> Option<String> {
         let r = self.resolve(rel.as_ref());
-        let bytes = fs::read(self.root.join(&r)).ok()?;
+        let full = self.root.join(&r);
+        let bytes = match fs::read(&full) {
+            Ok(b) => b,
+            Err(e) => {
+                self.check(&full, &e);
+                return None;
+            }
+        };
         if let Some(rec) = &self.rec {
             rec.borrow_mut().files.insert(r, bytes.clone());
         }
@@ -280,7 +341,13 @@ impl SysfsReader {
     /// Whether a path exists.
     pub fn exists(&self, rel: impl AsRef<Path>) -> bool {
         let r = self.resolve(rel.as_ref());
-        let ok = self.root.join(&r).exists();
+        let ok = match fs::metadata(self.root.join(&r)) {
+            Ok(_) => true,
+            Err(e) => {
+                self.check(&self.root.join(&r), &e);
+                false
+            }
+        };
         if ok {
             if let Some(rec) = &self.rec {
                 let mut rec = rec.borrow_mut();
@@ -297,8 +364,12 @@ impl SysfsReader {
     /// Sorted entry names of a directory (empty if absent).
     pub fn list(&self, rel: impl AsRef<Path>) -> Vec<String> {
         let r = self.resolve(rel.as_ref());
-        let Ok(rd) = fs::read_dir(self.root.join(&r)) else {
-            return Vec::new();
+        let rd = match fs::read_dir(self.root.join(&r)) {
+            Ok(rd) => rd,
+            Err(e) => {
+                self.check(&self.root.join(&r), &e);
+                return Vec::new();
+            }
         };
         let mut names: Vec<String> = rd
             .filter_map(|e| e.ok())
@@ -635,6 +706,7 @@ pub fn detect(reader: &SysfsReader, gpus: &dyn GpuProvider) -> Result<Detected, 
             &mut rdma_pci,
         );
     }
+    reader.complete()?;
     Ok(Detected { system: sys, notes })
 }
 

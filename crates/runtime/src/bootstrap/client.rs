@@ -393,6 +393,8 @@ impl Bootstrap {
         let start = Instant::now();
         let deadline = start + timeout;
         let root = id.addr;
+        // Raise the soft limit of open files (once per process).
+        super::fd_limit();
         let mut pause = RETRY_PAUSE_MIN;
         let mut closes = 0u32;
         let mut peers: Option<Peers> = None;
@@ -479,7 +481,7 @@ impl Bootstrap {
             .and_then(|()| {
                 let mut mine = encode_addr(&peers.addr);
                 mine.extend_from_slice(payload);
-                peers.ring_allgather(0, &mine, deadline, grace(timeout), &mut watch, ab)
+                peers.ring_allgather(0, &mine, start, deadline, grace(timeout), &mut watch, ab)
             });
         let all = match ring {
             Ok(a) => a,
@@ -560,7 +562,8 @@ impl Bootstrap {
         }
         let round = st.round + 1;
         let st = &mut *st;
-        let deadline = Instant::now() + self.timeout;
+        let since = Instant::now();
+        let deadline = since + self.timeout;
         let what = format!(
             "in bootstrap round {round} (rank {} of {})",
             self.rank, self.nranks
@@ -585,6 +588,7 @@ impl Bootstrap {
             st.peers.ring_allgather(
                 round,
                 data,
+                since,
                 deadline,
                 grace(self.timeout),
                 &mut watch,

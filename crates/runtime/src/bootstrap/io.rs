@@ -13,7 +13,7 @@
 use std::collections::{BTreeMap, VecDeque};
 use std::io::{self, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
-use std::os::fd::AsFd;
+use std::os::fd::{AsFd, AsRawFd};
 use std::os::unix::net::UnixStream;
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
@@ -197,6 +197,9 @@ pub(crate) struct Driver {
     shared: Arc<Shared>,
     linger: Duration,
     chunk: Vec<u8>,
+    /// The process's open-file limit: a connection whose descriptor leaves
+    /// fewer than [`super::fd_reserve`] free is refused.
+    fd_limit: Option<u64>,
 }
 
 impl Driver {
@@ -217,7 +220,14 @@ impl Driver {
             shared,
             linger: LINGER.min(timeout),
             chunk: vec![0u8; READ_CHUNK],
+            fd_limit: None,
         }
+    }
+
+    /// Refuse connections that would leave fewer than a reserve of the
+    /// process's `limit` descriptors free.
+    pub fn set_fd_limit(&mut self, limit: u64) {
+        self.fd_limit = Some(limit);
     }
 
     /// Runs the rendezvous to its end, delivers the last messages, and
@@ -473,6 +483,25 @@ impl Driver {
             };
             match listener.accept() {
                 Ok((stream, peer)) => {
+                    if let Some(limit) = self.fd_limit {
+                        // Descriptors are handed out lowest first: every
+                        // one below this is in use.
+                        let fd = stream.as_raw_fd().max(0) as u64;
+                        let reserve = super::fd_reserve(limit);
+                        if fd + reserve >= limit {
+                            drop(stream);
+                            let why = AcceptFailure {
+                                out_of_fds: true,
+                                msg: format!(
+                                    "fewer than {reserve} of this process's {limit} file \
+                                     descriptors would stay free for its ranks"
+                                ),
+                            };
+                            self.machine.handle_accept_failed(now, why);
+                            self.apply(now);
+                            continue;
+                        }
+                    }
                     if stream.set_nonblocking(true).is_err() {
                         continue;
                     }

@@ -17,7 +17,18 @@
 //! - `io.rs`: the driver that feeds it from real sockets (poll, accept,
 //!   read, write, closing gently);
 //! - `root.rs`: [`RootServer`], the root's thread and its handle;
-//! - `client.rs`: [`Bootstrap`], a rank's side;
+//! - `client.rs`: [`Bootstrap`], a rank's side; `peer.rs`, its listener,
+//!   ring and point-to-point exchanges over sockets, driving two pure
+//!   machines tested in memory by `rank_sim.rs`: `ring.rs` (the rounds on
+//!   the ring, and which rank a stuck round names) and `door.rs` (the
+//!   listener under load: pausing a failing `accept`, making room);
+//! - `warnings.rs`: the machines' rate-limited warnings, whose left-out
+//!   counts are said within a second;
+//! - descriptors: the first bootstrap in a process raises its soft limit
+//!   of open files toward the hard one ([`fd_limit`]); a root holds at most
+//!   a quarter of the limit in unproven connections and refuses any that
+//!   would leave less than a quarter free for the ranks (`hostile_tests.rs`
+//!   floods one in a process allowed 512);
 //! - `fuzzing.rs`: the decoders over plain bytes for `fuzz/` (feature
 //!   `internals`).
 //!
@@ -62,17 +73,24 @@ use std::time::{Duration, Instant};
 use nix::poll::PollTimeout;
 
 mod client;
+mod door;
 #[cfg(feature = "internals")]
 pub mod fuzzing;
+#[cfg(test)]
+mod hostile_tests;
 mod id;
 mod io;
 mod peer;
+#[cfg(test)]
+mod rank_sim;
 mod rendezvous;
+mod ring;
 mod root;
 #[cfg(test)]
 mod sim;
 #[cfg(test)]
 mod tests;
+mod warnings;
 mod wire;
 
 pub use client::Bootstrap;
@@ -84,6 +102,54 @@ pub(crate) use root::{create_unique_id, create_unique_id_with_timeout};
 
 /// Timeouts are capped at a year so that deadlines never overflow.
 pub(crate) const MAX_TIMEOUT: Duration = Duration::from_secs(365 * 24 * 3600);
+
+/// The most the soft limit of open files is raised to at the start.
+const FD_LIMIT_RAISE: u64 = 1 << 16;
+
+/// This process's limit of open files. The first call raises the soft
+/// limit toward the hard one (to at most 65,536), as servers do: the
+/// usual soft limit of 1,024 is what a flood of connections to a root
+/// exhausts first.
+pub(crate) fn fd_limit() -> u64 {
+    static RAISED: std::sync::Once = std::sync::Once::new();
+    let get = || {
+        let mut r = libc::rlimit {
+            rlim_cur: 0,
+            rlim_max: 0,
+        };
+        // SAFETY: getrlimit writes the limits into `r`, a valid rlimit.
+        let ok = unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut r) } == 0;
+        ok.then_some(r)
+    };
+    RAISED.call_once(|| {
+        if let Some(mut r) = get() {
+            let want = r.rlim_max.min(FD_LIMIT_RAISE);
+            if r.rlim_cur < want {
+                let was = r.rlim_cur;
+                r.rlim_cur = want;
+                // SAFETY: setrlimit reads `r`, a valid rlimit; raising the
+                // soft limit up to the hard one only lets us open more.
+                if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &r) } == 0 {
+                    tracing::debug!("braid: raised the open-file limit from {was} to {want}");
+                }
+            }
+        }
+    });
+    get().map_or(1024, |r| r.rlim_cur)
+}
+
+/// Unproven connections a root holds at most in a process allowed `limit`
+/// descriptors: a quarter of them (and no more than
+/// [`rendezvous::MAX_PENDING`]), so that strangers alone cannot exhaust it.
+pub(crate) fn pending_cap(limit: u64) -> usize {
+    ((limit / 4) as usize).clamp(8, rendezvous::MAX_PENDING)
+}
+
+/// Descriptors a root leaves free for the ranks' own connections, links
+/// and files: it refuses a connection that would leave fewer.
+pub(crate) fn fd_reserve(limit: u64) -> u64 {
+    (limit / 4).max(16)
+}
 
 /// Formats a duration for messages: `5s`, `2.5s`, `300ms`.
 pub(crate) fn fmt_dur(d: Duration) -> String {

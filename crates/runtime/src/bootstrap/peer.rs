@@ -22,16 +22,19 @@ use std::time::{Duration, Instant};
 
 use nix::poll::{PollFd, PollFlags};
 
+use super::door::{AfterFailure, Door};
 use super::id::random_bytes;
+use super::ring::Ring;
+use super::warnings::Level;
 use super::wire::{
-    data_header, parse_data, FrameBuf, PeerFrame, K_DATA, K_ERROR, K_LEFT, K_PROBE, K_RING_HELLO,
-    K_XCHG, K_XREPLY, MAX_PEER_FRAME,
+    FrameBuf, PeerFrame, K_ERROR, K_LEFT, K_PROBE, K_RING_HELLO, K_XCHG, K_XREPLY, MAX_PEER_FRAME,
 };
 use super::{fmt_dur, poll_ms, remaining};
 use crate::error::{Error, Result};
 
 /// Connections to a rank's listener whose first frame is still arriving,
-/// at most (the oldest makes room).
+/// at most (the oldest makes room); fewer in a process allowed fewer than
+/// eight times as many descriptors.
 const MAX_ARRIVALS: usize = 256;
 /// How long a connection may take to send its first frame.
 const ARRIVAL_TIMEOUT: Duration = Duration::from_secs(10);
@@ -45,6 +48,9 @@ const PROBE_EVERY: Duration = Duration::from_millis(250);
 const BACKLOG: i32 = 4096;
 /// Bytes read from a socket at a time.
 const READ_BUF: usize = 64 << 10;
+/// The pause before connecting again when the process is out of
+/// descriptors.
+const DIAL_PAUSE: Duration = Duration::from_millis(20);
 
 /// Why an exchange failed.
 #[derive(Debug)]
@@ -173,16 +179,6 @@ impl RootWatch<'_> {
             }
         }
     }
-
-    /// Waits up to `grace` for the root's word on a failure seen on the
-    /// ring (it names the rank that left).
-    fn verdict(&mut self, grace: Duration, what: &str) -> Option<Error> {
-        let mut fds = [PollFd::new(self.stream.as_fd(), PollFlags::POLLIN)];
-        match nix::poll::poll(&mut fds, poll_ms(grace)) {
-            Ok(n) if n > 0 => Some(self.read(what)),
-            _ => None,
-        }
-    }
 }
 
 /// A rank's listener, its ring connections, and the requests other ranks
@@ -196,27 +192,21 @@ pub(super) struct Peers {
     pub addr: SocketAddr,
     /// Every rank's listening address (after the first round).
     pub addrs: Vec<SocketAddr>,
-    /// To the successor: frames go out through `out`.
+    /// To the successor.
     next: Option<TcpStream>,
-    out: Vec<u8>,
-    out_at: usize,
     /// From the predecessor.
     prev: Option<TcpStream>,
-    prev_buf: FrameBuf,
+    /// The rounds on the ring (`ring.rs`).
+    ring: Ring,
+    /// The listener's policy (`door.rs`).
+    door: Door,
     arrivals: Vec<Arrival>,
+    /// Connections still sending their first frame held at most.
+    max_arrivals: usize,
     /// A proven ring hello from the predecessor, before the ring is up,
     /// and the bytes that followed it.
     early_prev: Option<(TcpStream, Vec<u8>)>,
     requests: BTreeMap<(u32, u64), Request>,
-    /// What the root reported while a round went on (the round may still
-    /// have completed).
-    root_said: Option<String>,
-    /// `root_said` is a [`K_LEFT`]: no reason to give up on a round that
-    /// still moves.
-    root_said_left: bool,
-    /// Rate limit of the warning about connections that did not prove the
-    /// secret.
-    warned: Option<Instant>,
 }
 
 impl std::fmt::Debug for Peers {
@@ -313,16 +303,13 @@ impl Peers {
             addr,
             addrs: Vec::new(),
             next: None,
-            out: Vec::new(),
-            out_at: 0,
             prev: None,
-            prev_buf: FrameBuf::default(),
+            ring: Ring::new(rank, nranks),
+            door: Door::new(rank),
             arrivals: Vec::new(),
+            max_arrivals: ((super::fd_limit() / 8) as usize).clamp(8, MAX_ARRIVALS),
             early_prev: None,
             requests: BTreeMap::new(),
-            root_said: None,
-            root_said_left: false,
-            warned: None,
         })
     }
 
@@ -339,46 +326,69 @@ impl Peers {
     }
 
     fn stranger(&mut self, why: &str) {
-        let now = Instant::now();
-        if self
-            .warned
-            .is_none_or(|t| now.duration_since(t) >= Duration::from_secs(1))
-        {
-            self.warned = Some(now);
-            tracing::warn!(
-                rank = self.rank,
-                "bootstrap: dropped a connection to this rank's listener: {why}"
-            );
-        } else {
-            tracing::debug!(rank = self.rank, "bootstrap: dropped a connection: {why}");
+        self.door.handle_stranger(Instant::now(), why);
+        self.emit_logs();
+    }
+
+    /// Emits what the listener's policy has to say.
+    fn emit_logs(&mut self) {
+        while let Some(line) = self.door.poll_log() {
+            match line.level {
+                Level::Warn => tracing::warn!(rank = self.rank, "{}", line.msg),
+                Level::Debug => tracing::debug!(rank = self.rank, "{}", line.msg),
+            }
         }
     }
 
-    /// Accepts what is queued and reads the first frames that are arriving;
-    /// files proven ring hellos and exchange requests, drops the rest.
+    /// How long a wait that would end after `wait` may last so that the
+    /// listener's paused `accept` resumes (and its counts are said) on time.
+    fn door_wait(&self, now: Instant, wait: Duration) -> Duration {
+        self.door
+            .poll_timeout()
+            .map_or(wait, |t| wait.min(t.saturating_duration_since(now)))
+    }
+
+    /// Accepts what is queued (unless `accept` is paused after failing)
+    /// and reads the first frames that are arriving; files proven ring
+    /// hellos and exchange requests, drops the rest.
     fn pump(&mut self) {
-        loop {
+        let now = Instant::now();
+        self.door.handle_timeout(now);
+        while self.door.accepting(now) {
             match self.listener.accept() {
                 Ok((sock, _)) => {
+                    self.door.handle_accepted();
                     if sock.set_nonblocking(true).is_err() {
                         continue;
                     }
-                    if self.arrivals.len() >= MAX_ARRIVALS {
+                    if self.arrivals.len() >= self.max_arrivals {
                         self.arrivals.remove(0);
                     }
                     self.arrivals.push(Arrival {
                         sock,
                         buf: FrameBuf::default(),
-                        since: Instant::now(),
+                        since: now,
                     });
                 }
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                // WouldBlock: nothing more; anything else (ECONNABORTED,
-                // EMFILE): that connection is lost, its sender will say.
-                Err(_) => break,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                // ECONNABORTED: that connection is lost, its sender will say.
+                Err(e) if e.kind() == io::ErrorKind::ConnectionAborted => {}
+                Err(e) => {
+                    let oldest = self.arrivals.first().map(|a| a.since);
+                    let after =
+                        self.door
+                            .handle_accept_failed(now, out_of_fds(&e), &e.to_string(), oldest);
+                    if after == AfterFailure::EvictOldest && !self.arrivals.is_empty() {
+                        self.arrivals.remove(0);
+                    }
+                    if matches!(after, AfterFailure::Pause(_)) {
+                        break;
+                    }
+                }
             }
         }
-        let now = Instant::now();
+        self.emit_logs();
         let mut i = 0;
         while i < self.arrivals.len() {
             let a = &mut self.arrivals[i];
@@ -520,7 +530,7 @@ impl Peers {
             self.pump();
             if let Some((s, rest)) = self.early_prev.take() {
                 self.prev = Some(s);
-                self.prev_buf.buf = rest;
+                self.ring.handle_data(Instant::now(), &rest);
                 return Ok(());
             }
             if abort.is_some_and(|a| a.load(Ordering::Relaxed)) {
@@ -534,15 +544,16 @@ impl Peers {
                     self.rank
                 )));
             };
-            let mut fds = vec![
-                self.listener_fd(),
-                PollFd::new(root.stream.as_fd(), PollFlags::POLLIN),
-            ];
+            let now = Instant::now();
+            let mut fds = vec![PollFd::new(root.stream.as_fd(), PollFlags::POLLIN)];
+            if self.door.accepting(now) {
+                fds.push(self.listener_fd());
+            }
             for a in &self.arrivals {
                 fds.push(PollFd::new(a.sock.as_fd(), PollFlags::POLLIN));
             }
-            poll(&mut fds, left.min(TICK))?;
-            let root_said = readable(&fds[1]);
+            poll(&mut fds, self.door_wait(now, left.min(TICK)))?;
+            let root_said = readable(&fds[0]);
             drop(fds);
             if root_said {
                 return Err(root.read(&what));
@@ -591,6 +602,20 @@ impl Peers {
                     })
                 }
                 Err(e) if would_block(&e) => {}
+                Err(e) if out_of_fds(&e) => {
+                    // Descriptors may come free (a root closing strangers):
+                    // try again within the deadline, then say why.
+                    if remaining(deadline).is_none_or(|l| l <= DIAL_PAUSE) {
+                        return Err(ExchangeError::Local(Error::Bootstrap(format!(
+                            "rank {}: cannot connect to rank {peer} at {addr}: {e}; this process \
+                             is out of file descriptors (limit {}): raise it (`ulimit -n`) or \
+                             close what holds them",
+                            self.rank,
+                            super::fd_limit()
+                        ))));
+                    }
+                    std::thread::sleep(DIAL_PAUSE);
+                }
                 Err(e) => {
                     return Err(ExchangeError::Peer {
                         peer,
@@ -602,182 +627,124 @@ impl Peers {
         }
     }
 
-    /// One all-gather round over the ring: sends `data` on, forwards what
-    /// arrives from the predecessor, until every rank's contribution is
-    /// here (in rank order).
+    /// One all-gather round over the ring (the machine in `ring.rs`):
+    /// sends `data` on, forwards what arrives from the predecessor, until
+    /// every rank's contribution is here (in rank order).
     ///
     /// Watches the root too: when it reports a failure (a rank that left,
-    /// a rank late for the round, by `deadline`), the round still completes
-    /// if the ring keeps moving (the ranks of a finished job leave one by
-    /// one, each after its last round, while others finish theirs); once
-    /// the ring stands still for `grace`, or the predecessor's connection
-    /// ends, the root's word is the error. It is kept for the next round.
+    /// a rank late for the round), the round still completes if the ring
+    /// keeps moving (the ranks of a finished job leave one by one, each
+    /// after its last round, while others finish theirs); once the ring
+    /// stands still for `grace`, or the predecessor's connection ends, the
+    /// root's word is the error. It is kept for the next round. `since`:
+    /// when the caller began to wait (for the messages).
+    #[allow(clippy::too_many_arguments)]
     pub fn ring_allgather(
         &mut self,
         round: u64,
         data: &[u8],
+        since: Instant,
         deadline: Instant,
         grace: Duration,
         root: &mut RootWatch<'_>,
         abort: Option<&AtomicBool>,
     ) -> Result<Vec<Vec<u8>>> {
-        let p = self.nranks as usize;
-        let me = self.rank as usize;
-        let mut got: Vec<Option<Vec<u8>>> = vec![None; p];
-        got[me] = Some(data.to_vec());
-        if p == 1 {
-            return Ok(got.into_iter().flatten().collect());
-        }
-        let (prev, next) = (self.prev_rank(), self.next_rank());
-        let started = Instant::now();
-        let deadline = deadline + grace;
         let what = format!(
             "in bootstrap round {round} (rank {} of {})",
             self.rank, self.nranks
         );
-        self.out.drain(..self.out_at);
-        self.out_at = 0;
-        self.out
-            .extend_from_slice(&data_header(round, self.rank, data.len()));
-        self.out.extend_from_slice(data);
-        let mut have = 1;
-        let mut moved = Instant::now();
+        self.ring
+            .start(Instant::now(), round, data, since, deadline + grace, grace);
+        let mut chunk = vec![0u8; READ_BUF];
         loop {
+            if let Some(o) = self.ring.poll_outcome() {
+                return o.map_err(Error::Bootstrap);
+            }
+            let now = Instant::now();
             // Out to the successor.
             if let Some(s) = self.next.as_mut() {
-                let before = self.out_at;
-                if let Err(e) = flush(s, &self.out, &mut self.out_at) {
-                    return Err(self.root_word(root, grace, &what).unwrap_or_else(|| {
-                        Error::Bootstrap(format!(
-                            "rank {next} left the bootstrap (its ring connection failed: {e}) {what}"
-                        ))
-                    }));
-                }
-                if self.out_at != before {
-                    moved = Instant::now();
-                }
-                if self.out_at == self.out.len() {
-                    self.out.clear();
-                    self.out_at = 0;
+                let out = self.ring.transmit();
+                if !out.is_empty() {
+                    match s.write(out) {
+                        Ok(0) => self.ring.handle_send_failed(now, "wrote nothing"),
+                        Ok(n) => self.ring.handle_sent(now, n),
+                        Err(e) if would_block(&e) => {}
+                        Err(e) => self.ring.handle_send_failed(now, &e.to_string()),
+                    }
                 }
             }
             // In from the predecessor.
-            let before = self.prev_buf.buf.len();
-            let open = match self.prev.as_mut() {
-                Some(s) => fill(s, &mut self.prev_buf).unwrap_or(false),
-                None => false,
-            };
-            if self.prev_buf.buf.len() != before {
-                moved = Instant::now();
+            match self.prev.as_mut() {
+                None => self.ring.handle_prev_closed(now),
+                Some(s) => loop {
+                    match s.read(&mut chunk) {
+                        Ok(0) => {
+                            self.ring.handle_prev_closed(now);
+                            break;
+                        }
+                        Ok(n) => {
+                            self.ring.handle_data(now, &chunk[..n]);
+                            if n < chunk.len() {
+                                break;
+                            }
+                        }
+                        Err(e) if would_block(&e) => break,
+                        Err(_) => {
+                            self.ring.handle_prev_closed(now);
+                            break;
+                        }
+                    }
+                },
             }
-            // Frames of the next round may follow: they stay buffered.
-            while have < p {
-                let f = self.prev_buf.next_frame().map_err(|e| {
-                    Error::Bootstrap(format!("rank {prev} sent garbage ({e}) {what}"))
-                })?;
-                let Some((kind, body)) = f else { break };
-                if kind == K_ERROR {
-                    return Err(Error::Bootstrap(
-                        String::from_utf8_lossy(&body).into_owned(),
-                    ));
-                }
-                let (src, bytes) = parse_round_data(kind, &body, round, p).map_err(|e| {
-                    Error::Bootstrap(format!("rank {prev} sent {e} {what} (protocol error)"))
-                })?;
-                if src == me || got[src].is_some() {
-                    return Err(Error::Bootstrap(format!(
-                        "rank {prev} forwarded rank {src}'s contribution twice {what} (protocol error)"
-                    )));
-                }
-                if src != next as usize {
-                    self.out
-                        .extend_from_slice(&data_header(round, src as u32, bytes.len()));
-                    self.out.extend_from_slice(bytes);
-                }
-                got[src] = Some(bytes.to_vec());
-                have += 1;
-            }
-            if have == p && self.out.is_empty() {
-                return Ok(got.into_iter().flatten().collect());
-            }
-            if !open && have < p {
-                return Err(self.root_word(root, grace, &what).unwrap_or_else(|| {
-                    Error::Bootstrap(format!(
-                        "rank {prev} left the bootstrap (its ring connection to rank {} closed) {what}",
-                        self.rank
-                    ))
-                }));
-            }
-            if let Some(word) = &self.root_said {
-                // A rank that left after its last round (the end of a job)
-                // leaves the round to the ring: its own closed connection
-                // or the deadline ends it if it cannot complete. A failure
-                // (a late rank) ends it once the ring stands still.
-                if !self.root_said_left && moved.elapsed() >= grace {
-                    return Err(Error::Bootstrap(word.clone()));
-                }
+            self.ring.handle_timeout(now);
+            if self.ring.has_outcome() {
+                continue;
             }
             if abort.is_some_and(|a| a.load(Ordering::Relaxed)) {
                 return Err(Error::Unusable(format!("aborted by the caller {what}")));
             }
-            let Some(left) = remaining(deadline) else {
-                let missing: Vec<u32> = (0..p as u32)
-                    .filter(|&r| got[r as usize].is_none())
-                    .collect();
-                return Err(Error::Bootstrap(format!(
-                    "bootstrap round {round} did not complete within {}: the contributions of {} \
-                     did not arrive (through rank {prev}; this is rank {})",
-                    fmt_dur(started.elapsed()),
-                    super::fmt_ranks(&missing),
-                    self.rank
-                )));
-            };
-            let watch_root = self.root_said.is_none();
-            let mut fds = vec![self.listener_fd()];
+            let wake = self
+                .ring
+                .poll_timeout()
+                .map_or(TICK, |t| t.saturating_duration_since(now))
+                .min(TICK);
+            let watch_root = self.ring.wants_root();
+            let send = !self.ring.transmit().is_empty();
+            let mut fds = Vec::with_capacity(4);
+            let listen = self.door.accepting(now);
+            if listen {
+                fds.push(self.listener_fd());
+            }
             if watch_root {
                 fds.push(PollFd::new(root.stream.as_fd(), PollFlags::POLLIN));
             }
             if let Some(s) = self.prev.as_ref() {
                 fds.push(PollFd::new(s.as_fd(), PollFlags::POLLIN));
             }
-            if let (Some(s), false) = (self.next.as_ref(), self.out.is_empty()) {
+            if let (Some(s), true) = (self.next.as_ref(), send) {
                 fds.push(PollFd::new(s.as_fd(), PollFlags::POLLOUT));
             }
-            poll(&mut fds, left.min(TICK))?;
-            let listener_ready = readable(&fds[0]);
-            let root_ready = watch_root && readable(&fds[1]);
+            poll(&mut fds, self.door_wait(now, wake))?;
+            let listener_ready = listen && readable(&fds[0]);
+            let root_ready = watch_root && readable(&fds[usize::from(listen)]);
             drop(fds);
             if root_ready {
-                self.root_said = Some(match root.read(&what) {
+                let word = match root.read(&what) {
                     Error::Bootstrap(m) => m,
                     e => e.to_string(),
-                });
-                self.root_said_left = root.left;
+                };
+                self.ring.handle_root(Instant::now(), word, root.left);
             }
-            if listener_ready || !self.arrivals.is_empty() {
+            if listener_ready || !self.arrivals.is_empty() || self.door.poll_timeout().is_some() {
                 self.pump();
             }
         }
     }
 
-    /// The root's word on a failure seen on the ring: what it said
-    /// already, or what it says within `grace`.
-    fn root_word(
-        &mut self,
-        root: &mut RootWatch<'_>,
-        grace: Duration,
-        what: &str,
-    ) -> Option<Error> {
-        if let Some(w) = &self.root_said {
-            return Some(Error::Bootstrap(w.clone()));
-        }
-        root.verdict(grace, what)
-    }
-
     /// What the root reported in an earlier round (its connection is gone
     /// since): every later round fails with it.
     pub fn root_said(&self) -> Option<&str> {
-        self.root_said.as_deref()
+        self.ring.root_said()
     }
 
     /// Exchanges one message with each peer of `asks` (none twice): the
@@ -1038,7 +1005,11 @@ impl Peers {
                     }
                 }
             }
-            let mut fds = vec![self.listener_fd()];
+            let now = Instant::now();
+            let mut fds = Vec::new();
+            if self.door.accepting(now) {
+                fds.push(self.listener_fd());
+            }
             for a in &self.arrivals {
                 fds.push(PollFd::new(a.sock.as_fd(), PollFlags::POLLIN));
             }
@@ -1059,8 +1030,8 @@ impl Peers {
             }
             let wait = left
                 .min(TICK)
-                .min(next_probe.saturating_duration_since(Instant::now()));
-            poll(&mut fds, wait).map_err(ExchangeError::Local)?;
+                .min(next_probe.saturating_duration_since(now));
+            poll(&mut fds, self.door_wait(now, wait)).map_err(ExchangeError::Local)?;
         }
     }
 
@@ -1101,20 +1072,18 @@ impl Peers {
     }
 }
 
-/// One ring `DATA` frame of `round` from any rank below `p`: its rank and
-/// bytes.
-fn parse_round_data(
-    kind: u8,
-    body: &[u8],
-    round: u64,
-    p: usize,
-) -> std::result::Result<(usize, &[u8]), String> {
-    if kind != K_DATA || body.len() < 12 {
-        return Err(format!("a message of kind {kind}"));
+/// Whether `accept` or `connect` failed for want of descriptors or memory
+/// (closing something helps, retrying at once does not).
+pub(super) fn out_of_fds(e: &io::Error) -> bool {
+    matches!(
+        e.raw_os_error(),
+        Some(libc::EMFILE | libc::ENFILE | libc::ENOBUFS | libc::ENOMEM)
+    )
+}
+
+impl Drop for Peers {
+    fn drop(&mut self) {
+        self.door.handle_close(Instant::now());
+        self.emit_logs();
     }
-    let src = u32::from_le_bytes([body[8], body[9], body[10], body[11]]);
-    if src as usize >= p {
-        return Err(format!("a contribution of rank {src}"));
-    }
-    parse_data(kind, body, round, src).map(|d| (src as usize, d))
 }

@@ -36,6 +36,8 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use super::warnings::Warnings;
+pub(crate) use super::warnings::{Level, LogLine};
 use super::wire::{
     accept_frame, challenge_frame, error_frame, frame_header, hello_prefix, left_frame,
     parse_contrib, parse_hello, root_mac, v1_error_frame, FrameBuf, HelloError, HelloFixed,
@@ -57,8 +59,6 @@ pub(crate) const EVICT_MIN_AGE: Duration = Duration::from_millis(250);
 pub(crate) const ACCEPT_BACKOFF_MIN: Duration = Duration::from_millis(10);
 /// The longest wait between two `accept` attempts that failed.
 pub(crate) const ACCEPT_BACKOFF_MAX: Duration = Duration::from_secs(1);
-/// At most one warning per cause per this interval; the others are counted.
-pub(crate) const WARN_INTERVAL: Duration = Duration::from_secs(1);
 
 /// A connection, numbered by the machine in arrival order.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -70,20 +70,6 @@ pub(crate) struct Transmit {
     pub conn: ConnId,
     /// Shared: several connections may get the same bytes (an error).
     pub bytes: Arc<[u8]>,
-}
-
-/// How loud a log line is.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Level {
-    Warn,
-    Debug,
-}
-
-/// A log line for the driver to emit.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub(crate) struct LogLine {
-    pub level: Level,
-    pub msg: String,
 }
 
 /// Why `accept` failed.
@@ -145,12 +131,6 @@ struct Conn {
     state: ConnState,
 }
 
-#[derive(Debug)]
-struct WarnCause {
-    last: Instant,
-    suppressed: u64,
-}
-
 /// The root's side of the bootstrap. See the module documentation.
 #[derive(Debug)]
 pub(crate) struct Rendezvous {
@@ -181,10 +161,9 @@ pub(crate) struct Rendezvous {
     /// `accept` failed: the next attempt waits until then.
     accept_resume: Option<Instant>,
     accept_backoff: Duration,
-    warned: BTreeMap<String, WarnCause>,
     transmits: VecDeque<Transmit>,
     closes: VecDeque<ConnId>,
-    logs: VecDeque<LogLine>,
+    logs: Warnings,
     result: Option<Result<(), String>>,
 }
 
@@ -208,10 +187,9 @@ impl Rendezvous {
             gone: Vec::new(),
             accept_resume: None,
             accept_backoff: Duration::ZERO,
-            warned: BTreeMap::new(),
             transmits: VecDeque::new(),
             closes: VecDeque::new(),
-            logs: VecDeque::new(),
+            logs: Warnings::default(),
             result: None,
         }
     }
@@ -231,7 +209,7 @@ impl Rendezvous {
 
     /// The next log line.
     pub fn poll_log(&mut self) -> Option<LogLine> {
-        self.logs.pop_front()
+        self.logs.poll_log()
     }
 
     /// When [`Rendezvous::handle_timeout`] must be called next (`None`:
@@ -256,10 +234,16 @@ impl Rendezvous {
             .filter_map(|id| self.conns.get(id))
             .map(|c| c.deadline)
             .min();
-        [phase, oldest, proven, self.accept_resume]
-            .into_iter()
-            .flatten()
-            .min()
+        [
+            phase,
+            oldest,
+            proven,
+            self.accept_resume,
+            self.logs.poll_timeout(),
+        ]
+        .into_iter()
+        .flatten()
+        .min()
     }
 
     /// Whether the driver should accept connections at `now` (not while
@@ -465,6 +449,7 @@ impl Rendezvous {
         if self.accept_resume.is_some_and(|t| now >= t) {
             self.accept_resume = None;
         }
+        self.logs.handle_timeout(now);
         // Unproven connections expire in arrival order.
         let mut expired: Vec<ConnId> = Vec::new();
         for id in &self.unproven {
@@ -578,46 +563,12 @@ impl Rendezvous {
     }
 
     fn debug(&mut self, msg: String) {
-        self.logs.push_back(LogLine {
-            level: Level::Debug,
-            msg,
-        });
+        self.logs.debug(msg);
     }
 
-    /// A warning, at most one per `cause` per [`WARN_INTERVAL`]; the next
-    /// one says how many were left out.
+    /// A warning, at most one per `cause` per interval (see `warnings.rs`).
     fn warn(&mut self, now: Instant, cause: &str, msg: impl FnOnce() -> String) {
-        let due = match self.warned.get(cause) {
-            None => true,
-            Some(w) => now.saturating_duration_since(w.last) >= WARN_INTERVAL,
-        };
-        if !due {
-            if let Some(w) = self.warned.get_mut(cause) {
-                w.suppressed += 1;
-            }
-            return;
-        }
-        let mut text = msg();
-        if let Some(w) = self.warned.get(cause) {
-            if w.suppressed > 0 {
-                text += &format!(
-                    " ({} more like this in the last {} not shown)",
-                    w.suppressed,
-                    fmt_dur(now.saturating_duration_since(w.last))
-                );
-            }
-        }
-        self.warned.insert(
-            cause.to_string(),
-            WarnCause {
-                last: now,
-                suppressed: 0,
-            },
-        );
-        self.logs.push_back(LogLine {
-            level: Level::Warn,
-            msg: text,
-        });
+        self.logs.warn(now, cause, msg);
     }
 
     /// Closes a connection that failed the handshake; it never counts as a
@@ -924,10 +875,8 @@ impl Rendezvous {
     /// outcome is `Ok` (a shutdown, or the end of the job).
     fn fail(&mut self, now: Instant, msg: String, extra: Option<ConnId>, ok: bool) {
         if !ok {
-            self.logs.push_back(LogLine {
-                level: Level::Warn,
-                msg: format!("bootstrap failed: {msg}"),
-            });
+            self.logs
+                .warn(now, "failed", || format!("bootstrap failed: {msg}"));
         }
         // A departure that fails nothing is said as such: rounds under way
         // on the ring still complete.
@@ -951,32 +900,7 @@ impl Rendezvous {
         for conn in all {
             self.drop_conn(conn);
         }
-        self.flush_suppressed(now);
+        self.logs.flush(now);
         self.result = Some(if ok { Ok(()) } else { Err(msg) });
-    }
-
-    /// Says how many warnings were left out since the last of their kind.
-    fn flush_suppressed(&mut self, now: Instant) {
-        let lines: Vec<String> = self
-            .warned
-            .iter()
-            .filter(|(_, w)| w.suppressed > 0)
-            .map(|(cause, w)| {
-                format!(
-                    "{} more bootstrap warnings ({cause}) in the last {} not shown",
-                    w.suppressed,
-                    fmt_dur(now.saturating_duration_since(w.last))
-                )
-            })
-            .collect();
-        for msg in lines {
-            self.logs.push_back(LogLine {
-                level: Level::Warn,
-                msg,
-            });
-        }
-        for w in self.warned.values_mut() {
-            w.suppressed = 0;
-        }
     }
 }

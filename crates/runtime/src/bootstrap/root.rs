@@ -77,8 +77,12 @@ impl RootServer {
             .set_nonblocking(true)
             .map_err(|e| io_err("cannot make the root's wake-up socket nonblocking", e))?;
         let shared = Shared::new();
-        let machine = Rendezvous::new(Settings::new(addr, secret, timeout), Instant::now());
-        let driver = Driver::new(listener, addr, wake_rx, machine, shared.clone(), timeout);
+        let limit = super::fd_limit();
+        let mut cfg = Settings::new(addr, secret, timeout);
+        cfg.max_pending = super::pending_cap(limit);
+        let machine = Rendezvous::new(cfg, Instant::now());
+        let mut driver = Driver::new(listener, addr, wake_rx, machine, shared.clone(), timeout);
+        driver.set_fd_limit(limit);
         let handle = std::thread::Builder::new()
             .name("braid-bootstrap-root".into())
             .spawn(move || {

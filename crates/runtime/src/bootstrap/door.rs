@@ -1,0 +1,132 @@
+//! A rank's listener under load, as a pure policy (no sockets, no clock):
+//! when to call `accept`, how long to pause after it failed, which waiting
+//! connection to give up to free a descriptor, and the rate-limited
+//! warnings about connections that are dropped. `peer.rs` holds the
+//! sockets and asks; `sim.rs` checks it in memory.
+//!
+//! Before this policy a failing `accept` (EMFILE: the process at its
+//! descriptor limit, as when strangers hold the root's connections) left
+//! the connection queued, so the listener stayed readable and the rank's
+//! wait loop called `accept` and `poll` tens of thousands of times a second.
+//! Now `accept` pauses, 10 ms doubling to 1 s while it keeps failing, and
+//! the listener is not polled while it pauses; out of descriptors, the
+//! oldest connection still sending its first frame is closed (if it has
+//! had [`EVICT_MIN_AGE`]) so that the next `accept` fits.
+
+use std::time::{Duration, Instant};
+
+use super::fmt_dur;
+use super::rendezvous::{ACCEPT_BACKOFF_MAX, ACCEPT_BACKOFF_MIN, EVICT_MIN_AGE};
+use super::warnings::{LogLine, Warnings};
+
+/// What to do after a failed `accept`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum AfterFailure {
+    /// Close the oldest waiting connection and accept again at once.
+    EvictOldest,
+    /// Accept again at the given time.
+    Pause(Instant),
+}
+
+/// The listener's policy. See the module documentation.
+#[derive(Debug)]
+pub(super) struct Door {
+    rank: u32,
+    /// `accept` failed: the next attempt waits until then.
+    resume: Option<Instant>,
+    backoff: Duration,
+    logs: Warnings,
+}
+
+impl Door {
+    pub fn new(rank: u32) -> Door {
+        Door {
+            rank,
+            resume: None,
+            backoff: Duration::ZERO,
+            logs: Warnings::default(),
+        }
+    }
+
+    /// Whether the driver should poll the listener and `accept` at `now`.
+    pub fn accepting(&self, now: Instant) -> bool {
+        self.resume.is_none_or(|t| now >= t)
+    }
+
+    /// When [`Door::handle_timeout`] must be called next.
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        [self.resume, self.logs.poll_timeout()]
+            .into_iter()
+            .flatten()
+            .min()
+    }
+
+    /// The clock reached `now`.
+    pub fn handle_timeout(&mut self, now: Instant) {
+        if self.resume.is_some_and(|t| now >= t) {
+            self.resume = None;
+        }
+        self.logs.handle_timeout(now);
+    }
+
+    /// `accept` gave a connection: the pause after failures starts over.
+    pub fn handle_accepted(&mut self) {
+        self.backoff = Duration::ZERO;
+    }
+
+    /// `accept` failed at `now` with `msg`; `out_of_fds`: EMFILE or the
+    /// like. `oldest`: when the oldest connection still sending its first
+    /// frame arrived (if one is held).
+    pub fn handle_accept_failed(
+        &mut self,
+        now: Instant,
+        out_of_fds: bool,
+        msg: &str,
+        oldest: Option<Instant>,
+    ) -> AfterFailure {
+        self.backoff = (self.backoff * 2).clamp(ACCEPT_BACKOFF_MIN, ACCEPT_BACKOFF_MAX);
+        let evict =
+            out_of_fds && oldest.is_some_and(|t| now.saturating_duration_since(t) >= EVICT_MIN_AGE);
+        let rank = self.rank;
+        let hint = if out_of_fds {
+            " (this process is out of file descriptors: raise its limit, e.g. `ulimit -n 65536`, \
+             or find who holds connections to it)"
+        } else {
+            ""
+        };
+        let then = if evict {
+            "closed the oldest connection still sending its first frame to make room".to_string()
+        } else {
+            format!("pausing accept for {}", fmt_dur(self.backoff))
+        };
+        self.logs.warn(now, &format!("accept: {msg}"), || {
+            format!("rank {rank}: the bootstrap listener cannot accept a connection: {msg}{hint}; {then}")
+        });
+        if evict {
+            self.resume = None;
+            return AfterFailure::EvictOldest;
+        }
+        let at = now + self.backoff;
+        self.resume = Some(at);
+        AfterFailure::Pause(at)
+    }
+
+    /// A connection to the listener was dropped at `now` for `why`.
+    pub fn handle_stranger(&mut self, now: Instant, why: &str) {
+        let rank = self.rank;
+        self.logs.warn(now, "dropped", || {
+            format!("rank {rank}: bootstrap: dropped a connection to this rank's listener: {why}")
+        });
+    }
+
+    /// The listener closes at `now`: every count of left-out warnings is
+    /// said.
+    pub fn handle_close(&mut self, now: Instant) {
+        self.logs.flush(now);
+    }
+
+    /// The next log line.
+    pub fn poll_log(&mut self) -> Option<LogLine> {
+        self.logs.poll_log()
+    }
+}
