@@ -525,4 +525,16 @@ fn golden_outputs() {
     let t = Topology::new(load_xml("cloud-partial"));
     golden("cloud-partial", "txt", &report(&t, &[], 8, 2));
     golden("cloud-partial", "json", &json::to_json(&t));
+    // Azure NCv4's file merged with this VM's detection (issue 30): eth0,
+    // detected on 0000:00:03.0 without an RDMA device, stays a socket NIC
+    // (it was planned ib through an RDMA placeholder for 0000:00:03.0).
+    let file = topo::load_file(&fixtures().join("real/vendor/azure-ncv4-topo.xml")).unwrap();
+    let d = detect_fixture("vm");
+    let (m, mut notes) = topo::merge::merge(&file, &d.system);
+    notes.splice(0..0, d.notes);
+    golden(
+        "ncv4-on-vm",
+        "txt",
+        &report(&Topology::new(m), &notes, 4, 2),
+    );
 }

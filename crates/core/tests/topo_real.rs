@@ -472,7 +472,17 @@ fn vendor_files_two_host_plans_stay_on_one_rail() {
             "{}: every rail carries a channel",
             case.file
         );
-        assert!(p.notes.is_empty(), "{}: {:?}", case.file, p.notes);
+        // The only notes: why socket hosts do not use ib (one per host).
+        let why_not_ib = |n: &String| n.contains("socket to other hosts, not ib");
+        match case.between_hosts {
+            TransportKind::Socket => assert!(
+                p.notes.len() == 2 && p.notes.iter().all(why_not_ib),
+                "{}: {:?}",
+                case.file,
+                p.notes
+            ),
+            _ => assert!(p.notes.is_empty(), "{}: {:?}", case.file, p.notes),
+        }
         let text = render::plan(&c, &p);
         assert!(
             text.contains(&format!("on one rail: {}", 2 * distinct.len())),
@@ -695,6 +705,209 @@ fn braid_topo_file_is_merged_with_detection() {
         "the file's placement"
     );
     let _ = std::fs::remove_dir_all(&root);
+}
+
+/// The sysfs of this VM, recorded (tests/fixtures/topo/vm): eth0 is virtio
+/// at 0000:00:03.0, and there is no `/sys/class/infiniband`.
+fn vm_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/topo/vm")
+}
+
+fn detect_root(root: &Path) -> System {
+    detect(&SysfsReader::new(root).unwrap(), &NoGpus)
+        .unwrap()
+        .system
+}
+
+/// Every pair of ranks on different hosts of `p`.
+fn between_hosts(c: &Cluster, p: &topo::Plan) -> Vec<TransportKind> {
+    let n = c.ranks.len();
+    let mut v = Vec::new();
+    for a in 0..n {
+        for b in 0..n {
+            if c.ranks[a].host != c.ranks[b].host {
+                v.push(p.transports[a][b].unwrap());
+            }
+        }
+    }
+    v
+}
+
+/// Issue 30, item 5: Azure NCv4's file merged with this VM's detection
+/// (through `BRAID_TOPO_FILE`, as the runtime and braid-topo load it).
+/// The file has eth0 outside the PCI tree; detection finds eth0 on the
+/// virtio function 0000:00:03.0 with no RDMA device. The merge used to add
+/// that function bare, which the model then took for an RDMA NIC
+/// (a placeholder port), and the plan went `ib` between hosts through it.
+/// Now eth0 keeps the file's place with what detection knows of it, and
+/// the plan is socket, with a note saying why not ib.
+#[test]
+fn ncv4_file_merged_with_this_vm_plans_socket() {
+    let f = real()
+        .join("vendor/azure-ncv4-topo.xml")
+        .display()
+        .to_string();
+    let (sys, src, notes) = topo::load_host(
+        |k| (k == topo::TOPO_FILE_ENV).then(|| f.clone()),
+        &vm_root(),
+        &NoGpus,
+    )
+    .unwrap();
+    assert!(matches!(src, topo::Source::Merged { .. }), "{src:?}");
+    assert!(sys.bare_nic_endpoints().is_empty(), "{sys:?}");
+    let t = Topology::new(sys);
+    assert!(
+        t.ports(Some(true)).is_none(),
+        "no RDMA port: {:?}",
+        t.net_info
+    );
+    assert_eq!(t.net_info.len(), 1, "one eth0: {:?}", t.net_info);
+    assert_eq!(t.net_info[0].name, "eth0");
+    assert_eq!(t.net_info[0].rdma, Some(false), "detection's word");
+    assert!(
+        notes
+            .iter()
+            .any(|n| n.contains("eth0") && n.contains("0000:00:03.0")),
+        "{notes:?}"
+    );
+    let c = Cluster::uniform(&t, "vm", 8, 2).unwrap();
+    let p = plan(&c, &TransportPolicy::default()).unwrap();
+    assert!(
+        between_hosts(&c, &p)
+            .iter()
+            .all(|&k| k == TransportKind::Socket),
+        "{:?}",
+        p.transports
+    );
+    assert_eq!(p.transports[3][4], Some(TransportKind::Socket));
+    assert_eq!(p.rank_nics[3], ["eth0"]);
+    let why = p
+        .notes
+        .iter()
+        .find(|n| n.contains("not ib"))
+        .unwrap_or_else(|| panic!("no note on why not ib: {:?}", p.notes));
+    assert!(
+        why.contains("eth0") && why.contains("no RDMA device"),
+        "{why}"
+    );
+    let text = render::plan(&c, &p);
+    assert!(
+        text.contains("3 -> 4: socket NET 12.0 GB/s via eth0 -> eth0"),
+        "{text}"
+    );
+    assert!(!text.contains(": ib "), "{text}");
+    // The file alone plans the same.
+    let t = Topology::new(vendor("azure-ncv4-topo.xml"));
+    let c = Cluster::uniform(&t, "ncv4", 8, 2).unwrap();
+    let p = plan(&c, &TransportPolicy::default()).unwrap();
+    assert_eq!(p.transports[3][4], Some(TransportKind::Socket));
+}
+
+/// A file that names an InfiniBand NIC at 0000:00:03.0 (with its port, or
+/// as a bare class-0x0207 endpoint, as partial vendor files do).
+const IB_AT_03: &str = r#"<system version="1"><cpu numaid="0" affinity="00000003" arch="x86_64" vendor="AuthenticAMD">
+    <pci busid="0000:00:03.0" class="0x020700" link_speed="16.0 GT/s PCIe" link_width="16">
+      <nic><net name="mlx5_0" dev="0" speed="200000" port="1" guid="0x1c34da0300a1b2c3" latency="0.000000" maxconn="131072" gdr="0"/></nic>
+    </pci></cpu></system>"#;
+const BARE_IB_AT_03: &str = r#"<system version="1"><cpu numaid="0" affinity="00000003" arch="x86_64" vendor="AuthenticAMD">
+    <pci busid="0000:00:03.0" class="0x020700" link_speed="16.0 GT/s PCIe" link_width="16"/>
+    </cpu></system>"#;
+
+fn two_host_plan(sys: System) -> (Topology, Cluster, topo::Plan) {
+    let t = Topology::new(sys);
+    let c = Cluster::uniform(&t, "h", 2, 2).unwrap();
+    let p = plan(&c, &TransportPolicy::default()).unwrap();
+    (t, c, p)
+}
+
+/// Where detection finds, at the PCI function a file names as an IB NIC,
+/// an Ethernet interface and no RDMA device, the merge keeps what
+/// detection knows: the file's RDMA port there is dropped (with a note)
+/// and the plan is socket; the file alone keeps its claim (ib).
+#[test]
+fn file_ib_nic_detected_as_ethernet_without_rdma_plans_socket() {
+    let det = detect_root(&vm_root());
+    for (what, text) in [("port", IB_AT_03), ("bare endpoint", BARE_IB_AT_03)] {
+        let file = xml::from_xml("ib-at-03.xml", text).unwrap();
+        let (_, _, p) = two_host_plan(file.clone());
+        assert_eq!(
+            p.transports[0][1],
+            Some(TransportKind::Ib),
+            "{what}: the file alone is ib"
+        );
+        let (m, notes) = merge::merge(&file, &det);
+        let (t, _, p) = two_host_plan(m);
+        assert_eq!(
+            p.transports[0][1],
+            Some(TransportKind::Socket),
+            "{what}: {:?} {notes:?}",
+            t.net_info
+        );
+        assert!(t.ports(Some(true)).is_none(), "{what}: {:?}", t.net_info);
+        let names: Vec<&str> = t.net_info.iter().map(|n| n.name.as_str()).collect();
+        assert_eq!(names, ["eth0"], "{what}");
+        assert_eq!(p.rank_nics[0], ["eth0"], "{what}");
+        if what == "port" {
+            assert!(
+                notes
+                    .iter()
+                    .any(|n| n.contains("mlx5_0") && n.contains("no RDMA device")),
+                "{notes:?}"
+            );
+        }
+        assert!(
+            p.notes
+                .iter()
+                .any(|n| n.contains("not ib") && n.contains("eth0")),
+            "{what}: {:?}",
+            p.notes
+        );
+    }
+}
+
+/// The same file where detection finds the RDMA device on that function
+/// (a sysfs tree written for the model, replayed): ib, through mlx5_0.
+#[test]
+fn file_ib_nic_detected_with_rdma_keeps_ib() {
+    let host = xml::from_xml(
+        "rdma-host",
+        r#"<system version="1" name="rdma-host"><cpu numaid="0" affinity="00000003">
+        <pci busid="0000:00:03.0" class="0x020700" vendor="0x15b3" device="0x101b"><nic>
+          <net name="mlx5_0" dev="0" speed="200000" port="1" guid="0x1c34da0300a1b2c3" link_layer="InfiniBand" state="ACTIVE" rdma="1"/>
+          <net name="ib0" dev="0" speed="200000" link_layer="InfiniBand" state="up" rdma="0"/>
+        </nic></pci></cpu></system>"#,
+    )
+    .unwrap();
+    let root = std::env::temp_dir().join(format!("braid-topo-rdma03-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&root);
+    let unwritten = sysfs::write_tree(&host, &root).unwrap();
+    assert!(unwritten.is_empty(), "{unwritten:?}");
+    let det = detect_root(&root);
+    let _ = std::fs::remove_dir_all(&root);
+    assert!(
+        det.nets()
+            .iter()
+            .any(|n| n.net.name == "mlx5_0" && n.net.is_rdma()),
+        "{:?}",
+        det.nets()
+    );
+    for text in [IB_AT_03, BARE_IB_AT_03] {
+        let file = xml::from_xml("ib-at-03.xml", text).unwrap();
+        let (m, notes) = merge::merge(&file, &det);
+        let (t, _, p) = two_host_plan(m);
+        assert_eq!(
+            p.transports[0][1],
+            Some(TransportKind::Ib),
+            "{:?} {notes:?}",
+            t.net_info
+        );
+        assert_eq!(p.rank_nics[0], ["mlx5_0"]);
+        assert!(
+            p.notes.iter().all(|n| !n.contains("not ib")),
+            "{:?}",
+            p.notes
+        );
+    }
 }
 
 // ---------------------------------------------------------------------------

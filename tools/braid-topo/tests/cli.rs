@@ -124,6 +124,34 @@ fn real_vendor_file_two_hosts_stay_on_rails() {
     assert!(err.contains("--file-only needs --topo-file"), "{err}");
 }
 
+/// Issue 30, item 5: Azure NCv4's file merged with this VM's recorded
+/// sysfs (eth0 virtio at 0000:00:03.0, no RDMA device) plans socket between
+/// hosts, as the file alone does, and says why not ib; it planned ib
+/// through 0000:00:03.0 before.
+#[test]
+fn vendor_file_merged_with_a_nic_without_rdma_plans_socket() {
+    let f = fixtures().join("real/vendor/azure-ncv4-topo.xml");
+    let f = f.display().to_string();
+    let vm = fixtures().join("vm").display().to_string();
+    let args = ["--topo-file", &f, "--ranks", "8", "--hosts", "2"];
+    let merged: Vec<&str> = args.iter().copied().chain(["--sysfs-root", &vm]).collect();
+    let alone: Vec<&str> = args.iter().copied().chain(["--file-only"]).collect();
+    for a in [merged, alone] {
+        let (rc, out, err) = run(&a);
+        assert_eq!(rc, 0, "{a:?}: {err}");
+        assert!(
+            out.contains("3 -> 4: socket NET 12.0 GB/s via eth0 -> eth0"),
+            "{a:?}: {out}"
+        );
+        assert!(!out.contains(": ib "), "{a:?}: {out}");
+        assert!(!out.contains("placeholder"), "{a:?}: {out}");
+        assert!(
+            out.contains("not ib") && out.contains("no RDMA device"),
+            "{a:?}: {out}"
+        );
+    }
+}
+
 /// Recorded NVML answers replayed over a sysfs tree written for the model.
 #[test]
 fn nvml_answers_replay() {

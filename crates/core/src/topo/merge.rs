@@ -8,6 +8,17 @@
 //!   none, a port's speed, GUID, state) comes from detection. A NIC port
 //!   whose PCI function the file lists (partial vendor files: only `class`
 //!   and `busid`) is placed there.
+//! - What detection knows about a NIC it found wins over the file: whether
+//!   a port is an RDMA (verbs) device (`rdma`), and which ports a detected
+//!   PCI function has. The file's ports on a function detection found that
+//!   detection did not find there are dropped (a port the file calls
+//!   `mlx5_0` on a function where detection found only `eth0` is not on
+//!   this host: libibverbs would not find it either), so a NIC without an
+//!   RDMA device is never planned as `ib`. A detected NIC whose ports the
+//!   file lists elsewhere (Azure's `eth0` outside the PCI tree) is not
+//!   added a second time, bare, where an RDMA placeholder would stand for
+//!   it. The file's NICs on functions detection did not find keep the
+//!   file's claims.
 //! - A detected device the file does not list is added where detection
 //!   found it: under the deepest PCI ancestor the file has, else under its
 //!   NUMA node.
@@ -51,6 +62,8 @@ pub fn merge(file: &System, detected: &System) -> (System, Vec<String>) {
     }
     let mut matched_pci: Vec<String> = Vec::new();
     let mut matched_nets: Vec<String> = Vec::new();
+    // PCI functions where detection found a NIC, with the ports it found.
+    let mut detected_nics: Vec<(String, Vec<String>)> = Vec::new();
     // Detected GPUs and NICs in the PCI tree.
     for d in &detected.cpus {
         for top in &d.pci {
@@ -59,6 +72,33 @@ pub fn merge(file: &System, detected: &System) -> (System, Vec<String>) {
                 let dev = chain[chain.len() - 1];
                 if dev.gpu.is_none() && dev.nic.is_none() {
                     return;
+                }
+                if let Some(n) = &dev.nic {
+                    let names = n.nets.iter().map(|x| x.name.clone()).collect();
+                    detected_nics.push((dev.busid.clone(), names));
+                    // A NIC (only) that the file does not list at this
+                    // function but whose ports it has elsewhere (NCCL's
+                    // `net` found by name): the ports stay where the file
+                    // has them, with what detection knows; the function
+                    // is not added bare (a bare NIC-class endpoint would
+                    // be planned as an RDMA placeholder).
+                    if dev.gpu.is_none()
+                        && !n.nets.is_empty()
+                        && find_pci_mut(&mut out, &dev.busid).is_none()
+                        && n.nets
+                            .iter()
+                            .all(|x| find_net_mut(&mut out, &x.name).is_some())
+                    {
+                        for net in &n.nets {
+                            matched_nets.push(net.name.clone());
+                            attach_net(&mut out, &dev.busid, net, &mut notes);
+                            notes.push(format!(
+                                "{} (detected on {}) is in the file outside that function: kept where the file has it, with what detection knows of it",
+                                net.name, dev.busid
+                            ));
+                        }
+                        return;
+                    }
                 }
                 place(&mut out, d.numaid, chain, &mut notes);
                 let Some(target) = find_pci_mut(&mut out, &dev.busid) else {
@@ -75,7 +115,7 @@ pub fn merge(file: &System, detected: &System) -> (System, Vec<String>) {
                 if let Some(n) = &dev.nic {
                     for net in &n.nets {
                         matched_nets.push(net.name.clone());
-                        attach_net(&mut out, &dev.busid, net);
+                        attach_net(&mut out, &dev.busid, net, &mut notes);
                     }
                 }
             });
@@ -85,7 +125,7 @@ pub fn merge(file: &System, detected: &System) -> (System, Vec<String>) {
             for net in &nic.nets {
                 matched_nets.push(net.name.clone());
                 if let Some(fnet) = find_net_mut(&mut out, &net.name) {
-                    fill_net(fnet, net);
+                    fill_net(fnet, net, &mut notes);
                     continue;
                 }
                 if let Some(c) = out.cpus.iter_mut().find(|c| c.numaid == d.numaid) {
@@ -107,10 +147,14 @@ pub fn merge(file: &System, detected: &System) -> (System, Vec<String>) {
         for p in &mut c.pci {
             trim_devices(
                 p,
-                &matched_pci,
-                &matched_nets,
+                &Seen {
+                    gpus: &matched_pci,
+                    nets: &matched_nets,
+                    nics: &detected_nics,
+                },
                 (gpus_known, rdma_known, sock_known),
                 &mut dropped,
+                &mut notes,
             );
         }
         c.nics.retain_mut(|n| {
@@ -255,9 +299,9 @@ fn find_net_mut<'a>(sys: &'a mut System, name: &str) -> Option<&'a mut Net> {
 
 /// A detected port: into the file's port of that name, else into the NIC
 /// of the PCI function `busid` (already in `out`).
-fn attach_net(out: &mut System, busid: &str, net: &Net) {
+fn attach_net(out: &mut System, busid: &str, net: &Net, notes: &mut Vec<String>) {
     if let Some(f) = find_net_mut(out, &net.name) {
-        fill_net(f, net);
+        fill_net(f, net, notes);
         return;
     }
     if let Some(p) = find_pci_mut(out, busid) {
@@ -309,7 +353,28 @@ fn fill_gpu(g: &mut Gpu, d: &Gpu) {
     }
 }
 
-fn fill_net(n: &mut Net, d: &Net) {
+/// The file's port `n` with what detection found of it (`d`): detection
+/// decides whether it is an RDMA device; the file's other attributes win.
+fn fill_net(n: &mut Net, d: &Net, notes: &mut Vec<String>) {
+    if let Some(r) = d.rdma {
+        if n.is_rdma() != r {
+            notes.push(format!(
+                "{}: the file makes it {}; detection found {}: taken as detected",
+                n.name,
+                if r {
+                    "a kernel interface"
+                } else {
+                    "an RDMA device"
+                },
+                if r {
+                    "an RDMA device"
+                } else {
+                    "a kernel interface with no RDMA device"
+                }
+            ));
+        }
+        n.rdma = Some(r);
+    }
     fill(&mut n.dev, &d.dev);
     fill(&mut n.speed, &d.speed);
     fill(&mut n.port, &d.port);
@@ -320,20 +385,35 @@ fn fill_net(n: &mut Net, d: &Net) {
     fill(&mut n.coll, &d.coll);
     fill(&mut n.link_layer, &d.link_layer);
     fill(&mut n.state, &d.state);
-    fill(&mut n.rdma, &d.rdma);
+}
+
+/// What detection found: GPUs (bus ids), ports (names), and the PCI
+/// functions it found a NIC on, with their ports.
+struct Seen<'a> {
+    gpus: &'a [String],
+    nets: &'a [String],
+    nics: &'a [(String, Vec<String>)],
 }
 
 /// Drop, below `p`, the file's devices of the kinds detection can see that
-/// it did not see (`known`: GPUs, RDMA ports, kernel interfaces).
+/// it did not see (`known`: GPUs, RDMA ports, kernel interfaces), and on a
+/// function where detection found a NIC, the file's ports it did not find.
 fn trim_devices(
     p: &mut Pci,
-    gpus: &[String],
-    nets: &[String],
+    seen_by: &Seen,
     known: (bool, bool, bool),
     dropped: &mut Vec<String>,
+    notes: &mut Vec<String>,
 ) {
     let (gpus_known, rdma_known, sock_known) = known;
+    let (gpus, nets) = (seen_by.gpus, seen_by.nets);
     let seen = gpus.iter().any(|b| b.eq_ignore_ascii_case(&p.busid));
+    // The ports detection found on this function, where it found a NIC.
+    let detected_here: Option<&Vec<String>> = seen_by
+        .nics
+        .iter()
+        .find(|(b, _)| b.eq_ignore_ascii_case(&p.busid))
+        .map(|(_, names)| names);
     if gpus_known && !seen && p.is_gpu() {
         dropped.push(format!("GPU {}", p.busid));
         p.gpu = None;
@@ -345,6 +425,18 @@ fn trim_devices(
     match &mut p.nic {
         Some(nic) => {
             nic.nets.retain(|x| {
+                if let (Some(found), false) = (detected_here, nets.contains(&x.name)) {
+                    // Detection found this NIC and knows its ports: one
+                    // the file names that it did not find is not there.
+                    notes.push(format!(
+                        "the file's port {} on {busid} is not on this host: detection found that NIC with {} only, {}: dropped{}",
+                        x.name,
+                        found.join(", "),
+                        if x.is_rdma() { "no RDMA device on it" } else { "no interface of that name" },
+                        if x.is_rdma() { " (no ib through it)" } else { "" },
+                    ));
+                    return false;
+                }
                 let keep =
                     nets.contains(&x.name) || !(if x.is_rdma() { rdma_known } else { sock_known });
                 if !keep {
@@ -357,6 +449,15 @@ fn trim_devices(
                 p.attrs.insert("trimmed".into(), "1".into());
             }
         }
+        None if bare_nic && detected_here.is_some() => {
+            // Detection found a NIC here whose ports the file lists
+            // elsewhere: no placeholder port stands for it.
+            notes.push(format!(
+                "the file's NIC {busid}: detection found its ports ({}) where the file has them: not planned again as an RDMA placeholder",
+                detected_here.map(|v| v.join(", ")).unwrap_or_default()
+            ));
+            p.attrs.insert("trimmed".into(), "1".into());
+        }
         None if bare_nic && rdma_known => {
             // A bare NIC-class endpoint of a partial file that detection
             // did not fill: no NIC the RDMA transport can use is there.
@@ -366,7 +467,7 @@ fn trim_devices(
         None => {}
     }
     for c in &mut p.children {
-        trim_devices(c, gpus, nets, known, dropped);
+        trim_devices(c, seen_by, known, dropped, notes);
     }
 }
 
@@ -423,6 +524,31 @@ mod tests {
             "{notes:?}"
         );
         assert_eq!(c.pci[1].busid, "0000:00:08.0", "eth0 added as detected");
+    }
+
+    /// Detection decides whether a port is an RDMA device: a file's port
+    /// marked RDMA (braid's `rdma="1"`, as `braid-topo --xml` writes it on
+    /// another machine) that detection found as a kernel interface is one;
+    /// the file's other attributes still win.
+    #[test]
+    fn detection_decides_rdma() {
+        let file = sys(r#"<system version="1"><cpu numaid="0">
+            <pci busid="0000:00:03.0" class="0x020000"><nic><net name="eth0" dev="0" speed="200000" port="1" rdma="1"/></nic></pci>
+            </cpu></system>"#);
+        assert!(file.nets()[0].net.is_rdma(), "the file alone: RDMA");
+        let det = sys(r#"<system version="1"><cpu numaid="0" affinity="3">
+            <pci busid="0000:00:03.0" class="0x020000"><nic><net name="eth0" dev="0" speed="10000" rdma="0"/></nic></pci>
+            </cpu></system>"#);
+        let (m, notes) = merge(&file, &det);
+        let n = &m.nets()[0].net;
+        assert!(!n.is_rdma(), "{n:?}");
+        assert_eq!(n.speed, Some(200_000), "the file's speed wins");
+        assert!(
+            notes
+                .iter()
+                .any(|x| x.contains("eth0") && x.contains("no RDMA device")),
+            "{notes:?}"
+        );
     }
 
     /// Where detection sees nothing of a kind, the file's devices stay.

@@ -600,6 +600,76 @@ fn rail_of(topo: &Topology, ports: &[usize], net: usize) -> u32 {
         .unwrap_or_else(|| ports.iter().position(|&x| x == net).unwrap_or(0) as u32)
 }
 
+/// Why the ranks of a host talk socket to other hosts rather than ib, for
+/// the log (NCCL logs each transport decision): once per such host, the
+/// host's ports and why none is an RDMA port that is up; else, where the
+/// policy ruled ib out, that.
+fn why_not_ib(
+    cx: &Ctx,
+    transports: &[Vec<Option<TransportKind>>],
+    ib_allowed: bool,
+    notes: &mut Vec<String>,
+) {
+    let c = cx.c;
+    let n = c.ranks.len();
+    let mut noted: Vec<usize> = Vec::new();
+    let mut policy_noted = false;
+    for (a, row) in transports.iter().enumerate() {
+        let h = c.ranks[a].host;
+        let socket_out =
+            (0..n).any(|b| c.ranks[b].host != h && row[b] == Some(TransportKind::Socket));
+        if !socket_out || noted.contains(&h) {
+            continue;
+        }
+        if cx.host_has_rdma(a) {
+            if !ib_allowed && !policy_noted {
+                policy_noted = true;
+                notes.push(
+                    "socket between hosts, not ib: ib is disabled or another transport forced (BRAID_IB_DISABLE, BRAID_TRANSPORT, or ib not available on every rank)"
+                        .into(),
+                );
+            }
+            // Otherwise the host at the other end has no RDMA port: its
+            // own note says why.
+            continue;
+        }
+        noted.push(h);
+        let t = cx.topo(a);
+        let ports: Vec<String> = (0..t.nets.len())
+            .map(|i| {
+                let net = &t.net_info[i];
+                let at = t
+                    .nic_of_net(t.nets[i])
+                    .map(|x| t.nodes[x].id.clone())
+                    .filter(|id| *id != net.name)
+                    .unwrap_or_else(|| "not on PCI".into());
+                let why = if net.is_rdma() {
+                    format!(
+                        "an RDMA device, but {}",
+                        net.state.as_deref().unwrap_or("down")
+                    )
+                } else if net.rdma == Some(false) {
+                    "a kernel interface with no RDMA device".to_string()
+                } else if net.port == Some(0) {
+                    "no RDMA device (port 0: a socket port in NCCL's files)".to_string()
+                } else {
+                    "no RDMA device (no verbs device name, port or GUID)".to_string()
+                };
+                format!("{} ({at}): {why}", net.name)
+            })
+            .collect();
+        let ports = if ports.is_empty() {
+            "it has no network port in its model".to_string()
+        } else {
+            ports.join("; ")
+        };
+        notes.push(format!(
+            "host {}: socket to other hosts, not ib: no RDMA port up: {ports}",
+            c.hosts[h].name
+        ));
+    }
+}
+
 /// Plan transports and rings for the ranks of `c` under `policy`.
 pub fn plan(c: &Cluster, policy: &TransportPolicy) -> Result<Plan, TopoError> {
     let n = c.ranks.len();
@@ -683,6 +753,7 @@ pub fn plan(c: &Cluster, policy: &TransportPolicy) -> Result<Plan, TopoError> {
             ports.unwrap_or_default()
         })
         .collect();
+    why_not_ib(&cx, &transports, ib_allowed, &mut notes);
     let port_nodes: Vec<Vec<usize>> = (0..n).map(|r| rank_ports(&cx, r, &kind_ports[r])).collect();
     let name_of = |r: usize, net: usize| cx.topo(r).nodes[net].id.clone();
     let nearest_nic: Vec<Option<String>> = (0..n)
