@@ -604,7 +604,7 @@ fn oversized_payload_rejected() {
 
 /// Raises this process's soft limit of open files to at least `want` (the
 /// hard limit allowing); returns whether it is there now.
-fn ensure_open_files(want: u64) -> bool {
+pub(super) fn ensure_open_files(want: u64) -> bool {
     let mut r = libc::rlimit {
         rlim_cur: 0,
         rlim_max: 0,
