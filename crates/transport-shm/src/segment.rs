@@ -282,11 +282,26 @@ impl std::fmt::Debug for Segment {
 // governed by the head/tail protocol. Moving it to another thread is fine.
 unsafe impl Send for Segment {}
 
+/// How much of a mapping to allocate and map up front.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Populate {
+    /// All of it, as transparent huge pages where the system allows
+    /// (`MAP_POPULATE`: a new object's pages are allocated and zeroed here,
+    /// not on first use): a user's buffer.
+    All,
+    /// Nothing: pages are allocated when first touched, so memory follows
+    /// use (a link's slots).
+    OnUse,
+}
+
 /// Maps all `len` bytes of `fd` shared — read-write when `write`, else
-/// read-only — pre-faulting the page tables (`MAP_POPULATE`: a new object's
-/// pages are allocated and zeroed here, not on first use), and asks for
-/// transparent huge pages.
-fn map_shared(fd: &std::os::fd::OwnedFd, len: usize, write: bool) -> Result<NonNull<u8>, SegError> {
+/// read-only — pre-faulting as `populate` says.
+fn map_shared(
+    fd: &std::os::fd::OwnedFd,
+    len: usize,
+    write: bool,
+    populate: Populate,
+) -> Result<NonNull<u8>, SegError> {
     let length = NonZeroUsize::new(len).ok_or(SegError::Sys("mmap", Errno::EINVAL))?;
     let prot = if write {
         ProtFlags::PROT_READ | ProtFlags::PROT_WRITE
@@ -303,22 +318,31 @@ fn map_shared(fd: &std::os::fd::OwnedFd, len: usize, write: bool) -> Result<NonN
             None,
             length,
             prot,
-            MapFlags::MAP_SHARED | MapFlags::MAP_POPULATE,
+            match populate {
+                Populate::All => MapFlags::MAP_SHARED | MapFlags::MAP_POPULATE,
+                Populate::OnUse => MapFlags::MAP_SHARED,
+            },
             fd,
             0,
         )
     }
     .map_err(|e| SegError::Sys("mmap", e))?;
-    // SAFETY: `ptr..ptr+len` is the mapping we just created; MADV_HUGEPAGE is
-    // advice only and does not change its contents. Failure (THP for shmem
-    // disabled, old kernel) is ignored.
-    let _ = unsafe { mman::madvise(ptr, len, MmapAdvise::MADV_HUGEPAGE) };
+    if populate == Populate::All {
+        // SAFETY: `ptr..ptr+len` is the mapping we just created;
+        // MADV_HUGEPAGE is advice only and does not change its contents.
+        // Failure (THP for shmem disabled, old kernel) is ignored.
+        let _ = unsafe { mman::madvise(ptr, len, MmapAdvise::MADV_HUGEPAGE) };
+    }
     Ok(ptr.cast())
 }
 
 impl Segment {
     /// Creates the shm object `name` (`O_EXCL`, mode 0600), sizes it, maps
-    /// it, pre-faults every page and writes the identity line. The returned
+    /// it and writes the identity line. Only the control block and the
+    /// boxes take memory now; a slot's pages are allocated when a message
+    /// first goes through them (a link that only ever carries small
+    /// messages costs a few pages, not the whole ring: 2 MiB by default,
+    /// for every pair of ranks that ever exchanged a byte). The returned
     /// segment unlinks `name` when dropped (until [`Segment::unlink`]).
     pub fn create(
         name: &str,
@@ -336,7 +360,7 @@ impl Segment {
         let unlink_guard = UnlinkOnError(name);
         nix::unistd::ftruncate(&fd, layout.total as i64)
             .map_err(|e| SegError::Sys("ftruncate", e))?;
-        let base = map_shared(&fd, layout.total, true)?;
+        let base = map_shared(&fd, layout.total, true, Populate::OnUse)?;
         drop(fd); // the mapping keeps the object alive
         std::mem::forget(unlink_guard);
         let seg = Segment {
@@ -345,7 +369,6 @@ impl Segment {
             name: name.to_owned(),
             owns_name: true,
         };
-        seg.prefault();
         let h = seg.header();
         h.version.store(LAYOUT_VERSION, Ordering::Relaxed);
         h.slots.store(layout.slots as u32, Ordering::Relaxed);
@@ -378,7 +401,7 @@ impl Segment {
                 st.st_size, layout.total
             )));
         }
-        let base = map_shared(&fd, layout.total, true)?;
+        let base = map_shared(&fd, layout.total, true, Populate::OnUse)?;
         drop(fd);
         let seg = Segment {
             base,
@@ -427,16 +450,21 @@ impl Segment {
     }
 
     /// Touches every page of the slot area so that first use does not fault.
-    fn prefault(&self) {
-        let mut off = self.layout.data_offset;
-        while off < self.layout.total {
-            // SAFETY: `off < total`, so the byte lies inside our mapping; the
-            // segment was just created and no one else knows it yet, and the
-            // object is zero-filled, so writing 0 changes nothing. Volatile
-            // keeps the store from being optimised away.
-            unsafe { self.base.as_ptr().add(off).write_volatile(0) };
-            off += PAGE;
-        }
+    /// Asks for transparent huge pages for the slots, once the link moves
+    /// bulk data (advice: where the system gives shared memory huge pages
+    /// on request, slot pages touched from now on come in 2 MiB pages).
+    pub fn advise_huge_slots(&self) {
+        let len = self.layout.total - self.layout.data_offset;
+        // SAFETY: `data_offset..total` lies inside our mapping (Layout::new);
+        // MADV_HUGEPAGE is advice only and does not change its contents.
+        // Failure (THP for shmem disabled, old kernel) is ignored.
+        let _ = unsafe {
+            mman::madvise(
+                NonNull::new_unchecked(self.base.as_ptr().add(self.layout.data_offset)).cast(),
+                len,
+                MmapAdvise::MADV_HUGEPAGE,
+            )
+        };
     }
 
     /// The shared control block.
@@ -613,7 +641,7 @@ impl OwnMap {
     /// be sealed against shrinking.
     pub(crate) fn new(fd: &std::os::fd::OwnedFd, len: usize) -> Result<OwnMap, SegError> {
         Ok(OwnMap(FileMapping {
-            base: map_shared(fd, len, true)?,
+            base: map_shared(fd, len, true, Populate::All)?,
             len,
         }))
     }
@@ -661,7 +689,7 @@ impl PeerMap {
     /// be at least `len` bytes long and sealed against shrinking.
     pub(crate) fn new(fd: &std::os::fd::OwnedFd, len: usize) -> Result<PeerMap, SegError> {
         Ok(PeerMap(FileMapping {
-            base: map_shared(fd, len, false)?,
+            base: map_shared(fd, len, false, Populate::All)?,
             len,
         }))
     }

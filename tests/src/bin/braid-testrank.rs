@@ -224,6 +224,43 @@ fn matrix(comm: &Communicator, sizes: &[usize], quick: bool) -> u32 {
     failures
 }
 
+/// Every collective once per size: f32, Sum, out of place.
+fn matrix_once(comm: &Communicator, sizes: &[usize]) -> u32 {
+    let mut failures = 0;
+    for &n in sizes {
+        for kind in Kind::ALL {
+            let (dt, op) = (DataType::F32, RedOp::Sum);
+            let res = prepare(comm, kind, dt, op, n)
+                .and_then(|prep| case(comm, kind, dt, op, n, false, &prep));
+            if let Err(e) = res {
+                failures += 1;
+                println!("FAIL rank {} {kind:?} n={n}: {e}", comm.rank());
+                return failures;
+            }
+        }
+    }
+    failures
+}
+
+/// Kilobytes of braid shared-memory segments mapped in this process, as
+/// its proportional share (`Pss` in /proc/self/smaps).
+fn shm_pss_kib() -> std::io::Result<u64> {
+    let smaps = std::fs::read_to_string("/proc/self/smaps")?;
+    let mut total = 0;
+    let mut in_braid = false;
+    for line in smaps.lines() {
+        let mut f = line.split_whitespace();
+        let first = f.next().unwrap_or("");
+        if first.contains('-') && first.chars().all(|c| c.is_ascii_hexdigit() || c == '-') {
+            // A mapping's first line: range, perms, offset, dev, inode, path.
+            in_braid = line.contains("/dev/shm/braid-");
+        } else if in_braid && first == "Pss:" {
+            total += f.next().and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
+        }
+    }
+    Ok(total)
+}
+
 fn p2p(comm: &Communicator) -> Result<(), String> {
     let (r, p) = (comm.rank(), comm.nranks());
     let next = (r + 1) % p;
@@ -415,6 +452,34 @@ fn main() -> ExitCode {
                 }
                 if let Some((name, by)) = comm.algorithm(&c, DataType::F32) {
                     println!("rank {rank} allreduce {n} f32: {name} by {by}");
+                }
+            }
+        }
+        "memory" => {
+            // Every collective once per size (f32 Sum, checked against the
+            // reference), then this rank's share of the braid shared memory
+            // mapped in it (proportional set size: summed over the ranks,
+            // every page counts once), measured while every rank is between
+            // the same two barriers.
+            if matrix_once(&comm, &extra) > 0 {
+                return ExitCode::from(1);
+            }
+            let pss = match comm.barrier().map(|()| shm_pss_kib()) {
+                Ok(p) => p,
+                Err(e) => {
+                    println!("error: {e}");
+                    return ExitCode::from(1);
+                }
+            };
+            if let Err(e) = comm.barrier() {
+                println!("error: {e}");
+                return ExitCode::from(1);
+            }
+            match pss {
+                Ok(kib) => println!("rank {rank} shm_pss_kib {kib}"),
+                Err(e) => {
+                    println!("error: reading /proc/self/smaps: {e}");
+                    return ExitCode::from(1);
                 }
             }
         }

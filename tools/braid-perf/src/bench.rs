@@ -586,7 +586,13 @@ impl<'a> Runner<'a> {
             .map_err(|e| BenchError::Io(format!("cannot write the table: {e}")))
     }
 
-    /// Host name, pid and transport per peer of every rank.
+    /// Host name, pid and transport per peer of every rank, on rank 0 (the
+    /// one that prints them; the others get their own and their
+    /// successors'). Gathered down the ring (rank r receives the lines of
+    /// ranks r+1.. from rank r+1 and passes them with its own to rank
+    /// r-1), so the benchmark connects no pair of ranks that its
+    /// collectives do not (an AllGather here connected every pair, each
+    /// shared-memory link costing memory).
     fn rank_lines(&self) -> Result<Vec<String>, BenchError> {
         const W: usize = 256;
         let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
@@ -649,8 +655,16 @@ impl<'a> Runner<'a> {
             .find(|&i| line.is_char_boundary(i))
             .unwrap_or(0);
         mine[..n].copy_from_slice(&b[..n]);
-        let mut all = vec![0u8; W * self.comm.nranks() as usize];
-        self.comm.all_gather(&mine, &mut all)?;
+        let (r, p) = (self.comm.rank(), self.comm.nranks());
+        let mut all = mine.to_vec();
+        if r + 1 < p {
+            let mut rest = vec![0u8; W * (p - r - 1) as usize];
+            self.comm.recv(&mut rest, r + 1)?;
+            all.extend_from_slice(&rest);
+        }
+        if r > 0 {
+            self.comm.send(&all, r - 1)?;
+        }
         Ok(all
             .chunks(W)
             .map(|c| {

@@ -48,6 +48,8 @@ pub(crate) struct ShmSend {
     help_failed: bool,
     /// Set by our own `abort`.
     aborted: Option<String>,
+    /// Huge pages were asked for the slots (the link moved bulk data).
+    huge: bool,
 }
 
 impl ShmSend {
@@ -69,6 +71,7 @@ impl ShmSend {
             direct: false,
             help_failed: false,
             aborted: None,
+            huge: false,
         }
     }
 
@@ -221,6 +224,12 @@ impl SendChannel for ShmSend {
             self.seg
                 .copy_slot_to_box(self.head_slot, self.head_box, len);
             return self.publish(len as u64 | INLINE_FLAG);
+        }
+        if !self.huge && len >= self.slot_bytes / 2 {
+            // Bulk data: from now on the slots' pages may come as huge
+            // pages (until then they cost only what was touched).
+            self.huge = true;
+            self.seg.advise_huge_slots();
         }
         self.publish(len as u64)
     }
