@@ -5,11 +5,14 @@ use super::*;
 const LENS: [usize; 6] = [0, 1, 7, 33, 1000, 4099];
 
 /// Run `f` on every code path this CPU can take: the run-time selected
-/// (AVX2/F16C) loops and the baseline ones.
+/// (AVX-512, AVX2/F16C) loops, the AVX2 ones, and the baseline ones.
 fn on_every_path(f: impl Fn()) {
     f();
     #[cfg(target_arch = "x86_64")]
     {
+        x86::NO_AVX512.with(|b| b.set(true));
+        f();
+        x86::NO_AVX512.with(|b| b.set(false));
         x86::BASELINE_ONLY.with(|b| b.set(true));
         f();
         x86::BASELINE_ONLY.with(|b| b.set(false));
@@ -534,4 +537,44 @@ fn bad_lengths_and_divisor_are_errors() {
     // Empty buffers are fine.
     reduce_bytes(&mut [], &[], &[], DataType::F64, RedOp::Prod).unwrap();
     divide_bytes(&mut [], DataType::I8, 3).unwrap();
+}
+
+/// The slice conversions of bf16 (8 lanes at a time with AVX2 where the CPU
+/// has it, the scalar loop on the other path) give `half`'s bits: widening
+/// every bf16, narrowing a stride over all f32 and every rounding boundary
+/// (each tie and its two neighbours), NaNs and infinities included.
+#[test]
+fn bf16_slice_conversions_match_half_crate() {
+    on_every_path(|| {
+        let all: Vec<bf16> = (0..=u16::MAX).map(bf16::from_bits).collect();
+        let mut wide = vec![0f32; all.len()];
+        bf16::widen_slice(&all, &mut wide);
+        for (h, w) in all.iter().zip(&wide) {
+            assert_eq!(
+                w.to_bits(),
+                h.to_f32().to_bits(),
+                "bf16 {:#06x}",
+                h.to_bits()
+            );
+        }
+        let ties = (0..=u16::MAX).flat_map(|h| {
+            let t = (u32::from(h) << 16) | 0x8000;
+            [t - 1, t, t + 1]
+        });
+        let xs: Vec<f32> = (0..=u32::MAX)
+            .step_by(4099)
+            .chain(ties)
+            .map(f32::from_bits)
+            .collect();
+        let mut out = vec![bf16::ZERO; xs.len()];
+        bf16::narrow_slice(&xs, &mut out);
+        for (x, o) in xs.iter().zip(&out) {
+            assert_eq!(
+                o.to_bits(),
+                bf16::from_f32(*x).to_bits(),
+                "f32 {:#010x}",
+                x.to_bits()
+            );
+        }
+    });
 }

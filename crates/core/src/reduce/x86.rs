@@ -2,17 +2,35 @@
 //! has them.
 
 use std::arch::x86_64::{
-    _mm256_cvtph_ps, _mm256_cvtps_ph, _mm256_loadu_ps, _mm256_storeu_ps, _mm_loadu_si128,
-    _mm_storeu_si128, _MM_FROUND_TO_NEAREST_INT,
+    __m256i, _mm256_add_epi32, _mm256_and_si256, _mm256_blendv_epi8, _mm256_castsi256_si128,
+    _mm256_cmpgt_epi32, _mm256_cvtepu16_epi32, _mm256_cvtph_ps, _mm256_cvtps_ph, _mm256_loadu_ps,
+    _mm256_loadu_si256, _mm256_or_si256, _mm256_packus_epi32, _mm256_permute4x64_epi64,
+    _mm256_set1_epi32, _mm256_slli_epi32, _mm256_srli_epi32, _mm256_storeu_ps, _mm256_storeu_si256,
+    _mm_loadu_si128, _mm_storeu_si128, _MM_FROUND_TO_NEAREST_INT,
 };
 
-use super::{acc_loop, f16, square_loop, Narrow, Visit, BLOCK};
+use super::{acc_loop, bf16, f16, square_loop, Narrow, Visit, BLOCK};
 
 #[cfg(test)]
 thread_local! {
     /// Tests set this to exercise the baseline loops on this thread.
     pub(super) static BASELINE_ONLY: std::cell::Cell<bool> =
         const { std::cell::Cell::new(false) };
+    /// Tests set this to exercise the AVX2 loops on a CPU with AVX-512.
+    pub(super) static NO_AVX512: std::cell::Cell<bool> =
+        const { std::cell::Cell::new(false) };
+}
+
+/// True if the CPU has AVX-512 F and BW (cached by std).
+#[inline(always)]
+pub(super) fn has_avx512() -> bool {
+    #[cfg(test)]
+    if NO_AVX512.with(|b| b.get()) {
+        return false;
+    }
+    has_avx2()
+        && std::arch::is_x86_feature_detected!("avx512f")
+        && std::arch::is_x86_feature_detected!("avx512bw")
 }
 
 /// True if the CPU has AVX2 (cached by std after the first call).
@@ -181,6 +199,389 @@ unsafe fn run_f16c<F: Fn(f32, f32) -> f32 + Copy>(l: F16c<'_>, f: F) {
                 // SAFETY: see above.
                 unsafe { narrow(fa, d) };
             }
+        }
+    }
+}
+
+/// `dst = widen(src)` for bfloat16, 8 lanes at a time: the 16 bits are the
+/// top of the f32; a NaN is quietened (as the scalar `widen`).
+///
+/// # Safety
+///
+/// The CPU supports AVX2.
+#[target_feature(enable = "avx2")]
+pub(super) unsafe fn widen_bf16(src: &[bf16], dst: &mut [f32]) {
+    let n = src.len().min(dst.len());
+    let mut i = 0;
+    let (abs, inf, quiet) = (
+        _mm256_set1_epi32(0x7fff_ffff),
+        _mm256_set1_epi32(0x7f80_0000),
+        _mm256_set1_epi32(0x0040_0000),
+    );
+    while i + 8 <= n {
+        // SAFETY: `i + 8 <= n`: 8 bf16 (16 bytes) are readable at `src[i..]`
+        // and 8 f32 (32 bytes) writable at `dst[i..]`; unaligned accesses.
+        unsafe {
+            let h = _mm_loadu_si128(src.as_ptr().add(i).cast());
+            let x = _mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h));
+            let nan = _mm256_cmpgt_epi32(_mm256_and_si256(x, abs), inf);
+            let x = _mm256_or_si256(x, _mm256_and_si256(nan, quiet));
+            _mm256_storeu_si256(dst.as_mut_ptr().add(i).cast::<__m256i>(), x);
+        }
+        i += 8;
+    }
+    for (d, s) in dst[i..n].iter_mut().zip(&src[i..n]) {
+        *d = s.widen();
+    }
+}
+
+/// `dst = narrow(src)` for bfloat16, 8 lanes at a time: round to nearest
+/// even; a NaN keeps the top of its payload and is quiet (as the scalar
+/// `narrow`).
+///
+/// # Safety
+///
+/// The CPU supports AVX2.
+#[target_feature(enable = "avx2")]
+pub(super) unsafe fn narrow_bf16(src: &[f32], dst: &mut [bf16]) {
+    let n = src.len().min(dst.len());
+    let mut i = 0;
+    let (abs, inf, quiet, half, one) = (
+        _mm256_set1_epi32(0x7fff_ffff),
+        _mm256_set1_epi32(0x7f80_0000),
+        _mm256_set1_epi32(0x0040),
+        _mm256_set1_epi32(0x7fff),
+        _mm256_set1_epi32(1),
+    );
+    while i + 8 <= n {
+        // SAFETY: `i + 8 <= n`: 8 f32 are readable at `src[i..]` and 8 bf16
+        // (16 bytes) writable at `dst[i..]`; unaligned accesses.
+        unsafe {
+            let x = _mm256_loadu_si256(src.as_ptr().add(i).cast::<__m256i>());
+            let nan = _mm256_cmpgt_epi32(_mm256_and_si256(x, abs), inf);
+            let odd = _mm256_and_si256(_mm256_srli_epi32::<16>(x), one);
+            let rounded = _mm256_srli_epi32::<16>(_mm256_add_epi32(x, _mm256_add_epi32(half, odd)));
+            let nanv = _mm256_or_si256(_mm256_srli_epi32::<16>(x), quiet);
+            let v = _mm256_blendv_epi8(rounded, nanv, nan);
+            // Every lane is below 2^16: the unsigned saturating pack keeps
+            // it; the pack works per 128-bit half, the permute joins them.
+            let p = _mm256_permute4x64_epi64::<0b11_01_10_00>(_mm256_packus_epi32(v, v));
+            _mm_storeu_si128(dst.as_mut_ptr().add(i).cast(), _mm256_castsi256_si128(p));
+        }
+        i += 8;
+    }
+    for (d, &s) in dst[i..n].iter_mut().zip(&src[i..n]) {
+        *d = bf16::narrow(s);
+    }
+}
+
+/// A bfloat16 loop computed as f32 in one pass (no staging buffers): the
+/// hot case of mixed-precision training, gradients summed in bf16.
+pub(super) enum Bf16Loop<'s> {
+    Binary {
+        dst: &'s mut [bf16],
+        a: &'s [bf16],
+        b: &'s [bf16],
+    },
+    Acc {
+        acc: &'s mut [bf16],
+        other: &'s [bf16],
+        /// `other op acc` (which NaN's payload a sum of two NaNs keeps).
+        rev: bool,
+    },
+    Square {
+        acc: &'s mut [bf16],
+    },
+}
+
+/// The operators the fused bf16 loops compute.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(super) enum Fused {
+    Add,
+    Mul,
+}
+
+/// Runs `l` with `op` in one pass with AVX-512 (16 lanes) or AVX2 (8);
+/// false when the CPU has neither (the caller runs its own loop).
+pub(super) fn run_bf16(l: Bf16Loop<'_>, op: Fused) -> bool {
+    if has_avx512() {
+        // SAFETY: the CPU has AVX-512 F and BW (just checked).
+        unsafe { run_bf16_512(l, op) };
+        true
+    } else if has_avx2() {
+        // SAFETY: the CPU has AVX2 (just checked).
+        unsafe { run_bf16_256(l, op) };
+        true
+    } else {
+        false
+    }
+}
+
+/// The elements of `l` as (destination, first, second) raw parts: the
+/// destination may be the first or both sources (read before written,
+/// element by element).
+fn parts(l: Bf16Loop<'_>) -> (*mut bf16, *const bf16, *const bf16, usize) {
+    match l {
+        Bf16Loop::Binary { dst, a, b } => {
+            let n = dst.len().min(a.len()).min(b.len());
+            (dst.as_mut_ptr(), a.as_ptr(), b.as_ptr(), n)
+        }
+        Bf16Loop::Acc { acc, other, rev } => {
+            let n = acc.len().min(other.len());
+            let p = acc.as_mut_ptr();
+            if rev {
+                (p, other.as_ptr(), p.cast_const(), n)
+            } else {
+                (p, p.cast_const(), other.as_ptr(), n)
+            }
+        }
+        Bf16Loop::Square { acc } => {
+            let n = acc.len();
+            let p = acc.as_mut_ptr();
+            (p, p.cast_const(), p.cast_const(), n)
+        }
+    }
+}
+
+/// The scalar tail of a fused loop.
+///
+/// # Safety
+///
+/// `d`, `x`, `y` are valid for `n` elements (`d` for writes), as from
+/// [`parts`].
+unsafe fn tail(d: *mut bf16, x: *const bf16, y: *const bf16, from: usize, n: usize, op: Fused) {
+    for i in from..n {
+        // SAFETY: `i < n`: inside every slice (this function's contract).
+        unsafe {
+            let (p, q) = (x.add(i).read().widen(), y.add(i).read().widen());
+            let r = match op {
+                Fused::Add => p + q,
+                Fused::Mul => p * q,
+            };
+            d.add(i).write(bf16::narrow(r));
+        }
+    }
+}
+
+/// # Safety
+///
+/// The CPU supports AVX-512 F and BW.
+#[target_feature(enable = "avx512f,avx512bw")]
+unsafe fn run_bf16_512(l: Bf16Loop<'_>, op: Fused) {
+    use std::arch::x86_64::{
+        __m256i, _mm256_loadu_si256, _mm256_storeu_si256, _mm512_add_epi32, _mm512_add_ps,
+        _mm512_and_si512, _mm512_castps_si512, _mm512_castsi512_ps, _mm512_cmpgt_epi32_mask,
+        _mm512_cvtepi32_epi16, _mm512_cvtepu16_epi32, _mm512_mask_blend_epi32, _mm512_mul_ps,
+        _mm512_or_si512, _mm512_set1_epi32, _mm512_slli_epi32, _mm512_srli_epi32,
+    };
+    let (d, x, y, n) = parts(l);
+    let (abs, inf, quiet, half, one) = (
+        _mm512_set1_epi32(0x7fff_ffff),
+        _mm512_set1_epi32(0x7f80_0000),
+        _mm512_set1_epi32(0x0040),
+        _mm512_set1_epi32(0x7fff),
+        _mm512_set1_epi32(1),
+    );
+    let mut i = 0;
+    while i + 16 <= n {
+        // SAFETY: `i + 16 <= n`: 16 bf16 (32 bytes) are readable at `x + i`
+        // and `y + i` and writable at `d + i` (`parts`); unaligned accesses;
+        // both loads happen before the store, so `d` may alias them.
+        unsafe {
+            let wa = _mm512_cvtepu16_epi32(_mm256_loadu_si256(x.add(i).cast::<__m256i>()));
+            let wb = _mm512_cvtepu16_epi32(_mm256_loadu_si256(y.add(i).cast::<__m256i>()));
+            let fa = _mm512_castsi512_ps(_mm512_slli_epi32::<16>(wa));
+            let fb = _mm512_castsi512_ps(_mm512_slli_epi32::<16>(wb));
+            let r = match op {
+                Fused::Add => _mm512_add_ps(fa, fb),
+                Fused::Mul => _mm512_mul_ps(fa, fb),
+            };
+            // Round to nearest even as the scalar `narrow`; a NaN keeps the
+            // top of its payload, quiet.
+            let v = _mm512_castps_si512(r);
+            let nan = _mm512_cmpgt_epi32_mask(_mm512_and_si512(v, abs), inf);
+            let odd = _mm512_and_si512(_mm512_srli_epi32::<16>(v), one);
+            let rounded = _mm512_srli_epi32::<16>(_mm512_add_epi32(v, _mm512_add_epi32(half, odd)));
+            let nanv = _mm512_or_si512(_mm512_srli_epi32::<16>(v), quiet);
+            let h = _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(nan, rounded, nanv));
+            _mm256_storeu_si256(d.add(i).cast::<__m256i>(), h);
+        }
+        i += 16;
+    }
+    // SAFETY: forwarded from `parts`.
+    unsafe { tail(d, x, y, i, n, op) };
+}
+
+/// # Safety
+///
+/// The CPU supports AVX2.
+#[target_feature(enable = "avx2")]
+unsafe fn run_bf16_256(l: Bf16Loop<'_>, op: Fused) {
+    use std::arch::x86_64::{
+        _mm256_add_ps, _mm256_castps_si256, _mm256_castsi256_ps, _mm256_mul_ps,
+    };
+    let (d, x, y, n) = parts(l);
+    let (abs, inf, quiet, half, one) = (
+        _mm256_set1_epi32(0x7fff_ffff),
+        _mm256_set1_epi32(0x7f80_0000),
+        _mm256_set1_epi32(0x0040),
+        _mm256_set1_epi32(0x7fff),
+        _mm256_set1_epi32(1),
+    );
+    let mut i = 0;
+    while i + 8 <= n {
+        // SAFETY: as in `run_bf16_512`, for 8 elements (16 bytes).
+        unsafe {
+            let wa = _mm256_cvtepu16_epi32(_mm_loadu_si128(x.add(i).cast()));
+            let wb = _mm256_cvtepu16_epi32(_mm_loadu_si128(y.add(i).cast()));
+            let fa = _mm256_castsi256_ps(_mm256_slli_epi32::<16>(wa));
+            let fb = _mm256_castsi256_ps(_mm256_slli_epi32::<16>(wb));
+            let r = match op {
+                Fused::Add => _mm256_add_ps(fa, fb),
+                Fused::Mul => _mm256_mul_ps(fa, fb),
+            };
+            let v = _mm256_castps_si256(r);
+            let nan = _mm256_cmpgt_epi32(_mm256_and_si256(v, abs), inf);
+            let odd = _mm256_and_si256(_mm256_srli_epi32::<16>(v), one);
+            let rounded = _mm256_srli_epi32::<16>(_mm256_add_epi32(v, _mm256_add_epi32(half, odd)));
+            let nanv = _mm256_or_si256(_mm256_srli_epi32::<16>(v), quiet);
+            let w = _mm256_blendv_epi8(rounded, nanv, nan);
+            let p = _mm256_permute4x64_epi64::<0b11_01_10_00>(_mm256_packus_epi32(w, w));
+            _mm_storeu_si128(d.add(i).cast(), _mm256_castsi256_si128(p));
+        }
+        i += 8;
+    }
+    // SAFETY: forwarded from `parts`.
+    unsafe { tail(d, x, y, i, n, op) };
+}
+
+/// An f16 loop computed as f32 in one pass with the hardware conversions
+/// (F16C; AVX-512 F's 16-lane forms).
+pub(super) enum F16Loop<'s> {
+    Binary {
+        dst: &'s mut [f16],
+        a: &'s [f16],
+        b: &'s [f16],
+    },
+    Acc {
+        acc: &'s mut [f16],
+        other: &'s [f16],
+        /// `other op acc`.
+        rev: bool,
+    },
+    Square {
+        acc: &'s mut [f16],
+    },
+}
+
+/// Runs `l` with `op` in one pass with AVX-512 (16 lanes) or AVX2 and F16C
+/// (8); false when the CPU has neither.
+pub(super) fn run_f16(l: F16Loop<'_>, op: Fused) -> bool {
+    let (d, x, y, n) = match l {
+        F16Loop::Binary { dst, a, b } => {
+            let n = dst.len().min(a.len()).min(b.len());
+            (dst.as_mut_ptr(), a.as_ptr(), b.as_ptr(), n)
+        }
+        F16Loop::Acc { acc, other, rev } => {
+            let n = acc.len().min(other.len());
+            let p = acc.as_mut_ptr();
+            if rev {
+                (p, other.as_ptr(), p.cast_const(), n)
+            } else {
+                (p, p.cast_const(), other.as_ptr(), n)
+            }
+        }
+        F16Loop::Square { acc } => {
+            let n = acc.len();
+            let p = acc.as_mut_ptr();
+            (p, p.cast_const(), p.cast_const(), n)
+        }
+    };
+    if has_avx512() && has_f16c() {
+        // SAFETY: the CPU has AVX-512 F and F16C (just checked); the
+        // pointers are valid for `n` elements (taken from the slices).
+        unsafe { run_f16_512(d, x, y, n, op) };
+        true
+    } else if has_f16c() {
+        // SAFETY: the CPU has AVX2 and F16C; pointers as above.
+        unsafe { run_f16_256(d, x, y, n, op) };
+        true
+    } else {
+        false
+    }
+}
+
+/// # Safety
+///
+/// The CPU supports AVX-512 F; `d`, `x`, `y` are valid for `n` elements
+/// (`d` for writes; it may alias `x` or `y`).
+#[target_feature(enable = "avx512f,f16c")]
+unsafe fn run_f16_512(d: *mut f16, x: *const f16, y: *const f16, n: usize, op: Fused) {
+    use std::arch::x86_64::{
+        __m256i, _mm256_loadu_si256, _mm256_storeu_si256, _mm512_add_ps, _mm512_cvtph_ps,
+        _mm512_cvtps_ph, _mm512_mul_ps,
+    };
+    let mut i = 0;
+    while i + 16 <= n {
+        // SAFETY: `i + 16 <= n`: 16 f16 (32 bytes) are readable at `x + i`
+        // and `y + i` and writable at `d + i`; unaligned accesses; both
+        // loads happen before the store.
+        unsafe {
+            let fa = _mm512_cvtph_ps(_mm256_loadu_si256(x.add(i).cast::<__m256i>()));
+            let fb = _mm512_cvtph_ps(_mm256_loadu_si256(y.add(i).cast::<__m256i>()));
+            let r = match op {
+                Fused::Add => _mm512_add_ps(fa, fb),
+                Fused::Mul => _mm512_mul_ps(fa, fb),
+            };
+            let h = _mm512_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(r);
+            _mm256_storeu_si256(d.add(i).cast::<__m256i>(), h);
+        }
+        i += 16;
+    }
+    // SAFETY: forwarded from this function's contract.
+    unsafe { tail_f16(d, x, y, i, n, op) };
+}
+
+/// # Safety
+///
+/// The CPU supports AVX2 and F16C; pointers as for [`run_f16_512`].
+#[target_feature(enable = "avx2,f16c")]
+unsafe fn run_f16_256(d: *mut f16, x: *const f16, y: *const f16, n: usize, op: Fused) {
+    use std::arch::x86_64::{_mm256_add_ps, _mm256_mul_ps};
+    let mut i = 0;
+    while i + 8 <= n {
+        // SAFETY: as in `run_f16_512`, for 8 elements (16 bytes).
+        unsafe {
+            let fa = _mm256_cvtph_ps(_mm_loadu_si128(x.add(i).cast()));
+            let fb = _mm256_cvtph_ps(_mm_loadu_si128(y.add(i).cast()));
+            let r = match op {
+                Fused::Add => _mm256_add_ps(fa, fb),
+                Fused::Mul => _mm256_mul_ps(fa, fb),
+            };
+            let h = _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(r);
+            _mm_storeu_si128(d.add(i).cast(), h);
+        }
+        i += 8;
+    }
+    // SAFETY: forwarded from this function's contract.
+    unsafe { tail_f16(d, x, y, i, n, op) };
+}
+
+/// The scalar tail of a fused f16 loop.
+///
+/// # Safety
+///
+/// As for [`run_f16_512`].
+unsafe fn tail_f16(d: *mut f16, x: *const f16, y: *const f16, from: usize, n: usize, op: Fused) {
+    for i in from..n {
+        // SAFETY: `i < n`: inside every slice (this function's contract).
+        unsafe {
+            let (p, q) = (x.add(i).read().widen(), y.add(i).read().widen());
+            let r = match op {
+                Fused::Add => p + q,
+                Fused::Mul => p * q,
+            };
+            d.add(i).write(f16::narrow(r));
         }
     }
 }
