@@ -2,11 +2,16 @@
 //!
 //! A [`UniqueId`] is the root's address plus a random 128-bit secret. One
 //! process (usually rank 0) hosts a [`RootServer`]; every rank, rank 0
-//! included, calls [`Bootstrap::connect`] with the same id, its rank, the
-//! number of ranks and a payload (typically its connect-info blob). The root
-//! waits until all ranks arrived and sends every rank all payloads in rank
-//! order. Later rounds ([`Bootstrap::allgather`], [`Bootstrap::barrier`]) go
-//! through the root as well (a star).
+//! included, joins with the same id, its rank, the number of ranks and a
+//! payload (typically its connect-info blob) through
+//! `Bootstrap::connect_abortable`. Once all ranks have joined, the root
+//! gives each the address of its successor; the ranks connect into a ring
+//! and all-gather round it — the first round carries the payloads (every
+//! rank gets them in rank order), later rounds ([`Bootstrap::allgather`],
+//! [`Bootstrap::barrier`]) too. The root only hears that a rank starts a
+//! round, so that it can name ranks that are late or leave; two ranks
+//! exchange messages point to point without a round (links connecting on
+//! first use).
 //!
 //! # Files
 //!
@@ -32,23 +37,32 @@
 //! - `fuzzing.rs`: the decoders over plain bytes for `fuzz/` (feature
 //!   `internals`).
 //!
-//! # Protocol (version 2)
+//! # Protocol (version 3)
 //!
 //! Every message is a frame: a little-endian `u32` length `n` (at most
 //! [`wire::MAX_FRAME`]), then `n` bytes: one kind byte and the body.
 //! Integers are little-endian.
 //!
+//! With the root:
+//!
 //! 1. root → client `CHALLENGE`: magic, protocol version, 32-byte nonce.
 //! 2. client → root `HELLO`: magic, version, rank, nranks, the client's
 //!    nonce, `SHA-256("braid-bootstrap-client" ‖ secret ‖ root nonce ‖
-//!    client nonce ‖ rank ‖ nranks)`, payload. The secret itself never
-//!    travels.
+//!    client nonce ‖ rank ‖ nranks)`, payload (the rank's listening
+//!    address). The secret itself never travels.
 //! 3. root → client `ACCEPT` with `SHA-256("braid-bootstrap-root" ‖ secret ‖
 //!    client nonce ‖ root nonce ‖ rank)`, so the client knows the root holds
 //!    the secret too; or `ERROR` with a message.
-//! 4. root → client: `nranks` `DATA` frames (round, rank, bytes) in rank
-//!    order, once all ranks joined (round 0) and after every later round.
-//! 5. client → root `CONTRIB` (round, bytes) for rounds 1, 2, ...
+//! 4. root → client `RING` (the successor's address) once all ranks joined.
+//! 5. client → root `CONTRIB` (round, no data) when the rank starts a round
+//!    after the first; root → clients `LEFT` when a rank left after its last
+//!    round (rounds under way still complete).
+//!
+//! Between ranks (each frame carries a proof of the secret, `PeerFrame`):
+//! `RING_HELLO` opens the connection to the successor, `DATA` frames (round,
+//! rank, bytes) go round the ring; `XCHG`/`XREPLY` are a point-to-point
+//! exchange (the lower rank connects); `PROBE` checks that a listener is
+//! still there.
 //!
 //! The root sends an `ERROR` frame to every connected rank before it gives
 //! up (ranks that disagree on nranks, a rank that joined twice, ranks missing
