@@ -14,15 +14,15 @@
 # huge-page buffers under THP `madvise` should set (see
 # single_copy_default in crates/runtime/src/comm/tuning.rs: on 4 KiB pages
 # process_vm_readv is 3x slower, so the default there is 8 MiB). Open MPI
-# runs in its fastest configuration here (../shared/peers/mpi-best.sh:
-# vader BTL, glibc malloc on transparent huge pages). Run it on an
-# otherwise idle machine.
+# runs in its fastest configuration here (vader BTL, glibc malloc on
+# transparent huge pages): tools/peers/mpi-best.sh, or the one in PEERS=DIR.
+# Run it on an otherwise idle machine.
 set -euo pipefail
 out=${1:?usage: compare-mpi.sh OUTDIR [NPS] [ITERS]}; mkdir -p "$out"
 nps=${2:-2 4}
 iters=${3:-20}
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-peers=${PEERS:-$here/../shared/peers}
+peers=${PEERS:-$here/tools/peers}
 colls=${COLLS:-all_reduce all_gather reduce_scatter broadcast reduce alltoall}
 if [ -n "${PERF:-}" ]; then
   perf=$PERF

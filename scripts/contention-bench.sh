@@ -13,15 +13,16 @@
 # the same comparison on idle CPUs, LOAD=N starts N busy processes (default:
 # one per core). PERF=/path/to/braid-perf runs that binary. Open MPI runs in
 # its fastest configuration here (vader BTL, glibc malloc on transparent huge
-# pages; ../shared/peers/mpi-best.sh); both bind rank r to core r (mpirun's
-# default for 2 ranks, braid-perf's --bind core). Both use user buffers on
+# pages, as tools/peers/mpi-best.sh; tools/peers/mpi_coll_bench.c, or the one
+# in PEERS=DIR); both bind rank r to core r (mpirun's default for 2 ranks,
+# braid-perf's --bind core). Both use user buffers on
 # transparent huge pages (-H 1), and braid is told so as in compare-mpi.sh
 # (BRAID_SINGLE_COPY_MIN_BYTES=524288 unless set).
 set -euo pipefail
 np=${1:-2}
 rounds=${2:-3}
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-peers=${PEERS:-$here/../shared/peers}
+peers=${PEERS:-$here/tools/peers}
 colls=${COLLS:-all_reduce all_gather reduce_scatter broadcast}
 sizes=${SIZES:-8 64 512 4K 32K 256K 2M 16M 64M}
 cores=$(nproc)

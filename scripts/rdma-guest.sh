@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Runs inside the Soft-RoCE guests of ../shared/rdma-vm/run (called by
+# Runs inside the Soft-RoCE guests of tools/rdma-vm/run (called by
 # scripts/rdma-tests.sh and scripts/ib-bench.sh, not by hand):
 #
 #   rdma-guest.sh one PROBE CONFORMANCE IBTESTS   one guest: the IB probe, the

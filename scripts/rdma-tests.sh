@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The RDMA tests, for real: builds braid with the IB transport and runs, inside
-# the Soft-RoCE guests of ../shared/rdma-vm/run (see its README):
+# the Soft-RoCE guests of tools/rdma-vm/run (see its README):
 #   1. one guest: the IB probe, the transport conformance suite over IB,
 #      and tests/ib.rs (3 ranks forced onto IB: every collective, Send/Recv,
 #      a rank killed mid-collective);
@@ -21,21 +21,9 @@ loud() {
     exit 1
 }
 
-# The harness: RDMA_VM_RUN, else the shared folder next to the checkout,
-# else /work/shared (where the workplace keeps it).
-VM=${RDMA_VM_RUN:-}
-if [ -z "$VM" ]; then
-    for c in ../shared/rdma-vm/run /work/shared/rdma-vm/run; do
-        if [ -x "$c" ]; then VM=$c; break; fi
-    done
-fi
-if [ -z "$VM" ] || [ ! -x "$VM" ]; then
-    echo
-    echo "!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!"
-    echo "!!! RDMA TESTS NOT RUN: no guest harness (tried RDMA_VM_RUN, ../shared/rdma-vm/run, /work/shared/rdma-vm/run)"
-    echo "!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!"
-    exit 3
-fi
+# The harness: RDMA_VM_RUN (another copy), else the repository's own.
+VM=${RDMA_VM_RUN:-tools/rdma-vm/run}
+[ -x "$VM" ] || loud "the guest harness '$VM' is missing or not executable"
 echo "== rdma: guest harness $VM"
 
 scripts/rdma-deps.sh || loud "cannot install the IB build dependencies"

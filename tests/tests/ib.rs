@@ -1,7 +1,7 @@
 //! Multi-process tests with every link forced onto the IB transport
 //! (`BRAID_TRANSPORT=ib`): several ranks in one host, which would otherwise
 //! use shared memory. They need an RDMA device and run inside
-//! `../shared/rdma-vm/run` (Soft-RoCE): `scripts/rdma-tests.sh` builds them
+//! `tools/rdma-vm/run` (Soft-RoCE): `scripts/rdma-tests.sh` builds them
 //! with `--features ib` and runs them there; without a device they fail,
 //! saying so. The tests across two guests are in that script.
 #![cfg(feature = "ib")]

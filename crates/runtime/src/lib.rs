@@ -10,7 +10,7 @@
 //! # Ok(()) }
 //! ```
 //!
-//! Layers (see DESIGN.md): plans and the transport seam live in `braid-core`;
+//! Layers (see docs/design.md): plans and the transport seam live in `braid-core`;
 //! this crate holds the bootstrap, transport selection, the host engine that
 //! runs plans, the communicator and streams.
 

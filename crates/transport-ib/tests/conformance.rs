@@ -1,5 +1,5 @@
 //! The transport conformance suite (braid-conformance), run against the IB
-//! transport on a real RDMA device (Soft-RoCE in `../shared/rdma-vm/run`:
+//! transport on a real RDMA device (Soft-RoCE in `tools/rdma-vm/run`:
 //! `scripts/rdma-tests.sh`). Without an RDMA device these tests fail with a
 //! message saying so: they are built only with the `verbs` feature, and the
 //! test script runs them only inside the guests.
@@ -18,7 +18,7 @@ fn ib(slot_bytes: usize, slots: usize, qps: usize) -> IbTransport {
         .with_timeout(14, 6);
     IbTransport::new(cfg).unwrap_or_else(|e| {
         panic!(
-            "these tests need an RDMA device; run them inside ../shared/rdma-vm/run \
+            "these tests need an RDMA device; run them inside tools/rdma-vm/run \
              (scripts/rdma-tests.sh): {e}"
         )
     })

@@ -116,7 +116,7 @@ fn mpi_coll_name(c: &str) -> String {
     .to_string()
 }
 
-/// Convert the CSV of `shared/peers/mpi-best.sh` (`mpi_coll_bench -o`)
+/// Convert the CSV of `tools/peers/mpi-best.sh` (`mpi_coll_bench -o`)
 /// into a report. Columns are found by header name: tag, impl, nranks,
 /// coll, size, count, type, redop, root, time_us, algbw_GBps, busbw_GBps,
 /// wrong (extra columns are ignored).
