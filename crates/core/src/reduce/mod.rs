@@ -27,7 +27,6 @@
 //! - [`reduce_slice`], [`divide_slice`]: typed slices.
 
 use std::any::TypeId;
-use std::marker::PhantomData;
 use std::mem::size_of;
 
 use crate::error::{CoreError, Result};
@@ -156,13 +155,12 @@ impl<T: Copy> Visit<T> for Square<'_, T> {
     }
 }
 
-// f16 / bf16: each element is widened to f32, combined, and rounded back, in
-// one fused loop. The conversions are written branch-free (selects) so that
-// the whole loop vectorises on any baseline; they give the same bits as
-// `half`'s conversions (tested exhaustively), whose per-element and slice
-// forms are far slower in a loop (a call per 8 elements even with F16C). On
-// x86-64 CPUs with F16C, f16 instead converts with the hardware instructions
-// (module `x86`).
+// f16 / bf16: each element is widened to f32, combined, and rounded back.
+// The scalar conversions are written branch-free (selects) and give the same
+// bits as `half`'s (tested exhaustively), whose per-element and slice forms
+// are far slower in a loop; on x86-64 the slice conversions use F16C (f16)
+// or AVX2 integer rounding (bf16), and Sum and Prod run in one pass with
+// AVX-512 or AVX2 (module `x86`).
 
 /// A 16-bit float computed through `f32`.
 trait Narrow: Copy {
@@ -273,6 +271,28 @@ impl Narrow for f16 {
     fn narrow(x: f32) -> Self {
         f16::from_bits(f32_to_f16_bits(x))
     }
+    #[inline(always)]
+    fn widen_slice(src: &[Self], dst: &mut [f32]) {
+        #[cfg(target_arch = "x86_64")]
+        if x86::has_f16c() {
+            // SAFETY: the CPU has AVX2 and F16C (just checked).
+            return unsafe { x86::widen_f16(src, dst) };
+        }
+        for (d, s) in dst.iter_mut().zip(src) {
+            *d = s.widen();
+        }
+    }
+    #[inline(always)]
+    fn narrow_slice(src: &[f32], dst: &mut [Self]) {
+        #[cfg(target_arch = "x86_64")]
+        if x86::has_f16c() {
+            // SAFETY: the CPU has AVX2 and F16C (just checked).
+            return unsafe { x86::narrow_f16(src, dst) };
+        }
+        for (d, &s) in dst.iter_mut().zip(src) {
+            *d = Self::narrow(s);
+        }
+    }
 }
 
 impl Narrow for bf16 {
@@ -308,23 +328,13 @@ impl Narrow for bf16 {
     }
 }
 
-/// Runs a loop over 16-bit floats `H` with an `f32` operator: each pair is
-/// widened, combined and rounded back inside the loop.
-struct Via<H, V>(V, PhantomData<H>);
-impl<H: Narrow, V: Visit<H>> Visit<f32> for Via<H, V> {
-    #[inline(always)]
-    fn run<F: Fn(f32, f32) -> f32 + Copy>(self, f: F) {
-        self.0
-            .run(move |x: H, y: H| H::narrow(f(x.widen(), y.widen())))
-    }
-}
-
-/// Loops over 16-bit floats that widen a block at a time into `f32` stack
-/// buffers, combine there and round back: three simple loops, each of which
-/// vectorises (the fused loop of [`Via`] does not for bf16, whose NaN
-/// selects on 16-bit lanes kept it at 1.7-1.9 GiB/s where f32 sums at 9-30
-/// GiB/s and f16 with F16C at 5).
-enum Staged<'s, H> {
+/// A loop over 16-bit floats computed as f32. As a [`Visit`] (any operator)
+/// it widens a block at a time into `f32` stack buffers, combines there and
+/// rounds back: three simple loops, each of which vectorises (a loop fused
+/// per element did not for bf16, whose NaN selects on 16-bit lanes kept it
+/// at 1.7-1.9 GiB/s where f32 sums at 9-30). Sum and Prod run it in one
+/// pass instead where the CPU allows ([`Loop::raw`], module `x86`).
+enum Loop<'s, H> {
     Binary {
         dst: &'s mut [H],
         a: &'s [H],
@@ -350,13 +360,43 @@ fn narrow_block<H: Narrow>(src: &[f32], dst: &mut [H]) {
     H::narrow_slice(src, dst)
 }
 
-impl<H: Narrow> Visit<f32> for Staged<'_, H> {
+impl<H> Loop<'_, H> {
+    /// The loop as raw parts for a one-pass kernel: destination, first and
+    /// second operand (`first op second`), length. The destination may be
+    /// an operand; element `i` of both is read before element `i` of the
+    /// destination is written.
+    #[cfg(target_arch = "x86_64")]
+    fn raw(self) -> (*mut H, *const H, *const H, usize) {
+        match self {
+            Loop::Binary { dst, a, b } => {
+                let n = dst.len().min(a.len()).min(b.len());
+                (dst.as_mut_ptr(), a.as_ptr(), b.as_ptr(), n)
+            }
+            Loop::Acc { acc, other, rev } => {
+                let n = acc.len().min(other.len());
+                let p = acc.as_mut_ptr();
+                if rev {
+                    (p, other.as_ptr(), p.cast_const(), n)
+                } else {
+                    (p, p.cast_const(), other.as_ptr(), n)
+                }
+            }
+            Loop::Square { acc } => {
+                let n = acc.len();
+                let p = acc.as_mut_ptr();
+                (p, p.cast_const(), p.cast_const(), n)
+            }
+        }
+    }
+}
+
+impl<H: Narrow> Visit<f32> for Loop<'_, H> {
     #[inline(always)]
     fn run<F: Fn(f32, f32) -> f32 + Copy>(self, f: F) {
         let mut fa = [0f32; BLOCK];
         let mut fb = [0f32; BLOCK];
         match self {
-            Staged::Binary { dst, a, b } => {
+            Loop::Binary { dst, a, b } => {
                 let chunks = dst
                     .chunks_mut(BLOCK)
                     .zip(a.chunks(BLOCK))
@@ -369,7 +409,7 @@ impl<H: Narrow> Visit<f32> for Staged<'_, H> {
                     narrow_block(fa, d);
                 }
             }
-            Staged::Acc { acc, other, rev } => {
+            Loop::Acc { acc, other, rev } => {
                 for (d, y) in acc.chunks_mut(BLOCK).zip(other.chunks(BLOCK)) {
                     let (fa, fb) = (&mut fa[..d.len()], &mut fb[..d.len()]);
                     widen_block(d, fa);
@@ -382,7 +422,7 @@ impl<H: Narrow> Visit<f32> for Staged<'_, H> {
                     narrow_block(fa, d);
                 }
             }
-            Staged::Square { acc } => {
+            Loop::Square { acc } => {
                 for d in acc.chunks_mut(BLOCK) {
                     let fa = &mut fa[..d.len()];
                     widen_block(d, fa);
@@ -483,22 +523,18 @@ fn divide_narrow<H: Narrow>(dst: &mut [H], divisor: u32) {
     }
 }
 
-/// Run an f16 loop in one pass with hardware conversions (Sum, Prod) or
-/// staged through F16C conversions (Min, Max) when the CPU has them.
-macro_rules! f16_loop {
-    ($op:expr, $len:expr, $variant:ident { $($field:ident),* }) => {{
+/// Run a loop over 16-bit floats: in one pass (Sum, Prod) where the CPU
+/// allows, else staged through f32 blocks (`Loop`'s visit). `$fused` is
+/// the x86 one-pass runner of the type.
+macro_rules! half_loop {
+    ($fused:ident, $op:expr, $len:expr, $variant:ident { $($field:ident),* }) => {{
         #[cfg(target_arch = "x86_64")]
         if let Some(f) = fused($op, $len) {
-            if x86::run_f16(x86::F16Loop::$variant { $($field),* }, f) {
+            if x86::$fused(Loop::$variant { $($field),* }, f) {
                 return;
             }
         }
-        #[cfg(target_arch = "x86_64")]
-        if let Some(cpu) = x86::cpu() {
-            let l = x86::F16c::$variant { $($field),* };
-            return f32::visit($op, x86::Checked(cpu, l));
-        }
-        fastest(|| f32::visit($op, Via($variant { $($field),* }, PhantomData)))
+        fastest(|| f32::visit($op, Loop::$variant { $($field),* }))
     }};
 }
 
@@ -508,15 +544,15 @@ unsafe impl Kernel for f16 {
     const ZERO: Self = f16::ZERO;
     #[inline(never)]
     fn binary(dst: &mut [Self], a: &[Self], b: &[Self], op: RedOp) {
-        f16_loop!(op, dst.len(), Binary { dst, a, b })
+        half_loop!(run_f16, op, dst.len(), Binary { dst, a, b })
     }
     #[inline(never)]
     fn accumulate(acc: &mut [Self], other: &[Self], op: RedOp, rev: bool) {
-        f16_loop!(op, acc.len(), Acc { acc, other, rev })
+        half_loop!(run_f16, op, acc.len(), Acc { acc, other, rev })
     }
     #[inline(never)]
     fn square(acc: &mut [Self], op: RedOp) {
-        f16_loop!(op, acc.len(), Square { acc })
+        half_loop!(run_f16, op, acc.len(), Square { acc })
     }
     #[inline(never)]
     fn divide(dst: &mut [Self], divisor: u32) {
@@ -529,33 +565,15 @@ unsafe impl Kernel for bf16 {
     const ZERO: Self = bf16::ZERO;
     #[inline(never)]
     fn binary(dst: &mut [Self], a: &[Self], b: &[Self], op: RedOp) {
-        #[cfg(target_arch = "x86_64")]
-        if let Some(f) = fused(op, dst.len()) {
-            if x86::run_bf16(x86::Bf16Loop::Binary { dst, a, b }, f) {
-                return;
-            }
-        }
-        fastest(|| f32::visit(op, Staged::Binary { dst, a, b }))
+        half_loop!(run_bf16, op, dst.len(), Binary { dst, a, b })
     }
     #[inline(never)]
     fn accumulate(acc: &mut [Self], other: &[Self], op: RedOp, rev: bool) {
-        #[cfg(target_arch = "x86_64")]
-        if let Some(f) = fused(op, acc.len()) {
-            if x86::run_bf16(x86::Bf16Loop::Acc { acc, other, rev }, f) {
-                return;
-            }
-        }
-        fastest(|| f32::visit(op, Staged::Acc { acc, other, rev }))
+        half_loop!(run_bf16, op, acc.len(), Acc { acc, other, rev })
     }
     #[inline(never)]
     fn square(acc: &mut [Self], op: RedOp) {
-        #[cfg(target_arch = "x86_64")]
-        if let Some(f) = fused(op, acc.len()) {
-            if x86::run_bf16(x86::Bf16Loop::Square { acc }, f) {
-                return;
-            }
-        }
-        fastest(|| f32::visit(op, Staged::Square { acc }))
+        half_loop!(run_bf16, op, acc.len(), Square { acc })
     }
     #[inline(never)]
     fn divide(dst: &mut [Self], divisor: u32) {

@@ -1,5 +1,6 @@
-//! The x86-64 kernels with AVX2 and F16C, chosen at run time where the CPU
-//! has them.
+//! The x86-64 kernels with AVX-512, AVX2 and F16C, chosen at run time where
+//! the CPU has them: conversions of 16-bit float slices, and Sum and Prod
+//! of 16-bit floats in one pass.
 
 use std::arch::x86_64::{
     __m256i, _mm256_add_epi32, _mm256_and_si256, _mm256_blendv_epi8, _mm256_castsi256_si128,
@@ -9,7 +10,7 @@ use std::arch::x86_64::{
     _mm_loadu_si128, _mm_storeu_si128, _MM_FROUND_TO_NEAREST_INT,
 };
 
-use super::{acc_loop, bf16, f16, square_loop, Narrow, Visit, BLOCK};
+use super::{bf16, f16, Loop, Narrow};
 
 #[cfg(test)]
 thread_local! {
@@ -65,8 +66,7 @@ pub(super) unsafe fn with_avx2<R>(f: impl FnOnce() -> R) -> R {
 ///
 /// The CPU supports AVX and F16C.
 #[target_feature(enable = "avx2,f16c")]
-#[inline]
-unsafe fn widen(src: &[f16], dst: &mut [f32]) {
+pub(super) unsafe fn widen_f16(src: &[f16], dst: &mut [f32]) {
     let n = src.len().min(dst.len());
     let mut i = 0;
     while i + 8 <= n {
@@ -91,12 +91,11 @@ unsafe fn widen(src: &[f16], dst: &mut [f32]) {
 ///
 /// The CPU supports AVX and F16C.
 #[target_feature(enable = "avx2,f16c")]
-#[inline]
-unsafe fn narrow(src: &[f32], dst: &mut [f16]) {
+pub(super) unsafe fn narrow_f16(src: &[f32], dst: &mut [f16]) {
     let n = src.len().min(dst.len());
     let mut i = 0;
     while i + 8 <= n {
-        // SAFETY: as in `widen`, with the roles of the slices swapped.
+        // SAFETY: as in `widen_f16`, with the roles of the slices swapped.
         unsafe {
             let v = _mm256_loadu_ps(src.as_ptr().add(i));
             let h = _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(v);
@@ -106,100 +105,6 @@ unsafe fn narrow(src: &[f32], dst: &mut [f16]) {
     }
     for (d, &s) in dst[i..n].iter_mut().zip(&src[i..n]) {
         *d = f16::narrow(s);
-    }
-}
-
-/// The f16 loops with F16C conversions: blocks are widened into stack
-/// f32 buffers, combined there (vectorised with AVX2) and narrowed back.
-pub(super) enum F16c<'s> {
-    Binary {
-        dst: &'s mut [f16],
-        a: &'s [f16],
-        b: &'s [f16],
-    },
-    Acc {
-        acc: &'s mut [f16],
-        other: &'s [f16],
-        rev: bool,
-    },
-    Square {
-        acc: &'s mut [f16],
-    },
-}
-
-/// Proof that the CPU has AVX2 and F16C: only [`cpu`] makes one.
-#[derive(Clone, Copy)]
-pub(super) struct Cpu(());
-
-/// `Some` if the CPU has AVX2 and F16C.
-#[inline(always)]
-pub(super) fn cpu() -> Option<Cpu> {
-    has_f16c().then_some(Cpu(()))
-}
-
-/// An [`F16c`] loop cleared to run on this CPU.
-pub(super) struct Checked<'s>(pub(super) Cpu, pub(super) F16c<'s>);
-
-impl Visit<f32> for Checked<'_> {
-    #[inline(always)]
-    fn run<F: Fn(f32, f32) -> f32 + Copy>(self, f: F) {
-        // SAFETY: a `Cpu` exists only if the CPU has AVX2 and F16C.
-        unsafe { run_f16c(self.1, f) }
-    }
-}
-
-/// # Safety
-///
-/// The CPU supports AVX2 and F16C.
-#[target_feature(enable = "avx2,f16c")]
-unsafe fn run_f16c<F: Fn(f32, f32) -> f32 + Copy>(l: F16c<'_>, f: F) {
-    let mut fa = [0f32; BLOCK];
-    let mut fb = [0f32; BLOCK];
-    // SAFETY (all blocks below): this function has the features `widen`
-    // and `narrow` need.
-    match l {
-        F16c::Binary { dst, a, b } => {
-            let chunks = dst
-                .chunks_mut(BLOCK)
-                .zip(a.chunks(BLOCK))
-                .zip(b.chunks(BLOCK));
-            for ((d, x), y) in chunks {
-                let (fa, fb) = (&mut fa[..d.len()], &mut fb[..d.len()]);
-                // SAFETY: see above.
-                unsafe { widen(x, fa) };
-                // SAFETY: see above.
-                unsafe { widen(y, fb) };
-                acc_loop(fa, fb, f);
-                // SAFETY: see above.
-                unsafe { narrow(fa, d) };
-            }
-        }
-        F16c::Acc { acc, other, rev } => {
-            for (d, y) in acc.chunks_mut(BLOCK).zip(other.chunks(BLOCK)) {
-                let (fa, fb) = (&mut fa[..d.len()], &mut fb[..d.len()]);
-                // SAFETY: see above.
-                unsafe { widen(d, fa) };
-                // SAFETY: see above.
-                unsafe { widen(y, fb) };
-                if rev {
-                    acc_loop(fa, fb, move |p, q| f(q, p));
-                } else {
-                    acc_loop(fa, fb, f);
-                }
-                // SAFETY: see above.
-                unsafe { narrow(fa, d) };
-            }
-        }
-        F16c::Square { acc } => {
-            for d in acc.chunks_mut(BLOCK) {
-                let fa = &mut fa[..d.len()];
-                // SAFETY: see above.
-                unsafe { widen(d, fa) };
-                square_loop(fa, f);
-                // SAFETY: see above.
-                unsafe { narrow(fa, d) };
-            }
-        }
     }
 }
 
@@ -275,81 +180,39 @@ pub(super) unsafe fn narrow_bf16(src: &[f32], dst: &mut [bf16]) {
     }
 }
 
-/// A bfloat16 loop computed as f32 in one pass (no staging buffers): the
-/// hot case of mixed-precision training, gradients summed in bf16.
-pub(super) enum Bf16Loop<'s> {
-    Binary {
-        dst: &'s mut [bf16],
-        a: &'s [bf16],
-        b: &'s [bf16],
-    },
-    Acc {
-        acc: &'s mut [bf16],
-        other: &'s [bf16],
-        /// `other op acc` (which NaN's payload a sum of two NaNs keeps).
-        rev: bool,
-    },
-    Square {
-        acc: &'s mut [bf16],
-    },
-}
-
-/// The operators the fused bf16 loops compute.
+/// The operators the one-pass 16-bit float loops compute.
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub(super) enum Fused {
     Add,
     Mul,
 }
 
-/// Runs `l` with `op` in one pass with AVX-512 (16 lanes) or AVX2 (8);
-/// false when the CPU has neither (the caller runs its own loop).
-pub(super) fn run_bf16(l: Bf16Loop<'_>, op: Fused) -> bool {
+/// Runs `l` with `op` in one pass with AVX-512 (16 lanes) or AVX2 (8): the
+/// hot case of mixed-precision training, gradients summed in bf16. False
+/// when the CPU has neither (the caller runs its own loop).
+pub(super) fn run_bf16(l: Loop<'_, bf16>, op: Fused) -> bool {
+    let (d, x, y, n) = l.raw();
     if has_avx512() {
-        // SAFETY: the CPU has AVX-512 F and BW (just checked).
-        unsafe { run_bf16_512(l, op) };
+        // SAFETY: the CPU has AVX-512 F and BW (just checked); the parts
+        // come from `Loop::raw`.
+        unsafe { run_bf16_512(d, x, y, n, op) };
         true
     } else if has_avx2() {
-        // SAFETY: the CPU has AVX2 (just checked).
-        unsafe { run_bf16_256(l, op) };
+        // SAFETY: the CPU has AVX2 (just checked); parts as above.
+        unsafe { run_bf16_256(d, x, y, n, op) };
         true
     } else {
         false
     }
 }
 
-/// The elements of `l` as (destination, first, second) raw parts: the
-/// destination may be the first or both sources (read before written,
-/// element by element).
-fn parts(l: Bf16Loop<'_>) -> (*mut bf16, *const bf16, *const bf16, usize) {
-    match l {
-        Bf16Loop::Binary { dst, a, b } => {
-            let n = dst.len().min(a.len()).min(b.len());
-            (dst.as_mut_ptr(), a.as_ptr(), b.as_ptr(), n)
-        }
-        Bf16Loop::Acc { acc, other, rev } => {
-            let n = acc.len().min(other.len());
-            let p = acc.as_mut_ptr();
-            if rev {
-                (p, other.as_ptr(), p.cast_const(), n)
-            } else {
-                (p, p.cast_const(), other.as_ptr(), n)
-            }
-        }
-        Bf16Loop::Square { acc } => {
-            let n = acc.len();
-            let p = acc.as_mut_ptr();
-            (p, p.cast_const(), p.cast_const(), n)
-        }
-    }
-}
-
-/// The scalar tail of a fused loop.
+/// The scalar tail of a one-pass loop, from element `from`.
 ///
 /// # Safety
 ///
 /// `d`, `x`, `y` are valid for `n` elements (`d` for writes), as from
-/// [`parts`].
-unsafe fn tail(d: *mut bf16, x: *const bf16, y: *const bf16, from: usize, n: usize, op: Fused) {
+/// `Loop::raw`.
+unsafe fn tail<H: Narrow>(d: *mut H, x: *const H, y: *const H, from: usize, n: usize, op: Fused) {
     for i in from..n {
         // SAFETY: `i < n`: inside every slice (this function's contract).
         unsafe {
@@ -358,23 +221,22 @@ unsafe fn tail(d: *mut bf16, x: *const bf16, y: *const bf16, from: usize, n: usi
                 Fused::Add => p + q,
                 Fused::Mul => p * q,
             };
-            d.add(i).write(bf16::narrow(r));
+            d.add(i).write(H::narrow(r));
         }
     }
 }
 
 /// # Safety
 ///
-/// The CPU supports AVX-512 F and BW.
+/// The CPU supports AVX-512 F and BW; the parts are as from `Loop::raw`.
 #[target_feature(enable = "avx512f,avx512bw")]
-unsafe fn run_bf16_512(l: Bf16Loop<'_>, op: Fused) {
+unsafe fn run_bf16_512(d: *mut bf16, x: *const bf16, y: *const bf16, n: usize, op: Fused) {
     use std::arch::x86_64::{
         __m256i, _mm256_loadu_si256, _mm256_storeu_si256, _mm512_add_epi32, _mm512_add_ps,
         _mm512_and_si512, _mm512_castps_si512, _mm512_castsi512_ps, _mm512_cmpgt_epi32_mask,
         _mm512_cvtepi32_epi16, _mm512_cvtepu16_epi32, _mm512_mask_blend_epi32, _mm512_mul_ps,
         _mm512_or_si512, _mm512_set1_epi32, _mm512_slli_epi32, _mm512_srli_epi32,
     };
-    let (d, x, y, n) = parts(l);
     let (abs, inf, quiet, half, one) = (
         _mm512_set1_epi32(0x7fff_ffff),
         _mm512_set1_epi32(0x7f80_0000),
@@ -385,7 +247,7 @@ unsafe fn run_bf16_512(l: Bf16Loop<'_>, op: Fused) {
     let mut i = 0;
     while i + 16 <= n {
         // SAFETY: `i + 16 <= n`: 16 bf16 (32 bytes) are readable at `x + i`
-        // and `y + i` and writable at `d + i` (`parts`); unaligned accesses;
+        // and `y + i` and writable at `d + i` (`Loop::raw`); unaligned accesses;
         // both loads happen before the store, so `d` may alias them.
         unsafe {
             let wa = _mm512_cvtepu16_epi32(_mm256_loadu_si256(x.add(i).cast::<__m256i>()));
@@ -408,19 +270,18 @@ unsafe fn run_bf16_512(l: Bf16Loop<'_>, op: Fused) {
         }
         i += 16;
     }
-    // SAFETY: forwarded from `parts`.
+    // SAFETY: forwarded from this function's contract.
     unsafe { tail(d, x, y, i, n, op) };
 }
 
 /// # Safety
 ///
-/// The CPU supports AVX2.
+/// The CPU supports AVX2; the parts are as from `Loop::raw`.
 #[target_feature(enable = "avx2")]
-unsafe fn run_bf16_256(l: Bf16Loop<'_>, op: Fused) {
+unsafe fn run_bf16_256(d: *mut bf16, x: *const bf16, y: *const bf16, n: usize, op: Fused) {
     use std::arch::x86_64::{
         _mm256_add_ps, _mm256_castps_si256, _mm256_castsi256_ps, _mm256_mul_ps,
     };
-    let (d, x, y, n) = parts(l);
     let (abs, inf, quiet, half, one) = (
         _mm256_set1_epi32(0x7fff_ffff),
         _mm256_set1_epi32(0x7f80_0000),
@@ -451,55 +312,17 @@ unsafe fn run_bf16_256(l: Bf16Loop<'_>, op: Fused) {
         }
         i += 8;
     }
-    // SAFETY: forwarded from `parts`.
+    // SAFETY: forwarded from this function's contract.
     unsafe { tail(d, x, y, i, n, op) };
-}
-
-/// An f16 loop computed as f32 in one pass with the hardware conversions
-/// (F16C; AVX-512 F's 16-lane forms).
-pub(super) enum F16Loop<'s> {
-    Binary {
-        dst: &'s mut [f16],
-        a: &'s [f16],
-        b: &'s [f16],
-    },
-    Acc {
-        acc: &'s mut [f16],
-        other: &'s [f16],
-        /// `other op acc`.
-        rev: bool,
-    },
-    Square {
-        acc: &'s mut [f16],
-    },
 }
 
 /// Runs `l` with `op` in one pass with AVX-512 (16 lanes) or AVX2 and F16C
 /// (8); false when the CPU has neither.
-pub(super) fn run_f16(l: F16Loop<'_>, op: Fused) -> bool {
-    let (d, x, y, n) = match l {
-        F16Loop::Binary { dst, a, b } => {
-            let n = dst.len().min(a.len()).min(b.len());
-            (dst.as_mut_ptr(), a.as_ptr(), b.as_ptr(), n)
-        }
-        F16Loop::Acc { acc, other, rev } => {
-            let n = acc.len().min(other.len());
-            let p = acc.as_mut_ptr();
-            if rev {
-                (p, other.as_ptr(), p.cast_const(), n)
-            } else {
-                (p, p.cast_const(), other.as_ptr(), n)
-            }
-        }
-        F16Loop::Square { acc } => {
-            let n = acc.len();
-            let p = acc.as_mut_ptr();
-            (p, p.cast_const(), p.cast_const(), n)
-        }
-    };
+pub(super) fn run_f16(l: Loop<'_, f16>, op: Fused) -> bool {
+    let (d, x, y, n) = l.raw();
     if has_avx512() && has_f16c() {
-        // SAFETY: the CPU has AVX-512 F and F16C (just checked); the
-        // pointers are valid for `n` elements (taken from the slices).
+        // SAFETY: the CPU has AVX-512 F and F16C (just checked); the parts
+        // come from `Loop::raw`.
         unsafe { run_f16_512(d, x, y, n, op) };
         true
     } else if has_f16c() {
@@ -539,7 +362,7 @@ unsafe fn run_f16_512(d: *mut f16, x: *const f16, y: *const f16, n: usize, op: F
         i += 16;
     }
     // SAFETY: forwarded from this function's contract.
-    unsafe { tail_f16(d, x, y, i, n, op) };
+    unsafe { tail(d, x, y, i, n, op) };
 }
 
 /// # Safety
@@ -564,24 +387,5 @@ unsafe fn run_f16_256(d: *mut f16, x: *const f16, y: *const f16, n: usize, op: F
         i += 8;
     }
     // SAFETY: forwarded from this function's contract.
-    unsafe { tail_f16(d, x, y, i, n, op) };
-}
-
-/// The scalar tail of a fused f16 loop.
-///
-/// # Safety
-///
-/// As for [`run_f16_512`].
-unsafe fn tail_f16(d: *mut f16, x: *const f16, y: *const f16, from: usize, n: usize, op: Fused) {
-    for i in from..n {
-        // SAFETY: `i < n`: inside every slice (this function's contract).
-        unsafe {
-            let (p, q) = (x.add(i).read().widen(), y.add(i).read().widen());
-            let r = match op {
-                Fused::Add => p + q,
-                Fused::Mul => p * q,
-            };
-            d.add(i).write(f16::narrow(r));
-        }
-    }
+    unsafe { tail(d, x, y, i, n, op) };
 }
