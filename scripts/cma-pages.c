@@ -7,7 +7,7 @@
  * into its own buffer, 2000 times, with and without MADV_HUGEPAGE on both
  * buffers, and copies the same amount with memcpy inside its own memory.
  * This is what decided braid's single-copy threshold (see
- * single_copy_default in crates/runtime/src/comm.rs). */
+ * single_copy_default in crates/runtime/src/comm/tuning.rs). */
 #define _GNU_SOURCE
 #include <stdio.h>
 #include <stdlib.h>
