@@ -41,7 +41,7 @@ use std::marker::PhantomData;
 use braid_core::plan::{P2p, P2pKind};
 
 use super::*;
-use crate::engine::{Blocked, Waiter, WAIT_DATA, WAIT_SLOT};
+use crate::engine::{Blocked, Wait, Waiter};
 
 /// Bytes of a burst's head (at most the communicator's piece size).
 const HEAD_BYTES: usize = 1024;
@@ -775,7 +775,7 @@ impl Communicator {
                 } else if left <= head - HEAD_FIXED && ch.poll_acquire()?.is_some() {
                     0
                 } else {
-                    blocked.push((q as u32, WAIT_SLOT));
+                    blocked.push((q as u32, Wait::Slot));
                     continue;
                 };
                 // Fill the head (and pick the body) from the stream.
@@ -857,7 +857,7 @@ impl Communicator {
                     if ch.poll_peek_any()?.is_some() {
                         head_peers.push(s as u32);
                     } else {
-                        blocked.push((s as u32, WAIT_DATA));
+                        blocked.push((s as u32, Wait::Data));
                     }
                 } else if any_src && !gone[s] {
                     let Some(ch) = st.chans.recv[s].as_mut() else {
@@ -865,7 +865,7 @@ impl Communicator {
                     };
                     match ch.poll_peek_any() {
                         Ok(Some(_)) => head_peers.push(s as u32),
-                        Ok(None) => any_blocked.push((s as u32, WAIT_DATA)),
+                        Ok(None) => any_blocked.push((s as u32, Wait::Data)),
                         Err(e) => {
                             gone[s] = true;
                             note_gone(&mut gone_err, e);

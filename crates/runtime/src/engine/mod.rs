@@ -251,7 +251,7 @@ impl<'a> Waiter<'a> {
     /// before an error ends the operation with the waiter armed.
     pub(crate) fn disarm(&mut self, chans: &mut Channels) {
         for ((peer, what), _) in self.armed.drain(..) {
-            if what == WAIT_DATA {
+            if what == Wait::Data {
                 if let Ok(c) = chans.receiver(peer) {
                     c.disarm_wake();
                 }
@@ -297,7 +297,7 @@ impl<'a> Waiter<'a> {
         let Some(&first) = blocked.first() else {
             return Ok(());
         };
-        if !helping.is_empty() && first.1 != WAIT_DATA {
+        if !helping.is_empty() && first.1 != Wait::Data {
             for &peer in helping {
                 if let Some(d) = chans.sender(peer)?.direct() {
                     if d.poll_help()? {
@@ -345,7 +345,7 @@ impl<'a> Waiter<'a> {
         {
             self.last_check = Some(now);
             for &(peer, what) in blocked {
-                let r = if what != WAIT_DATA {
+                let r = if what != Wait::Data {
                     chans.sender(peer)?.check_peer()
                 } else {
                     chans.receiver(peer)?.check_peer()
@@ -359,7 +359,7 @@ impl<'a> Waiter<'a> {
         let (peer, what) = first;
         let waited = now.duration_since(since);
         let mut transport = || -> Result<&'static str, CoreError> {
-            Ok(if what != WAIT_DATA {
+            Ok(if what != Wait::Data {
                 chans.sender(peer)?.transport()
             } else {
                 chans.receiver(peer)?.transport()
@@ -373,7 +373,7 @@ impl<'a> Waiter<'a> {
                     Waiting {
                         peer,
                         transport: transport()?,
-                        what,
+                        what: what.describe(),
                         since,
                     },
                 );
@@ -384,7 +384,7 @@ impl<'a> Waiter<'a> {
             tracing::warn!(
                 peer,
                 transport = transport()?,
-                waiting_for = what,
+                waiting_for = what.describe(),
                 waited_s = waited.as_secs_f64(),
                 "braid: stalled: {}",
                 self.progress.map(|p| p.describe()).unwrap_or_default()
@@ -396,7 +396,7 @@ impl<'a> Waiter<'a> {
             return Err(CoreError::Timeout {
                 transport,
                 peer,
-                waiting_for: what,
+                waiting_for: what.describe(),
                 after: waited,
             });
         }
@@ -437,7 +437,7 @@ impl<'a> Waiter<'a> {
     fn arm(&mut self, chans: &mut Channels, blocked: &[Blocked]) -> Result<bool, CoreError> {
         for &b in blocked {
             let (peer, what) = b;
-            let w = if what == WAIT_DATA {
+            let w = if what == Wait::Data {
                 chans.receiver(peer)?.arm_wake()
             } else {
                 chans.sender(peer)?.arm_wake()
@@ -455,14 +455,29 @@ impl<'a> Waiter<'a> {
 }
 
 /// What a blocked op waits for (the waiter checks the matching channel).
-pub(crate) const WAIT_DATA: &str = "data";
-/// An op waits for a free slot on the link to its peer.
-pub(crate) const WAIT_SLOT: &str = "a free slot";
-/// The operation waits for a peer to finish reading our buffer.
-pub(crate) const WAIT_DRAIN: &str = "its single-copy read of our buffer";
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Wait {
+    /// Data from the peer.
+    Data,
+    /// A free slot on the link to the peer.
+    Slot,
+    /// The peer to finish its single-copy read of our buffer.
+    Drain,
+}
+
+impl Wait {
+    /// How errors, warnings and the progress snapshot say it.
+    pub(crate) const fn describe(self) -> &'static str {
+        match self {
+            Wait::Data => "data",
+            Wait::Slot => "a free slot",
+            Wait::Drain => "its single-copy read of our buffer",
+        }
+    }
+}
 
 /// A blocked op: the peer it waits for and what it waits for.
-pub(crate) type Blocked = (u32, &'static str);
+pub(crate) type Blocked = (u32, Wait);
 
 /// What a stage runner drives: one engine's way of trying an op.
 pub(crate) trait OpRunner {
@@ -687,7 +702,7 @@ mod tests {
             let t = &mut self.tries[from as usize];
             *t += 1;
             if *t <= self.ready[from as usize] {
-                return Ok(Some((from, WAIT_DATA)));
+                return Ok(Some((from, Wait::Data)));
             }
             self.ran.push(from);
             Ok(None)
@@ -752,13 +767,16 @@ mod tests {
                 peer, waiting_for, ..
             } => {
                 assert_eq!(peer, 2);
-                assert_eq!(waiting_for, WAIT_DATA);
+                assert_eq!(waiting_for, Wait::Data.describe());
             }
             other => panic!("expected a timeout, got {other}"),
         }
         assert!(took >= policy.timeout, "{took:?}");
         assert!(took < Duration::from_secs(5), "{took:?}");
-        assert_eq!(*seen.lock().unwrap(), Some((2, WAIT_DATA, "fake")));
+        assert_eq!(
+            *seen.lock().unwrap(),
+            Some((2, Wait::Data.describe(), "fake"))
+        );
     }
 
     /// Ops run once `ready` is set.
@@ -770,7 +788,7 @@ mod tests {
             if self.0.load(Ordering::SeqCst) {
                 Ok(None)
             } else {
-                Ok(Some((from, WAIT_DATA)))
+                Ok(Some((from, Wait::Data)))
             }
         }
     }

@@ -26,7 +26,7 @@ use braid_core::{CoreError, DataType, RedOp};
 use braid_cuda::{CudaStream, Device, DeviceBuffer, Event, HostFlag, Kernels};
 
 use super::stream::DevBuf;
-use super::{run_stages, Blocked, Channels, OpRunner, WaitPolicy, Waiter, WAIT_DATA, WAIT_SLOT};
+use super::{run_stages, Blocked, Channels, OpRunner, Wait, WaitPolicy, Waiter};
 use crate::progress::Progress;
 
 /// One device collective for the proxy thread.
@@ -154,7 +154,7 @@ fn try_op(
         Some(from) => {
             let ch = chans.receiver(from)?;
             match ch.poll_peek()? {
-                None => return Ok(Some((from, WAIT_DATA))),
+                None => return Ok(Some((from, Wait::Data))),
                 Some((slot, got)) => {
                     if got != len {
                         return Err(CoreError::Protocol {
@@ -174,7 +174,7 @@ fn try_op(
         Some(to) => {
             let ch = chans.sender(to)?;
             match ch.poll_acquire()? {
-                None => return Ok(Some((to, WAIT_SLOT))),
+                None => return Ok(Some((to, Wait::Slot))),
                 Some(slot) => {
                     if slot.cap < len {
                         return Err(CoreError::InvalidArgument(format!(
