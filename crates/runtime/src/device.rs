@@ -128,6 +128,19 @@ fn parse_engine(v: Option<String>) -> Result<Option<bool>> {
     }
 }
 
+/// What one rank says of its GPU at set-up.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct GpuFacts {
+    /// It can use CUDA.
+    usable: bool,
+    /// Its host.
+    host: String,
+    /// Its GPU's PCI bus id (empty in the first round).
+    bus: String,
+    /// Why it cannot use CUDA.
+    why: String,
+}
+
 /// Per-rank facts exchanged at set-up.
 fn encode_gpu(host: &str, bus: &str, ok: bool, why: &str) -> Vec<u8> {
     let mut v = vec![ok as u8];
@@ -138,7 +151,7 @@ fn encode_gpu(host: &str, bus: &str, ok: bool, why: &str) -> Vec<u8> {
     v
 }
 
-fn decode_gpu(b: &[u8], from: u32) -> Result<(bool, String, String, String)> {
+fn decode_gpu(b: &[u8], from: u32) -> Result<GpuFacts> {
     let bad = || Error::Bootstrap(format!("rank {from} sent a malformed GPU description"));
     let ok = *b.first().ok_or_else(bad)? != 0;
     let mut at = 1usize;
@@ -152,7 +165,12 @@ fn decode_gpu(b: &[u8], from: u32) -> Result<(bool, String, String, String)> {
     let host = take()?;
     let bus = take()?;
     let why = take()?;
-    Ok((ok, host, bus, why))
+    Ok(GpuFacts {
+        usable: ok,
+        host,
+        bus,
+        why,
+    })
 }
 
 /// The device link from `rank` to every rank (its own entry is unused):
@@ -212,15 +230,16 @@ impl CudaComm {
             .enumerate()
             .map(|(r, b)| decode_gpu(b, r as u32))
             .collect::<Result<_>>()?;
-        if let Some((r, (_, _, _, why))) = facts.iter().enumerate().find(|(_, f)| !f.0) {
+        if let Some((r, f)) = facts.iter().enumerate().find(|(_, f)| !f.usable) {
             return Err(Error::Cuda(braid_cuda::CudaError::Unavailable(format!(
-                "rank {r} cannot use CUDA: {why}"
+                "rank {r} cannot use CUDA: {}",
+                f.why
             ))));
         }
         let info = probe?;
         let local = facts[..rank as usize]
             .iter()
-            .filter(|f| f.1 == host)
+            .filter(|f| f.host == host)
             .count() as u32;
         let ordinal = braid_cuda::device_for_rank(local, info.devices)?;
         let dev = Device::open(ordinal)?;
@@ -232,14 +251,15 @@ impl CudaComm {
             .enumerate()
             .map(|(r, b)| decode_gpu(b, r as u32))
             .collect::<Result<_>>()?;
-        for (q, (_, qhost, _, _)) in gpus.iter().enumerate() {
+        for (q, g) in gpus.iter().enumerate() {
+            let qhost = &g.host;
             if *qhost != host {
                 return Err(Error::InvalidArgument(format!(
                     "rank {q} runs on another host ({qhost}): device collectives across hosts need a GPU network transport, which this build lacks"
                 )));
             }
         }
-        let busids: Vec<&str> = gpus.iter().map(|g| g.2.as_str()).collect();
+        let busids: Vec<&str> = gpus.iter().map(|g| g.bus.as_str()).collect();
         let (cluster, policy) = comm.topology_inputs();
         let links = device_links(cluster, policy, &busids, rank)?;
         for (q, link) in links.iter().enumerate() {
@@ -268,7 +288,7 @@ impl CudaComm {
         };
         let peer_desc = |q: usize| PeerDesc {
             rank: q as u32,
-            host_id: gpus[q].1.clone(),
+            host_id: gpus[q].host.clone(),
             pid: 0,
             fabrics: Vec::new(),
         };
@@ -296,7 +316,8 @@ impl CudaComm {
             setup.add(q, t, &me, &peer)?;
             transports[q] = t.name();
         }
-        let (policy_wait, small_allreduce) = comm.plan_knobs();
+        let knobs = comm.plan_knobs();
+        let (policy_wait, small_allreduce) = (knobs.wait, knobs.small_allreduce_bytes);
         let chans = setup.connect(|b| comm.allgather_bytes(b), policy_wait.timeout)?;
         // Every rank cuts pieces the same way: the smallest slot anywhere.
         let mine = chans.min_slot_bytes().unwrap_or(usize::MAX) as u64;
@@ -675,7 +696,12 @@ mod tests {
         let b = encode_gpu("host/a", "0000:3b:00.0", true, "");
         assert_eq!(
             decode_gpu(&b, 0).unwrap(),
-            (true, "host/a".into(), "0000:3b:00.0".into(), String::new())
+            GpuFacts {
+                usable: true,
+                host: "host/a".into(),
+                bus: "0000:3b:00.0".into(),
+                why: String::new(),
+            }
         );
         for n in 0..b.len() {
             assert!(decode_gpu(&b[..n], 3).is_err(), "{n}");

@@ -213,6 +213,15 @@ impl Planned {
     }
 }
 
+/// Plan parameters other than the piece size, for the device engines.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct PlanKnobs {
+    /// How waits spin, sleep and time out.
+    pub wait: WaitPolicy,
+    /// Up to this many bytes an AllReduce runs recursive doubling.
+    pub small_allreduce_bytes: usize,
+}
+
 impl Communicator {
     /// This rank.
     pub fn rank(&self) -> u32 {
@@ -411,10 +420,12 @@ impl Communicator {
             .allgather(data)
     }
 
-    /// Plan parameters other than the piece size: (waiting policy, AllReduce
-    /// recursive-doubling threshold).
-    pub(crate) fn plan_knobs(&self) -> (WaitPolicy, usize) {
-        (self.shared.policy, self.shared.small_allreduce)
+    /// Plan parameters other than the piece size.
+    pub(crate) fn plan_knobs(&self) -> PlanKnobs {
+        PlanKnobs {
+            wait: self.shared.policy,
+            small_allreduce_bytes: self.shared.small_allreduce,
+        }
     }
 
     /// Returns once every rank of the communicator called `barrier`, like
