@@ -110,9 +110,12 @@ fn cpu_time(pid: u32) -> Duration {
     Duration::from_millis(ticks * 1000 / hz)
 }
 
-/// Item 2 of the hostile-load review: out of file descriptors, `accept`
-/// fails with EMFILE while connections wait; the root must not spin on it
-/// (it used to log 181,910 warnings in 20 s and eat a core).
+/// Item 2 of the hostile-load review: a root in a process allowed 48 file
+/// descriptors, and many more connections waiting. It used to run out
+/// (`accept` failing with EMFILE), log 181,910 warnings in 20 s and eat a
+/// core. It must not spin, must warn at most about once a second, and a
+/// rank must still get in. Since the rank side's review it holds at most a
+/// quarter of its limit in unproven connections, and never runs out.
 #[test]
 fn a_root_out_of_file_descriptors_backs_off_and_still_lets_a_rank_in() {
     let mut c = child("root-few-fds", &[("BRAID_DEBUG", "warn")]);
@@ -147,7 +150,13 @@ fn a_root_out_of_file_descriptors_backs_off_and_still_lets_a_rank_in() {
         cpu < wall / 2,
         "the root used {cpu:?} of CPU in {wall:?} while out of descriptors\n{log}"
     );
-    let warned = log.lines().filter(|l| l.contains("cannot accept")).count();
+    // "cannot accept" (out of descriptors), or the handshake full of
+    // strangers (held to a quarter of the limit).
+    let warned = log
+        .lines()
+        .filter(|l| l.contains("cannot accept") || l.contains("the secret; closed"))
+        .filter(|l| !l.contains("more bootstrap warnings"))
+        .count();
     println!(
         "root: {cpu:?} of CPU in {wall:?}; joined after {joined:?}; {warned} warnings:\n{log}"
     );

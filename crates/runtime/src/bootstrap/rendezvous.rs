@@ -312,6 +312,14 @@ impl Rendezvous {
         }
         self.accept_backoff = Duration::ZERO;
         if self.unproven.len() >= self.cfg.max_pending.max(1) {
+            // Held to a quarter of a low descriptor limit: say how to hold
+            // more.
+            let hint = if self.cfg.max_pending < MAX_PENDING {
+                " (at most a quarter of this process's open-file limit is held: raise it, \
+                 e.g. `ulimit -n 65536`, to hold more)"
+            } else {
+                ""
+            };
             let oldest = self.unproven.first().copied();
             let evictable = oldest
                 .and_then(|o| self.conns.get(&o))
@@ -324,7 +332,8 @@ impl Rendezvous {
                     self.warn(now, "evicted", || {
                         format!(
                             "{max} connections were in the bootstrap handshake without proving \
-                             the secret; closed the oldest (from {}) to make room for {peer}",
+                             the secret; closed the oldest (from {}) to make room for \
+                             {peer}{hint}",
                             old_peer.map_or_else(|| "?".into(), |p| p.to_string())
                         )
                     });
@@ -335,7 +344,7 @@ impl Rendezvous {
                     self.warn(now, "full", || {
                         format!(
                             "{max} connections arrived within {} and none proved the secret; \
-                             closed the new one from {peer} (a rank retries)",
+                             closed the new one from {peer} (a rank retries){hint}",
                             fmt_dur(EVICT_MIN_AGE)
                         )
                     });
