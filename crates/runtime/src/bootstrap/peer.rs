@@ -665,21 +665,31 @@ impl Peers {
             if let Some(s) = self.next.as_mut() {
                 let out = self.ring.transmit();
                 if !out.is_empty() {
-                    match s.write(out) {
-                        Ok(0) => self.ring.handle_send_failed(now, "wrote nothing"),
-                        Ok(n) => self.ring.handle_sent(now, n),
-                        Err(e) if would_block(&e) => {}
-                        Err(e) => self.ring.handle_send_failed(now, &e.to_string()),
+                    let failed = match s.write(out) {
+                        Ok(0) => Some("wrote nothing".to_string()),
+                        Ok(n) => {
+                            self.ring.handle_sent(now, n);
+                            None
+                        }
+                        Err(e) if would_block(&e) => None,
+                        Err(e) => Some(e.to_string()),
+                    };
+                    if let Some(e) = failed {
+                        self.ring.handle_send_failed(now, &e);
+                        // A broken socket polls ready for ever: stop
+                        // watching it while the root's word is awaited.
+                        self.next = None;
                     }
                 }
             }
             // In from the predecessor.
+            let mut ended = false;
             match self.prev.as_mut() {
                 None => self.ring.handle_prev_closed(now),
                 Some(s) => loop {
                     match s.read(&mut chunk) {
                         Ok(0) => {
-                            self.ring.handle_prev_closed(now);
+                            ended = true;
                             break;
                         }
                         Ok(n) => {
@@ -690,11 +700,16 @@ impl Peers {
                         }
                         Err(e) if would_block(&e) => break,
                         Err(_) => {
-                            self.ring.handle_prev_closed(now);
+                            ended = true;
                             break;
                         }
                     }
                 },
+            }
+            if ended {
+                self.ring.handle_prev_closed(now);
+                // Its end of stream polls ready for ever: stop watching it.
+                self.prev = None;
             }
             self.ring.handle_timeout(now);
             if self.ring.has_outcome() {
