@@ -38,7 +38,7 @@ impl Raw {
     /// The range must be live, readable memory for as long as the slice is
     /// used, and nobody may write to it meanwhile except through this call's
     /// own mutable views.
-    pub unsafe fn slice<'a>(&self) -> &'a [u8] {
+    pub(crate) unsafe fn slice<'a>(&self) -> &'a [u8] {
         // SAFETY: the caller guarantees the range is live; an empty range
         // uses a dangling, aligned, non-null pointer as slices require.
         unsafe { std::slice::from_raw_parts(self.base(), self.len) }
@@ -50,17 +50,17 @@ impl Raw {
     ///
     /// As [`Raw::slice`], writable, and not aliased by any other live slice.
     #[allow(clippy::mut_from_ref)]
-    pub unsafe fn slice_mut<'a>(&self) -> &'a mut [u8] {
+    pub(crate) unsafe fn slice_mut<'a>(&self) -> &'a mut [u8] {
         // SAFETY: as in `slice`; the caller guarantees exclusivity.
         unsafe { std::slice::from_raw_parts_mut(self.base(), self.len) }
     }
 
-    pub fn end(&self) -> usize {
+    pub(crate) fn end(&self) -> usize {
         self.addr + self.len
     }
 
     /// Whether the two ranges share a byte.
-    pub fn overlaps(&self, o: &Raw) -> bool {
+    pub(crate) fn overlaps(&self, o: &Raw) -> bool {
         self.len > 0 && o.len > 0 && self.addr < o.end() && o.addr < self.end()
     }
 }
@@ -114,13 +114,13 @@ impl Drop for View {
 
 impl View {
     /// The elements of this view.
-    pub fn count(&self) -> usize {
+    pub(crate) fn count(&self) -> usize {
         self.raw.len / self.dtype.size()
     }
 
     /// `obj` as a buffer for `what` ("sendbuf", "recvbuf", ...); `write`
     /// when braid will write into it.
-    pub fn new(obj: &Bound<'_, PyAny>, what: &str, write: bool) -> Result<View, ErrInfo> {
+    pub(crate) fn new(obj: &Bound<'_, PyAny>, what: &str, write: bool) -> Result<View, ErrInfo> {
         // SAFETY: `obj` is a live object and the GIL is held.
         let has_buffer = unsafe { ffi::PyObject_CheckBuffer(obj.as_ptr()) } != 0;
         let v = if has_buffer {

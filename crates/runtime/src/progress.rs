@@ -64,7 +64,7 @@ pub struct Snapshot {
 
 /// A communicator's published progress.
 #[derive(Debug)]
-pub struct Progress {
+pub(crate) struct Progress {
     /// `rank r/n` and the communicator's label, for the dump.
     pub rank: u32,
     pub nranks: u32,
@@ -120,7 +120,7 @@ fn coarse_ns() -> u64 {
 
 impl Progress {
     /// A registered progress record (listed by [`dump`] while it lives).
-    pub fn register(rank: u32, nranks: u32, label: String) -> Arc<Progress> {
+    pub(crate) fn register(rank: u32, nranks: u32, label: String) -> Arc<Progress> {
         let p = Arc::new(Progress {
             rank,
             nranks,
@@ -147,7 +147,7 @@ impl Progress {
 
     /// A copy of the current state (fields read one by one: an operation
     /// that starts or ends meanwhile may show half-updated).
-    pub fn snapshot(&self) -> Snapshot {
+    pub(crate) fn snapshot(&self) -> Snapshot {
         let seq = self.seq.load(Ordering::Acquire);
         let (stage, waiting, broken) = self
             .slow
@@ -230,7 +230,7 @@ impl Progress {
     }
 
     /// One line about this communicator (the dump's line without its prefix).
-    pub fn describe(&self) -> String {
+    pub(crate) fn describe(&self) -> String {
         describe(self, &self.snapshot(), Instant::now())
     }
 }

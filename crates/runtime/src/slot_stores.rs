@@ -36,14 +36,14 @@ use std::cell::{Cell, UnsafeCell};
 
 /// Pieces of at least this many bytes are timed and may stream: below it the
 /// clock reads would cost more than a streaming store saves.
-pub const TIMED_MIN_BYTES: usize = 64 * 1024;
+pub(crate) const TIMED_MIN_BYTES: usize = 64 * 1024;
 
 /// Every this many timed pieces, one is written the other way (a probe).
-pub const PROBE_EVERY: u32 = 32;
+pub(crate) const PROBE_EVERY: u32 = 32;
 
 /// The factor by which the recent best speed of a kind of write decays per
 /// sample of that kind.
-pub const DECAY: f32 = 0.8;
+pub(crate) const DECAY: f32 = 0.8;
 
 /// Stream once ordinary writes are this many times slower than streaming.
 const TO_STREAMING: f32 = 5.0;
@@ -53,11 +53,11 @@ const TO_ORDINARY: f32 = 3.0;
 
 /// Environment variable: `auto` (default), `0` (ordinary stores) or `1`
 /// (streaming stores) for pieces of at least [`TIMED_MIN_BYTES`].
-pub const ENV: &str = "BRAID_SLOT_STREAM";
+pub(crate) const ENV: &str = "BRAID_SLOT_STREAM";
 
 /// How a communicator writes large pieces into slots.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum Mode {
+pub(crate) enum Mode {
     /// Measure and decide per link (the module docs).
     #[default]
     Auto,
@@ -69,7 +69,7 @@ pub enum Mode {
 
 impl Mode {
     /// The mode `BRAID_SLOT_STREAM` asks for (`None`: unset or empty).
-    pub fn parse(v: Option<&str>) -> Result<Mode, String> {
+    pub(crate) fn parse(v: Option<&str>) -> Result<Mode, String> {
         match v.map(str::trim) {
             None | Some("") => Ok(Mode::Auto),
             Some(a) if a.eq_ignore_ascii_case("auto") => Ok(Mode::Auto),
@@ -96,7 +96,7 @@ struct Link {
 /// Per peer: how to write pieces into its slots (see the module docs).
 /// Lives with the communicator, across operations.
 #[derive(Debug, Default)]
-pub struct SlotStores {
+pub(crate) struct SlotStores {
     mode: Mode,
     links: Vec<Link>,
     /// Where a reduction meant for a streaming link is computed first
@@ -106,7 +106,7 @@ pub struct SlotStores {
 
 impl SlotStores {
     /// Links to `nranks` peers, each starting with ordinary stores.
-    pub fn new(nranks: usize, mode: Mode) -> Self {
+    pub(crate) fn new(nranks: usize, mode: Mode) -> Self {
         SlotStores {
             mode,
             links: (0..nranks).map(|_| Link::default()).collect(),
@@ -116,7 +116,7 @@ impl SlotStores {
 
     /// A scratch buffer of at least `len` bytes, 8-byte aligned, valid until
     /// the next call (which may move it); grows as needed, never shrinks.
-    pub fn scratch(&self, len: usize) -> *mut u8 {
+    pub(crate) fn scratch(&self, len: usize) -> *mut u8 {
         // SAFETY: `SlotStores` is not `Sync` (its `Cell`s), so only this
         // thread reaches the buffer, and no reference into it outlives this
         // call: callers get a raw pointer.
@@ -130,7 +130,7 @@ impl SlotStores {
 
     /// Whether the next piece of `len` bytes to `peer` should stream. Pieces
     /// below [`TIMED_MIN_BYTES`] never do (and are not counted).
-    pub fn choose(&self, peer: u32, len: usize) -> bool {
+    pub(crate) fn choose(&self, peer: u32, len: usize) -> bool {
         let Some(l) = self.links.get(peer as usize) else {
             return false;
         };
@@ -159,7 +159,7 @@ impl SlotStores {
 
     /// A piece of `len` bytes to `peer` was written (`streamed` or not) in
     /// `nanos` nanoseconds.
-    pub fn record(&self, peer: u32, streamed: bool, len: usize, nanos: u64) {
+    pub(crate) fn record(&self, peer: u32, streamed: bool, len: usize, nanos: u64) {
         let Some(l) = self.links.get(peer as usize) else {
             return;
         };
@@ -182,7 +182,7 @@ impl SlotStores {
 
     /// Whether the link to `peer` streams now (its decision, not counting
     /// probes).
-    pub fn streaming(&self, peer: u32) -> bool {
+    pub(crate) fn streaming(&self, peer: u32) -> bool {
         match self.mode {
             Mode::Auto => self
                 .links

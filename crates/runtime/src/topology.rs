@@ -35,7 +35,7 @@ use braid_core::transport::Transport;
 
 /// What the planner decided for this rank.
 #[derive(Debug)]
-pub struct Placement {
+pub(crate) struct Placement {
     /// Per peer: the transport chosen (`None` for this rank).
     pub choice: Vec<Option<TransportKind>>,
     /// The ring order (channel 0).
@@ -249,7 +249,7 @@ fn fuse(
 /// Plan this communicator: one bootstrap round, then the pure planner.
 /// `allowed`: the CPUs this rank may run on (its NUMA node is the one
 /// holding most of them).
-pub fn place(
+pub(crate) fn place(
     boot: &Bootstrap,
     me: &PeerDesc,
     peers: &[PeerDesc],

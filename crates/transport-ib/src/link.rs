@@ -20,19 +20,19 @@ use crate::NAME;
 
 /// Bytes of the control buffer's incoming half (abort reasons land here);
 /// the outgoing half is the source of this end's own abort reason.
-pub const REASON_BYTES: usize = 512;
+pub(crate) const REASON_BYTES: usize = 512;
 /// Offset in the control buffer of the per-slot message lengths (8 bytes
 /// each): the sender writes a slot's length there with the notice that
 /// completes the slot.
-pub const LENS_AT: usize = 2 * REASON_BYTES;
+pub(crate) const LENS_AT: usize = 2 * REASON_BYTES;
 /// Size of the control buffer.
-pub const CTRL_BYTES: usize = LENS_AT + 8 * crate::info::MAX_SLOTS;
+pub(crate) const CTRL_BYTES: usize = LENS_AT + 8 * crate::info::MAX_SLOTS;
 /// Pieces of a message are at least this long (smaller messages travel
 /// whole on one QP; consecutive ones rotate over the QPs).
-pub const STRIPE_MIN: usize = 64 * 1024;
+pub(crate) const STRIPE_MIN: usize = 64 * 1024;
 /// How often an idle end that is being waited on checks that its peer is
 /// alive (a zero-length RDMA WRITE that the peer's HCA must acknowledge).
-pub const KEEPALIVE_EVERY: Duration = Duration::from_millis(500);
+pub(crate) const KEEPALIVE_EVERY: Duration = Duration::from_millis(500);
 
 const OP_RECV: u64 = 1;
 const OP_DATA: u64 = 2;
@@ -70,7 +70,7 @@ enum Failure {
 
 /// State shared by an end's owner (the engine's thread) and its progress
 /// thread.
-pub struct Shared {
+pub(crate) struct Shared {
     /// Queue pairs: declared first, so they are destroyed before the
     /// registered memory below.
     qps: Vec<Qp>,
@@ -122,7 +122,7 @@ impl std::fmt::Debug for Shared {
 }
 
 /// What phase 1 built for one end.
-pub struct Parts {
+pub(crate) struct Parts {
     pub qps: Vec<Qp>,
     pub cq: Arc<Cq>,
     pub ctrl: Arc<Mr>,
@@ -608,7 +608,7 @@ fn stop(sh: &Arc<Shared>, progress: &DeviceProgress) {
 
 /// Where the receiver's FIFO is.
 #[derive(Clone, Copy, Debug)]
-pub struct RemoteFifo {
+pub(crate) struct RemoteFifo {
     pub addr: u64,
     pub rkey: u32,
     pub slot_bytes: usize,
@@ -616,7 +616,7 @@ pub struct RemoteFifo {
 }
 
 /// The sending end.
-pub struct IbSend {
+pub(crate) struct IbSend {
     sh: Arc<Shared>,
     progress: Arc<DeviceProgress>,
     staging: Arc<Mr>,
@@ -637,7 +637,7 @@ impl std::fmt::Debug for IbSend {
 
 impl IbSend {
     /// Wraps connected parts: `staging` holds the slots the engine fills.
-    pub fn start(
+    pub(crate) fn start(
         parts: Parts,
         peer: u32,
         remote_ctrl: (u64, u32),
@@ -833,7 +833,7 @@ impl Drop for IbSend {
 }
 
 /// The receiving end.
-pub struct IbRecv {
+pub(crate) struct IbRecv {
     sh: Arc<Shared>,
     progress: Arc<DeviceProgress>,
     fifo: Arc<Mr>,
@@ -854,7 +854,7 @@ impl std::fmt::Debug for IbRecv {
 }
 
 /// How a receiving end's connect ended.
-pub enum RecvStart {
+pub(crate) enum RecvStart {
     /// Connected.
     Ready(Box<IbRecv>),
     /// The sender's QPs did not answer by the deadline (the verbs error, if
@@ -867,7 +867,7 @@ pub enum RecvStart {
 impl IbRecv {
     /// Starts the progress thread, says READY on every QP and waits until
     /// the sender's HCA acknowledged all of them, or `deadline`.
-    pub fn start(
+    pub(crate) fn start(
         parts: Parts,
         peer: u32,
         remote_ctrl: (u64, u32),

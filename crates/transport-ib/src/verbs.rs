@@ -45,7 +45,7 @@ fn null_err(what: &str) -> io::Error {
 /// Every port of every RDMA device the verbs library lists. An error when
 /// the library reports no RDMA support at all (no kernel support, no
 /// `/sys/class/infiniband`).
-pub fn list_ports() -> io::Result<Vec<PortDesc>> {
+pub(crate) fn list_ports() -> io::Result<Vec<PortDesc>> {
     // The safe API's device list: it turns a NULL list into an error.
     let list = ibverbs::devices()?;
     let names: Vec<String> = list
@@ -65,7 +65,7 @@ pub fn list_ports() -> io::Result<Vec<PortDesc>> {
 
 /// An open device context and one protection domain on it.
 #[derive(Debug)]
-pub struct Device {
+pub(crate) struct Device {
     ctx: *mut ffi::ibv_context,
     pd: *mut ffi::ibv_pd,
     name: String,
@@ -79,7 +79,7 @@ unsafe impl Sync for Device {}
 
 impl Device {
     /// Opens the device called `name` and allocates a protection domain.
-    pub fn open(name: &str) -> io::Result<Arc<Device>> {
+    pub(crate) fn open(name: &str) -> io::Result<Arc<Device>> {
         let mut n = 0i32;
         // SAFETY: `n` is a valid out-pointer; the list is freed below.
         let list = unsafe { ffi::ibv_get_device_list(&mut n) };
@@ -135,7 +135,7 @@ impl Device {
     }
 
     /// Describes every port.
-    pub fn ports(&self) -> io::Result<Vec<PortDesc>> {
+    pub(crate) fn ports(&self) -> io::Result<Vec<PortDesc>> {
         let mut da = ffi::ibv_device_attr::default();
         // SAFETY: valid context and out-pointer.
         errno_result("ibv_query_device", unsafe {
@@ -229,7 +229,7 @@ impl Drop for Device {
 
 /// Page-aligned, zeroed memory registered with the device.
 #[derive(Debug)]
-pub struct Mr {
+pub(crate) struct Mr {
     _dev: Arc<Device>,
     mr: *mut ffi::ibv_mr,
     ptr: *mut u8,
@@ -246,7 +246,7 @@ unsafe impl Sync for Mr {}
 impl Mr {
     /// Maps `len` bytes (rounded up to a page) and registers them for local
     /// writes and, with `remote_write`, for RDMA writes from peers.
-    pub fn alloc(dev: &Arc<Device>, len: usize, remote_write: bool) -> io::Result<Arc<Mr>> {
+    pub(crate) fn alloc(dev: &Arc<Device>, len: usize, remote_write: bool) -> io::Result<Arc<Mr>> {
         let len = len.max(1).div_ceil(4096) * 4096;
         // SAFETY: an anonymous private mapping; no existing memory touched.
         let p = unsafe {
@@ -284,35 +284,35 @@ impl Mr {
     }
 
     /// Start of the memory.
-    pub fn ptr(&self) -> *mut u8 {
+    pub(crate) fn ptr(&self) -> *mut u8 {
         self.ptr
     }
 
     /// Start as the address peers write to.
-    pub fn addr(&self) -> u64 {
+    pub(crate) fn addr(&self) -> u64 {
         self.ptr as u64
     }
 
     /// Mapped length.
-    pub fn len(&self) -> usize {
+    pub(crate) fn len(&self) -> usize {
         self.len
     }
 
     /// Local key.
-    pub fn lkey(&self) -> u32 {
+    pub(crate) fn lkey(&self) -> u32 {
         // SAFETY: `mr` is valid until Drop.
         unsafe { (*self.mr).lkey }
     }
 
     /// Remote key.
-    pub fn rkey(&self) -> u32 {
+    pub(crate) fn rkey(&self) -> u32 {
         // SAFETY: `mr` is valid until Drop.
         unsafe { (*self.mr).rkey }
     }
 
     /// Copies `data` to offset `off` (bounds-checked; false if it does not
     /// fit).
-    pub fn write_at(&self, off: usize, data: &[u8]) -> bool {
+    pub(crate) fn write_at(&self, off: usize, data: &[u8]) -> bool {
         if off.checked_add(data.len()).is_none_or(|e| e > self.len) {
             return false;
         }
@@ -323,7 +323,7 @@ impl Mr {
     }
 
     /// Copies `len` bytes at offset `off` out (clamped to the mapping).
-    pub fn read_at(&self, off: usize, len: usize) -> Vec<u8> {
+    pub(crate) fn read_at(&self, off: usize, len: usize) -> Vec<u8> {
         let off = off.min(self.len);
         let len = len.min(self.len - off);
         let mut v = vec![0u8; len];
@@ -351,7 +351,7 @@ impl Drop for Mr {
 
 /// A work completion, decoded.
 #[derive(Clone, Copy, Debug)]
-pub struct Wc {
+pub(crate) struct Wc {
     /// The work request id.
     pub wr_id: u64,
     /// `None` on success, else the status and the vendor error.
@@ -363,7 +363,7 @@ pub struct Wc {
 }
 
 /// The text of a completion status (`transport retry counter exceeded`).
-pub fn status_str(status: u32) -> String {
+pub(crate) fn status_str(status: u32) -> String {
     // SAFETY: returns a static string for any value.
     let p = unsafe { ffi::ibv_wc_status_str(status as _) };
     if p.is_null() {
@@ -376,14 +376,14 @@ pub fn status_str(status: u32) -> String {
 }
 
 /// Status value of a retry-exceeded completion.
-pub const WC_RETRY_EXC_ERR: u32 = ffi::ibv_wc_status::IBV_WC_RETRY_EXC_ERR;
+pub(crate) const WC_RETRY_EXC_ERR: u32 = ffi::ibv_wc_status::IBV_WC_RETRY_EXC_ERR;
 /// Status value of a flushed work request (the QP went to the error state).
-pub const WC_WR_FLUSH_ERR: u32 = ffi::ibv_wc_status::IBV_WC_WR_FLUSH_ERR;
+pub(crate) const WC_WR_FLUSH_ERR: u32 = ffi::ibv_wc_status::IBV_WC_WR_FLUSH_ERR;
 
 /// A completion queue with its own completion channel, so a progress thread
 /// can sleep until something completes.
 #[derive(Debug)]
-pub struct Cq {
+pub(crate) struct Cq {
     _dev: Arc<Device>,
     ch: *mut ffi::ibv_comp_channel,
     cq: *mut ffi::ibv_cq,
@@ -397,7 +397,7 @@ unsafe impl Sync for Cq {}
 
 impl Cq {
     /// A CQ of at least `cqe` entries.
-    pub fn new(dev: &Arc<Device>, cqe: usize) -> io::Result<Arc<Cq>> {
+    pub(crate) fn new(dev: &Arc<Device>, cqe: usize) -> io::Result<Arc<Cq>> {
         // SAFETY: valid context.
         let ch = unsafe { ffi::ibv_create_comp_channel(dev.ctx) };
         if ch.is_null() {
@@ -427,7 +427,7 @@ impl Cq {
     }
 
     /// Non-blocking: moves up to `out.len()` completions into `out`.
-    pub fn poll(&self, buf: &mut [ffi::ibv_wc], out: &mut Vec<Wc>) -> io::Result<()> {
+    pub(crate) fn poll(&self, buf: &mut [ffi::ibv_wc], out: &mut Vec<Wc>) -> io::Result<()> {
         out.clear();
         // SAFETY: `cq` is valid; the provider's poll function writes at most
         // `buf.len()` entries.
@@ -454,7 +454,7 @@ impl Cq {
     }
 
     /// Asks for an event on the next completion.
-    pub fn arm(&self) -> io::Result<()> {
+    pub(crate) fn arm(&self) -> io::Result<()> {
         // SAFETY: `cq` is valid; the provider's notify function.
         let rc = unsafe {
             let ctx = (*self.cq).context;
@@ -469,19 +469,19 @@ impl Cq {
 
     /// The completion channel's descriptor (readable once an armed event
     /// arrived), for a thread that sleeps on several CQs at once.
-    pub fn channel_fd(&self) -> std::os::fd::RawFd {
+    pub(crate) fn channel_fd(&self) -> std::os::fd::RawFd {
         // SAFETY: the channel is valid until Drop.
         unsafe { (*self.ch).fd }
     }
 
     /// The device this CQ lives on.
-    pub fn device_name(&self) -> &str {
+    pub(crate) fn device_name(&self) -> &str {
         &self._dev.name
     }
 
     /// Takes and acknowledges the channel's event, if one arrived (never
     /// blocks: the descriptor is non-blocking).
-    pub fn ack_event(&self) {
+    pub(crate) fn ack_event(&self) {
         let mut cq: *mut ffi::ibv_cq = ptr::null_mut();
         let mut ctx: *mut c_void = ptr::null_mut();
         // SAFETY: valid channel and out-pointers; the fd is non-blocking, so
@@ -497,7 +497,7 @@ impl Cq {
 /// Sleeps until one of `cqs` gets an armed event or `timeout` passes, and
 /// acknowledges the events that arrived (one thread sleeping on every CQ
 /// of a device).
-pub fn wait_any(cqs: &[&Cq], timeout: Duration) {
+pub(crate) fn wait_any(cqs: &[&Cq], timeout: Duration) {
     let mut fds: Vec<libc::pollfd> = cqs
         .iter()
         .map(|c| libc::pollfd {
@@ -537,7 +537,7 @@ impl Drop for Cq {
 
 /// Parameters of the RTR/RTS transitions.
 #[derive(Clone, Copy, Debug)]
-pub struct QpParams {
+pub(crate) struct QpParams {
     /// Port number.
     pub port: u8,
     /// Local GID index for the address vector.
@@ -558,7 +558,7 @@ pub struct QpParams {
 
 /// A reliable-connected queue pair.
 #[derive(Debug)]
-pub struct Qp {
+pub(crate) struct Qp {
     qp: *mut ffi::ibv_qp,
     /// Every memory region a work request read from: released only after
     /// the QP is destroyed.
@@ -575,7 +575,12 @@ unsafe impl Sync for Qp {}
 
 impl Qp {
     /// An RC QP on `cq` (sends and receives), in state RESET.
-    pub fn new(dev: &Arc<Device>, cq: &Arc<Cq>, max_send: u32, max_recv: u32) -> io::Result<Qp> {
+    pub(crate) fn new(
+        dev: &Arc<Device>,
+        cq: &Arc<Cq>,
+        max_send: u32,
+        max_recv: u32,
+    ) -> io::Result<Qp> {
         let mut attr = ffi::ibv_qp_init_attr {
             qp_context: ptr::null_mut(),
             send_cq: cq.cq,
@@ -605,7 +610,7 @@ impl Qp {
     }
 
     /// The QP number.
-    pub fn qpn(&self) -> u32 {
+    pub(crate) fn qpn(&self) -> u32 {
         // SAFETY: valid until Drop.
         unsafe { (*self.qp).qp_num }
     }
@@ -622,7 +627,7 @@ impl Qp {
     }
 
     /// RESET → INIT on `port`, accepting RDMA writes.
-    pub fn init(&self, port: u8) -> io::Result<()> {
+    pub(crate) fn init(&self, port: u8) -> io::Result<()> {
         let mut a = ffi::ibv_qp_attr {
             qp_state: ffi::ibv_qp_state::IBV_QPS_INIT,
             pkey_index: 0,
@@ -641,7 +646,7 @@ impl Qp {
     }
 
     /// INIT → RTR towards `remote`'s QP `qpn`, then RTR → RTS.
-    pub fn connect(
+    pub(crate) fn connect(
         &self,
         p: &QpParams,
         remote: &Addr,
@@ -703,7 +708,7 @@ impl Qp {
 
     /// Moves the QP to the error state: outstanding work requests are
     /// flushed and the peer's next packets go unanswered.
-    pub fn to_error(&self) {
+    pub(crate) fn to_error(&self) {
         let mut a = ffi::ibv_qp_attr {
             qp_state: ffi::ibv_qp_state::IBV_QPS_ERR,
             ..Default::default()
@@ -717,7 +722,7 @@ impl Qp {
 
     /// Posts one receive without buffers (writes with immediate consume
     /// it; their data lands where the writer said).
-    pub fn post_recv(&self, wr_id: u64) -> io::Result<()> {
+    pub(crate) fn post_recv(&self, wr_id: u64) -> io::Result<()> {
         let mut wr = ffi::ibv_recv_wr {
             wr_id,
             next: ptr::null_mut(),
@@ -742,7 +747,7 @@ impl Qp {
     /// `remote_addr` under `rkey`. The remote side checks the address and key;
     /// locally the range is bounds-checked and `local` stays registered until
     /// this QP is destroyed.
-    pub fn post_write(
+    pub(crate) fn post_write(
         &self,
         wr_id: u64,
         local: Option<(&Arc<Mr>, usize, usize)>,

@@ -27,20 +27,20 @@ use crate::NAME;
 /// The staged links of one transport: shared-memory rings of the transport's
 /// geometry.
 #[derive(Debug)]
-pub struct StagedLinks {
+pub(crate) struct StagedLinks {
     shm: ShmTransport,
 }
 
 impl StagedLinks {
     /// Rings of `geo` (already validated).
-    pub fn new(geo: Geometry) -> Result<StagedLinks> {
+    pub(crate) fn new(geo: Geometry) -> Result<StagedLinks> {
         Ok(StagedLinks {
             shm: ShmTransport::with_params(geo.slot_bytes, geo.slots)?,
         })
     }
 
     /// Phase 1 of the receiving end.
-    pub fn listen(
+    pub(crate) fn listen(
         &self,
         me: &PeerDesc,
         peer: &PeerDesc,
@@ -50,7 +50,7 @@ impl StagedLinks {
     }
 
     /// Phase 1 of the sending end.
-    pub fn prepare_send(
+    pub(crate) fn prepare_send(
         &self,
         me: &PeerDesc,
         peer: &PeerDesc,

@@ -85,7 +85,7 @@ pub(crate) fn valid_name(name: &str) -> bool {
 }
 
 impl RecvInfo {
-    pub fn encode(&self) -> Vec<u8> {
+    pub(crate) fn encode(&self) -> Vec<u8> {
         let mut v = Vec::with_capacity(RECV_FIXED + self.name.len());
         HEADER.write(&mut v, ROLE_RECEIVER);
         v.extend_from_slice(&self.pid.to_le_bytes());
@@ -100,7 +100,7 @@ impl RecvInfo {
     }
 
     /// Parses and validates; also returns the segment layout it describes.
-    pub fn decode(buf: &[u8]) -> Result<(RecvInfo, Layout), String> {
+    pub(crate) fn decode(buf: &[u8]) -> Result<(RecvInfo, Layout), String> {
         if buf.len() > RECV_FIXED + MAX_NAME {
             return Err(format!("oversized ({} bytes)", buf.len()));
         }
@@ -139,7 +139,7 @@ impl RecvInfo {
 }
 
 impl SendInfo {
-    pub fn encode(&self) -> Vec<u8> {
+    pub(crate) fn encode(&self) -> Vec<u8> {
         let mut v = Vec::with_capacity(SEND_LEN);
         HEADER.write(&mut v, ROLE_SENDER);
         v.extend_from_slice(&self.pid.to_le_bytes());
@@ -148,7 +148,7 @@ impl SendInfo {
         v
     }
 
-    pub fn decode(buf: &[u8]) -> Result<SendInfo, String> {
+    pub(crate) fn decode(buf: &[u8]) -> Result<SendInfo, String> {
         if buf.len() > SEND_LEN {
             return Err(format!("oversized ({} bytes)", buf.len()));
         }

@@ -210,7 +210,7 @@ fn round_up(v: usize, to: usize) -> Option<usize> {
 impl Layout {
     /// The layout for these parameters, or `None` if they are out of range
     /// (`slot_bytes` a multiple of 64 in `4096..=1 GiB`, `slots` in `2..=1024`).
-    pub fn new(slot_bytes: usize, slots: usize) -> Option<Layout> {
+    pub(crate) fn new(slot_bytes: usize, slots: usize) -> Option<Layout> {
         if !(PAGE..=MAX_SLOT_BYTES).contains(&slot_bytes)
             || slot_bytes & 63 != 0
             || !(2..=MAX_SLOTS).contains(&slots)
@@ -344,7 +344,7 @@ impl Segment {
     /// messages costs a few pages, not the whole ring: 2 MiB by default,
     /// for every pair of ranks that ever exchanged a byte). The returned
     /// segment unlinks `name` when dropped (until [`Segment::unlink`]).
-    pub fn create(
+    pub(crate) fn create(
         name: &str,
         layout: Layout,
         nonce: u64,
@@ -390,7 +390,7 @@ impl Segment {
 
     /// Opens and maps the existing shm object `name`, which must be at least
     /// as large as `layout` says and carry the same identity line.
-    pub fn open(name: &str, layout: Layout, nonce: u64) -> Result<Segment, SegError> {
+    pub(crate) fn open(name: &str, layout: Layout, nonce: u64) -> Result<Segment, SegError> {
         let fd = mman::shm_open(name, OFlag::O_RDWR, Mode::empty())
             .map_err(|e| SegError::Sys("shm_open", e))?;
         let st = nix::sys::stat::fstat(fd.as_raw_fd()).map_err(|e| SegError::Sys("fstat", e))?;
@@ -453,7 +453,7 @@ impl Segment {
     /// Asks for transparent huge pages for the slots, once the link moves
     /// bulk data (advice: where the system gives shared memory huge pages
     /// on request, slot pages touched from now on come in 2 MiB pages).
-    pub fn advise_huge_slots(&self) {
+    pub(crate) fn advise_huge_slots(&self) {
         let len = self.layout.total - self.layout.data_offset;
         // SAFETY: `data_offset..total` lies inside our mapping (Layout::new);
         // MADV_HUGEPAGE is advice only and does not change its contents.
@@ -468,7 +468,7 @@ impl Segment {
     }
 
     /// The shared control block.
-    pub fn header(&self) -> &Header {
+    pub(crate) fn header(&self) -> &Header {
         // SAFETY: the mapping starts with `size_of::<Header>()` bytes reserved
         // for the header (Layout::new), is page-aligned (≥ align_of Header),
         // lives as long as `self`, and every field is an atomic (valid for any
@@ -490,7 +490,7 @@ impl Segment {
     }
 
     /// The message number of box `i` (`i < boxes`).
-    pub fn box_seq(&self, i: usize) -> &AtomicU64 {
+    pub(crate) fn box_seq(&self, i: usize) -> &AtomicU64 {
         // SAFETY: the box lies inside the mapping (box_ptr) and is 64-aligned
         // (boxes_offset is a multiple of 128), so the field is 8-aligned;
         // AtomicU64 is valid for any bit pattern; the reference lives as
@@ -499,7 +499,7 @@ impl Segment {
     }
 
     /// The length word of box `i` (`i < boxes`).
-    pub fn len_word(&self, i: usize) -> &AtomicU64 {
+    pub(crate) fn len_word(&self, i: usize) -> &AtomicU64 {
         // SAFETY: as in `box_seq`.
         unsafe { &(*self.box_ptr(i)).word }
     }
@@ -507,14 +507,14 @@ impl Segment {
     /// Start of box `i`'s inline payload ([`INLINE_BYTES`] bytes, 64-byte
     /// aligned; `i < boxes`). Like slot memory, who may touch it when is decided by the
     /// protocol in `link.rs`.
-    pub fn inline_ptr(&self, i: usize) -> *mut u8 {
+    pub(crate) fn inline_ptr(&self, i: usize) -> *mut u8 {
         // SAFETY: the field lies inside the box, inside the mapping;
         // `addr_of_mut!` creates no reference, and nothing is accessed.
         unsafe { std::ptr::addr_of_mut!((*self.box_ptr(i)).inline).cast::<u8>() }
     }
 
     /// Start of slot `i` (`i < slots`), page-aligned, `slot_bytes` long.
-    pub fn slot_ptr(&self, i: usize) -> *mut u8 {
+    pub(crate) fn slot_ptr(&self, i: usize) -> *mut u8 {
         assert!(i < self.layout.slots, "slot index out of range");
         // SAFETY: `data_offset + i * stride + stride <= total` for i < slots
         // (Layout::new), so the pointer stays inside the mapping. Creating
@@ -532,7 +532,7 @@ impl Segment {
     /// the protocol; the words are published and read back through the
     /// Release/Acquire pairs on `seq` and the claim word, so `Relaxed`
     /// accesses suffice.
-    pub fn slot_word(&self, i: usize, w: usize) -> &AtomicU64 {
+    pub(crate) fn slot_word(&self, i: usize, w: usize) -> &AtomicU64 {
         assert!(w < SLOT_WORDS, "slot word {w} out of range");
         // SAFETY: slot_ptr checks `i < slots`; slots are page-aligned and at
         // least PAGE (4096) bytes, so word `w < 512` is 8-aligned and inside
@@ -545,7 +545,7 @@ impl Segment {
     /// Copies the first `len` bytes of slot `slot` into box `bx`'s inline
     /// payload (`len <=` [`INLINE_BYTES`]): a small message written into a
     /// slot travels in the line the receiver polls.
-    pub fn copy_slot_to_box(&self, slot: usize, bx: usize, len: usize) {
+    pub(crate) fn copy_slot_to_box(&self, slot: usize, bx: usize, len: usize) {
         assert!(len <= INLINE_BYTES, "{len} bytes do not fit a box");
         let (src, dst) = (self.slot_ptr(slot), self.inline_ptr(bx));
         // SAFETY: both ranges lie inside the mapping (slot_ptr and
@@ -559,19 +559,19 @@ impl Segment {
     }
 
     /// The shm name (with leading `/`).
-    pub fn name(&self) -> &str {
+    pub(crate) fn name(&self) -> &str {
         &self.name
     }
 
     /// The layout.
-    pub fn layout(&self) -> Layout {
+    pub(crate) fn layout(&self) -> Layout {
         self.layout
     }
 
     /// Removes the name from `/dev/shm` (the mappings stay valid). After this
     /// (successful or not: `ENOENT` means the peer did it) drop no longer
     /// unlinks.
-    pub fn unlink(&mut self) -> Result<(), SegError> {
+    pub(crate) fn unlink(&mut self) -> Result<(), SegError> {
         self.owns_name = false;
         match mman::shm_unlink(self.name.as_str()) {
             Ok(()) | Err(Errno::ENOENT) => Ok(()),

@@ -21,7 +21,7 @@ use nix::libc;
 /// carries small messages costs a page per slot, not `slots × slot_bytes`;
 /// heap memory of this size may come back from `calloc` already touched).
 #[derive(Debug)]
-pub struct SlotMem {
+pub(crate) struct SlotMem {
     ptr: NonNull<u8>,
     size: usize,
     slot_bytes: usize,
@@ -39,7 +39,7 @@ unsafe impl Sync for SlotMem {}
 impl SlotMem {
     /// Maps zeroed slot memory; `slot_bytes` must be a non-zero multiple of
     /// 64 (so every slot is 64-byte aligned in the page-aligned mapping).
-    pub fn new(slot_bytes: usize, slots: usize) -> Result<SlotMem, String> {
+    pub(crate) fn new(slot_bytes: usize, slots: usize) -> Result<SlotMem, String> {
         if slot_bytes == 0 || !slot_bytes.is_multiple_of(64) || slots == 0 {
             return Err(format!("invalid slot geometry {slots} x {slot_bytes}"));
         }
@@ -76,7 +76,7 @@ impl SlotMem {
     }
 
     /// Start of slot `i` (`i < slots`; 64-byte aligned).
-    pub fn slot_ptr(&self, i: usize) -> *mut u8 {
+    pub(crate) fn slot_ptr(&self, i: usize) -> *mut u8 {
         assert!(i < self.slots, "slot index {i} out of range");
         // `wrapping_add` keeps this safe; the result is in bounds because
         // `i * slot_bytes < slots * slot_bytes` = the allocation's size.
@@ -97,7 +97,7 @@ impl SlotMem {
     ///
     /// Nobody may write these bytes while the returned slice lives.
     #[cfg(feature = "fuzzing")]
-    pub unsafe fn slice(&self, i: usize, off: usize, len: usize) -> &[u8] {
+    pub(crate) unsafe fn slice(&self, i: usize, off: usize, len: usize) -> &[u8] {
         self.check(i, off, len);
         // SAFETY: the range is inside the allocation (checked above), the
         // memory is initialised (zeroed at allocation), and the caller
@@ -112,7 +112,7 @@ impl SlotMem {
     /// Nobody else may read or write these bytes while the returned slice
     /// lives.
     #[allow(clippy::mut_from_ref)]
-    pub unsafe fn slice_mut(&self, i: usize, off: usize, len: usize) -> &mut [u8] {
+    pub(crate) unsafe fn slice_mut(&self, i: usize, off: usize, len: usize) -> &mut [u8] {
         self.check(i, off, len);
         // SAFETY: the range is inside the allocation (checked above) and
         // initialised; the caller promises exclusive access to it.
@@ -131,7 +131,7 @@ impl SlotMem {
 ///
 /// `payload` must be valid for reads of `len` bytes, and nobody may write
 /// them, for the duration of the call.
-pub unsafe fn send_head_payload(
+pub(crate) unsafe fn send_head_payload(
     fd: RawFd,
     head: &[u8],
     payload: *const u8,
@@ -203,7 +203,7 @@ pub unsafe fn send_head_payload(
 ///
 /// `dst` must be valid for writes of `len` bytes, and nobody else may
 /// access them, for the duration of the call.
-pub unsafe fn recv_some(fd: RawFd, dst: *mut u8, len: usize) -> io::Result<Option<usize>> {
+pub(crate) unsafe fn recv_some(fd: RawFd, dst: *mut u8, len: usize) -> io::Result<Option<usize>> {
     loop {
         // SAFETY: the caller vouches for `dst..dst + len`; the kernel writes
         // only there, during the call.
@@ -226,7 +226,7 @@ pub unsafe fn recv_some(fd: RawFd, dst: *mut u8, len: usize) -> io::Result<Optio
 ///
 /// `dst` must be valid for writes of `src.len()` bytes that nobody else
 /// accesses meanwhile, and must not overlap `src`.
-pub unsafe fn copy_to(src: &[u8], dst: *mut u8) {
+pub(crate) unsafe fn copy_to(src: &[u8], dst: *mut u8) {
     // SAFETY: forwarded from this function's contract.
     unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst, src.len()) }
 }

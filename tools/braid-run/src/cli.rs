@@ -5,14 +5,14 @@ use std::time::Duration;
 
 /// Most ranks one `braid-run` will start (each costs a process and two
 /// output threads); a guard against typos such as `-n 40000`.
-pub const MAX_RANKS: usize = 4096;
+pub(crate) const MAX_RANKS: usize = 4096;
 
 /// Default time between SIGTERM and SIGKILL when stopping ranks.
-pub const DEFAULT_GRACE: Duration = Duration::from_secs(2);
+pub(crate) const DEFAULT_GRACE: Duration = Duration::from_secs(2);
 
 /// What the user asked for.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Action {
+pub(crate) enum Action {
     /// `-h` / `--help`: print [`usage`] and exit 0.
     Help,
     /// `--version`: print the version and exit 0.
@@ -23,7 +23,7 @@ pub enum Action {
 
 /// A job to launch.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Config {
+pub(crate) struct Config {
     /// Number of ranks (>= 1).
     pub nranks: usize,
     /// Kill everything and fail if the job runs longer than this.
@@ -38,7 +38,7 @@ pub struct Config {
 
 /// A usage error: the message says what was wrong and what to do.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct UsageError(pub String);
+pub(crate) struct UsageError(pub String);
 
 impl std::fmt::Display for UsageError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -47,7 +47,7 @@ impl std::fmt::Display for UsageError {
 }
 
 /// The `--help` text.
-pub fn usage() -> &'static str {
+pub(crate) fn usage() -> &'static str {
     "\
 Usage: braid-run -n N [options] [--] CMD [ARGS...]
 
@@ -129,7 +129,7 @@ fn parse_secs(opt: &str, v: &str, allow_zero: bool) -> Result<Duration, UsageErr
 ///
 /// Options come first; the first argument that is not an option (or
 /// everything after `--`) is the command, and all that follows belongs to it.
-pub fn parse_args<I>(args: I) -> Result<Action, UsageError>
+pub(crate) fn parse_args<I>(args: I) -> Result<Action, UsageError>
 where
     I: IntoIterator<Item = OsString>,
 {

@@ -19,7 +19,7 @@ use crate::cli::Config;
 use crate::output;
 
 /// Exit code when `--timeout` expires (as timeout(1)).
-pub const EXIT_TIMEOUT: i32 = 124;
+pub(crate) const EXIT_TIMEOUT: i32 = 124;
 /// How often the supervisor looks at the ranks, the clock and signals.
 const TICK: Duration = Duration::from_millis(10);
 /// How long to wait for output threads once every rank is gone (a process
@@ -27,7 +27,7 @@ const TICK: Duration = Duration::from_millis(10);
 const DRAIN_WAIT: Duration = Duration::from_secs(2);
 
 /// `<socketaddr>/<32 lowercase hex digits>`.
-pub fn format_unique_id(addr: SocketAddr, secret: &[u8; 16]) -> String {
+pub(crate) fn format_unique_id(addr: SocketAddr, secret: &[u8; 16]) -> String {
     let mut s = format!("{addr}/");
     for b in secret {
         s.push_str(&format!("{b:02x}"));
@@ -37,7 +37,7 @@ pub fn format_unique_id(addr: SocketAddr, secret: &[u8; 16]) -> String {
 
 /// Picks a free port on 127.0.0.1 and returns the listener holding it (to be
 /// dropped just before the ranks start) and a fresh unique id naming it.
-pub fn new_unique_id() -> io::Result<(TcpListener, String)> {
+pub(crate) fn new_unique_id() -> io::Result<(TcpListener, String)> {
     let listener = TcpListener::bind((Ipv4Addr::LOCALHOST, 0))?;
     let addr = listener.local_addr()?;
     let mut secret = [0u8; 16];
@@ -47,7 +47,7 @@ pub fn new_unique_id() -> io::Result<(TcpListener, String)> {
 
 /// How a rank ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum RankStatus {
+pub(crate) enum RankStatus {
     /// Exited with this code.
     Exited(i32),
     /// Killed by this signal number.
@@ -56,12 +56,12 @@ pub enum RankStatus {
 
 impl RankStatus {
     /// Whether this counts as success.
-    pub fn success(self) -> bool {
+    pub(crate) fn success(self) -> bool {
         self == RankStatus::Exited(0)
     }
 
     /// braid-run's exit code when this is the first failure.
-    pub fn exit_code(self) -> i32 {
+    pub(crate) fn exit_code(self) -> i32 {
         match self {
             RankStatus::Exited(c) => c,
             RankStatus::Signaled { signal, .. } => 128 + signal,
@@ -70,7 +70,7 @@ impl RankStatus {
 }
 
 /// `SIGKILL`, or `signal 40` for numbers nix has no name for.
-pub fn signal_name(signal: i32) -> String {
+pub(crate) fn signal_name(signal: i32) -> String {
     match Signal::try_from(signal) {
         Ok(s) => s.as_str().to_owned(),
         Err(_) => format!("SIG{signal}"),
@@ -252,7 +252,7 @@ fn spawn_pump<R: io::Read + Send + 'static, W: Write + Send + 'static>(
 }
 
 /// Runs the job; returns braid-run's exit code.
-pub fn run(cfg: &Config) -> i32 {
+pub(crate) fn run(cfg: &Config) -> i32 {
     if let Err(e) = install_signal_handlers() {
         eprintln!("braid-run: cannot install signal handlers: {e}");
         return 1;

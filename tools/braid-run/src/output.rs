@@ -6,10 +6,10 @@ use std::sync::Mutex;
 /// Longest line kept in memory: a longer one is written in pieces of this
 /// size, each ended with a newline (a rank writing megabytes without a newline
 /// must not make braid-run grow without bound).
-pub const MAX_LINE: usize = 1 << 20;
+pub(crate) const MAX_LINE: usize = 1 << 20;
 
 /// The prefix for `rank`'s lines (`"[3] "`), or nothing.
-pub fn prefix_for(rank: usize, enabled: bool) -> Vec<u8> {
+pub(crate) fn prefix_for(rank: usize, enabled: bool) -> Vec<u8> {
     if enabled {
         format!("[{rank}] ").into_bytes()
     } else {
@@ -19,7 +19,7 @@ pub fn prefix_for(rank: usize, enabled: bool) -> Vec<u8> {
 
 /// `prefix` + `line` + a newline if `line` lacks one: the bytes written for
 /// one line, in one piece.
-pub fn format_line(prefix: &[u8], line: &[u8]) -> Vec<u8> {
+pub(crate) fn format_line(prefix: &[u8], line: &[u8]) -> Vec<u8> {
     let mut out = Vec::with_capacity(prefix.len() + line.len() + 1);
     out.extend_from_slice(prefix);
     out.extend_from_slice(line);
@@ -34,7 +34,7 @@ pub fn format_line(prefix: &[u8], line: &[u8]) -> Vec<u8> {
 /// never mix. A last line without newline is written with one added. If `out`
 /// fails (e.g. a closed pipe), the rest of `input` is still read and dropped so
 /// that the rank never blocks on a full pipe. Returns the first read error.
-pub fn pump<R: Read, W: Write>(
+pub(crate) fn pump<R: Read, W: Write>(
     input: R,
     prefix: &[u8],
     out: &Mutex<W>,

@@ -41,7 +41,7 @@ const RETRY_PAUSE_MAX: Duration = Duration::from_millis(500);
 /// A rank's side of the bootstrap: its connection to the root, its ring
 /// connections and its listener for the other ranks.
 #[derive(Debug)]
-pub struct Bootstrap {
+pub(crate) struct Bootstrap {
     rank: u32,
     nranks: u32,
     root: SocketAddr,
@@ -75,7 +75,7 @@ fn aborted_error() -> io::Error {
 }
 
 impl<'a> Wire<'a> {
-    pub fn new(
+    pub(super) fn new(
         stream: &'a mut TcpStream,
         root: SocketAddr,
         timeout: Duration,
@@ -149,7 +149,12 @@ impl<'a> Wire<'a> {
         Ok(())
     }
 
-    pub fn write_all(&mut self, bufs: &[&[u8]], deadline: Instant, what: &str) -> Result<()> {
+    pub(super) fn write_all(
+        &mut self,
+        bufs: &[&[u8]],
+        deadline: Instant,
+        what: &str,
+    ) -> Result<()> {
         for buf in bufs {
             let mut off = 0;
             while off < buf.len() {
@@ -177,7 +182,7 @@ impl<'a> Wire<'a> {
     }
 
     /// Reads one frame; an `ERROR` frame becomes `Err` with the root's message.
-    pub fn read_frame(&mut self, deadline: Instant, what: &str) -> Result<(u8, Vec<u8>)> {
+    pub(super) fn read_frame(&mut self, deadline: Instant, what: &str) -> Result<(u8, Vec<u8>)> {
         let (kind, body) = self.read_raw_frame(deadline, what)?;
         if kind == K_ERROR || kind == K_LEFT {
             return Err(self.root_error(&body));
@@ -210,14 +215,18 @@ impl<'a> Wire<'a> {
     }
 
     /// Writes a message; if that fails, prefers the root's explanation.
-    pub fn send(&mut self, bufs: &[&[u8]], deadline: Instant, what: &str) -> Result<()> {
+    pub(super) fn send(&mut self, bufs: &[&[u8]], deadline: Instant, what: &str) -> Result<()> {
         match self.write_all(bufs, deadline, what) {
             Ok(()) => Ok(()),
             Err(e) => Err(self.pending_root_error().unwrap_or(e)),
         }
     }
 
-    pub fn read_raw_frame(&mut self, deadline: Instant, what: &str) -> Result<(u8, Vec<u8>)> {
+    pub(super) fn read_raw_frame(
+        &mut self,
+        deadline: Instant,
+        what: &str,
+    ) -> Result<(u8, Vec<u8>)> {
         match read_frame_with(|b| self.read_exact(b, deadline)) {
             Ok(f) => Ok(f),
             Err(FrameError::Io(e)) => Err(self.io_error(e, what)),
@@ -344,7 +353,7 @@ impl Bootstrap {
     /// Fails within about `timeout` with an error naming the root or the
     /// ranks concerned.
     #[cfg(test)]
-    pub fn connect(
+    pub(crate) fn connect(
         id: &UniqueId,
         rank: u32,
         nranks: u32,
@@ -356,7 +365,7 @@ impl Bootstrap {
 
     /// [`Bootstrap::connect`] that gives up within about 50 ms once `abort`
     /// is set (from any thread), here and in every later round.
-    pub fn connect_abortable(
+    pub(crate) fn connect_abortable(
         id: &UniqueId,
         rank: u32,
         nranks: u32,
@@ -524,19 +533,19 @@ impl Bootstrap {
 
     /// This rank.
     #[cfg(test)]
-    pub fn rank(&self) -> u32 {
+    pub(crate) fn rank(&self) -> u32 {
         self.rank
     }
 
     /// The number of ranks.
     #[cfg(test)]
-    pub fn nranks(&self) -> u32 {
+    pub(crate) fn nranks(&self) -> u32 {
         self.nranks
     }
 
     /// The local address of this rank's connection to the root: an address
     /// the other ranks can reach this host at, as they reach the root.
-    pub fn local_ip(&self) -> Option<IpAddr> {
+    pub(crate) fn local_ip(&self) -> Option<IpAddr> {
         let st = self.state.lock().ok()?;
         st.stream.local_addr().ok().map(|a| a.ip())
     }
@@ -544,7 +553,7 @@ impl Bootstrap {
     /// Every rank contributes `data`; all get all contributions in rank order.
     /// All ranks must call this the same number of times. After an error the
     /// bootstrap is unusable.
-    pub fn allgather(&self, data: &[u8]) -> Result<Vec<Vec<u8>>> {
+    pub(crate) fn allgather(&self, data: &[u8]) -> Result<Vec<Vec<u8>>> {
         check_payload(data)?;
         let mut st = self
             .state
@@ -628,7 +637,7 @@ impl Bootstrap {
     }
 
     /// Waits until every rank has called `barrier`.
-    pub fn barrier(&self) -> Result<()> {
+    pub(crate) fn barrier(&self) -> Result<()> {
         self.allgather(&[]).map(|_| ())
     }
 }

@@ -39,7 +39,7 @@ pub(super) struct Door {
 }
 
 impl Door {
-    pub fn new(rank: u32) -> Door {
+    pub(super) fn new(rank: u32) -> Door {
         Door {
             rank,
             resume: None,
@@ -49,12 +49,12 @@ impl Door {
     }
 
     /// Whether the driver should poll the listener and `accept` at `now`.
-    pub fn accepting(&self, now: Instant) -> bool {
+    pub(super) fn accepting(&self, now: Instant) -> bool {
         self.resume.is_none_or(|t| now >= t)
     }
 
     /// When [`Door::handle_timeout`] must be called next.
-    pub fn poll_timeout(&self) -> Option<Instant> {
+    pub(super) fn poll_timeout(&self) -> Option<Instant> {
         [self.resume, self.logs.poll_timeout()]
             .into_iter()
             .flatten()
@@ -62,7 +62,7 @@ impl Door {
     }
 
     /// The clock reached `now`.
-    pub fn handle_timeout(&mut self, now: Instant) {
+    pub(super) fn handle_timeout(&mut self, now: Instant) {
         if self.resume.is_some_and(|t| now >= t) {
             self.resume = None;
         }
@@ -70,14 +70,14 @@ impl Door {
     }
 
     /// `accept` gave a connection: the pause after failures starts over.
-    pub fn handle_accepted(&mut self) {
+    pub(super) fn handle_accepted(&mut self) {
         self.backoff = Duration::ZERO;
     }
 
     /// `accept` failed at `now` with `msg`; `out_of_fds`: EMFILE or the
     /// like. `oldest`: when the oldest connection still sending its first
     /// frame arrived (if one is held).
-    pub fn handle_accept_failed(
+    pub(super) fn handle_accept_failed(
         &mut self,
         now: Instant,
         out_of_fds: bool,
@@ -112,7 +112,7 @@ impl Door {
     }
 
     /// A connection to the listener was dropped at `now` for `why`.
-    pub fn handle_stranger(&mut self, now: Instant, why: &str) {
+    pub(super) fn handle_stranger(&mut self, now: Instant, why: &str) {
         let rank = self.rank;
         self.logs.warn(now, "dropped", || {
             format!("rank {rank}: bootstrap: dropped a connection to this rank's listener: {why}")
@@ -121,12 +121,12 @@ impl Door {
 
     /// The listener closes at `now`: every count of left-out warnings is
     /// said.
-    pub fn handle_close(&mut self, now: Instant) {
+    pub(super) fn handle_close(&mut self, now: Instant) {
         self.logs.flush(now);
     }
 
     /// The next log line.
-    pub fn poll_log(&mut self) -> Option<LogLine> {
+    pub(super) fn poll_log(&mut self) -> Option<LogLine> {
         self.logs.poll_log()
     }
 }

@@ -54,7 +54,7 @@ pub(crate) struct Shared {
 }
 
 impl Shared {
-    pub fn new() -> Arc<Shared> {
+    pub(super) fn new() -> Arc<Shared> {
         Arc::new(Shared {
             phase: Mutex::new(Phase::Serving),
             cv: Condvar::new(),
@@ -70,13 +70,13 @@ impl Shared {
     }
 
     /// The phase now.
-    pub fn phase(&self) -> Phase {
+    pub(super) fn phase(&self) -> Phase {
         *self.phase.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// Waits while the root delivers its last messages (bounded by their
     /// deadline and a little more); returns at once while it serves.
-    pub fn wait_delivered(&self) {
+    pub(super) fn wait_delivered(&self) {
         let mut g = self.phase.lock().unwrap_or_else(|e| e.into_inner());
         loop {
             let until = match *g {
@@ -203,7 +203,7 @@ pub(crate) struct Driver {
 }
 
 impl Driver {
-    pub fn new(
+    pub(super) fn new(
         listener: TcpListener,
         addr: SocketAddr,
         wake: UnixStream,
@@ -226,13 +226,13 @@ impl Driver {
 
     /// Refuse connections that would leave fewer than a reserve of the
     /// process's `limit` descriptors free.
-    pub fn set_fd_limit(&mut self, limit: u64) {
+    pub(super) fn set_fd_limit(&mut self, limit: u64) {
         self.fd_limit = Some(limit);
     }
 
     /// Runs the rendezvous to its end, delivers the last messages, and
     /// returns the outcome.
-    pub fn run(mut self) -> Result<()> {
+    pub(super) fn run(mut self) -> Result<()> {
         let _ended = EndGuard(self.shared.clone());
         loop {
             let now = Instant::now();

@@ -107,7 +107,7 @@ mod tests;
 mod warnings;
 mod wire;
 
-pub use client::Bootstrap;
+pub(crate) use client::Bootstrap;
 pub(crate) use id::parse_secret_hex;
 pub use id::UniqueId;
 pub(crate) use peer::{Ask, ExchangeError};

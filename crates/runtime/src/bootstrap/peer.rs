@@ -280,7 +280,7 @@ fn readable(fd: &PollFd<'_>) -> bool {
 impl Peers {
     /// Listens on `ip` (the address this rank reaches the root from, which
     /// the other ranks reach it at), port 0.
-    pub fn bind(rank: u32, nranks: u32, secret: [u8; 16], ip: IpAddr) -> Result<Peers> {
+    pub(super) fn bind(rank: u32, nranks: u32, secret: [u8; 16], ip: IpAddr) -> Result<Peers> {
         let listener = TcpListener::bind(SocketAddr::new(ip, 0)).map_err(io_err(format!(
             "rank {rank}: cannot listen on {ip} for other ranks"
         )))?;
@@ -480,7 +480,7 @@ impl Peers {
 
     /// Connects to the successor at `next_addr`, says who we are, and waits
     /// for the predecessor's connection.
-    pub fn setup_ring(
+    pub(super) fn setup_ring(
         &mut self,
         next_addr: SocketAddr,
         deadline: Instant,
@@ -639,7 +639,7 @@ impl Peers {
     /// root's word is the error. It is kept for the next round. `since`:
     /// when the caller began to wait (for the messages).
     #[allow(clippy::too_many_arguments)]
-    pub fn ring_allgather(
+    pub(super) fn ring_allgather(
         &mut self,
         round: u64,
         data: &[u8],
@@ -758,7 +758,7 @@ impl Peers {
 
     /// What the root reported in an earlier round (its connection is gone
     /// since): every later round fails with it.
-    pub fn root_said(&self) -> Option<&str> {
+    pub(super) fn root_said(&self) -> Option<&str> {
         self.ring.root_said()
     }
 
@@ -768,7 +768,7 @@ impl Peers {
     /// Waits for all of them together, so ranks that need each other in any
     /// order all get through; a peer that is gone is named at once, one
     /// that does not answer within `deadline` is named then.
-    pub fn exchange(
+    pub(super) fn exchange(
         &mut self,
         asks: &[Ask],
         deadline: Instant,
@@ -1077,7 +1077,7 @@ impl Peers {
 
     /// Shuts the ring connections (after a failed round): the neighbours
     /// see it at once.
-    pub fn shut_ring(&mut self) {
+    pub(super) fn shut_ring(&mut self) {
         for s in [self.next.as_ref(), self.prev.as_ref()]
             .into_iter()
             .flatten()

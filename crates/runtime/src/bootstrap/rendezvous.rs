@@ -99,7 +99,7 @@ pub(crate) struct Settings {
 
 impl Settings {
     /// The defaults for a root at `addr`.
-    pub fn new(addr: SocketAddr, secret: [u8; 16], timeout: Duration) -> Settings {
+    pub(super) fn new(addr: SocketAddr, secret: [u8; 16], timeout: Duration) -> Settings {
         Settings {
             addr,
             secret,
@@ -169,7 +169,7 @@ pub(crate) struct Rendezvous {
 
 impl Rendezvous {
     /// A rendezvous that starts at `now`.
-    pub fn new(cfg: Settings, now: Instant) -> Rendezvous {
+    pub(super) fn new(cfg: Settings, now: Instant) -> Rendezvous {
         let rendezvous_deadline = now + cfg.timeout;
         Rendezvous {
             cfg,
@@ -197,24 +197,24 @@ impl Rendezvous {
     // ------------------------------------------------------------- outputs
 
     /// The next bytes to write.
-    pub fn poll_transmit(&mut self) -> Option<Transmit> {
+    pub(super) fn poll_transmit(&mut self) -> Option<Transmit> {
         self.transmits.pop_front()
     }
 
     /// The next connection to close, once the bytes queued for it are
     /// written.
-    pub fn poll_close(&mut self) -> Option<ConnId> {
+    pub(super) fn poll_close(&mut self) -> Option<ConnId> {
         self.closes.pop_front()
     }
 
     /// The next log line.
-    pub fn poll_log(&mut self) -> Option<LogLine> {
+    pub(super) fn poll_log(&mut self) -> Option<LogLine> {
         self.logs.poll_log()
     }
 
     /// When [`Rendezvous::handle_timeout`] must be called next (`None`:
     /// only when something happens).
-    pub fn poll_timeout(&self) -> Option<Instant> {
+    pub(super) fn poll_timeout(&self) -> Option<Instant> {
         if self.result.is_some() {
             return None;
         }
@@ -248,14 +248,14 @@ impl Rendezvous {
 
     /// Whether the driver should accept connections at `now` (not while
     /// backing off after a failed `accept`, nor once finished).
-    pub fn accepting(&self, now: Instant) -> bool {
+    pub(super) fn accepting(&self, now: Instant) -> bool {
         self.result.is_none() && self.accept_resume.is_none_or(|t| now >= t)
     }
 
     /// How many bytes to read from `conn` now: before the proof of the
     /// secret no more than the hello's fixed part, so that a stranger costs
     /// a few bytes; 0 for a connection the machine no longer reads.
-    pub fn read_limit(&self, conn: ConnId) -> usize {
+    pub(super) fn read_limit(&self, conn: ConnId) -> usize {
         if self.result.is_some() {
             return 0;
         }
@@ -270,25 +270,25 @@ impl Rendezvous {
 
     /// The outcome once finished: `Ok` when the ranks completed and left
     /// (or the root was shut down), the message sent to the ranks otherwise.
-    pub fn result(&self) -> Option<&Result<(), String>> {
+    pub(super) fn result(&self) -> Option<&Result<(), String>> {
         self.result.as_ref()
     }
 
     /// Whether the rendezvous has ended (the driver then delivers what is
     /// queued and stops).
-    pub fn is_finished(&self) -> bool {
+    pub(super) fn is_finished(&self) -> bool {
         self.result.is_some()
     }
 
     /// Unproven connections held now.
     #[cfg(test)]
-    pub fn unproven_count(&self) -> usize {
+    pub(super) fn unproven_count(&self) -> usize {
         self.unproven.len()
     }
 
     /// Connections held now (ranks and handshakes).
     #[cfg(test)]
-    pub fn conn_count(&self) -> usize {
+    pub(super) fn conn_count(&self) -> usize {
         self.conns.len()
     }
 
@@ -298,7 +298,7 @@ impl Rendezvous {
     /// `nonce` (random, from the driver). Returns its id. When the machine
     /// holds [`Settings::max_pending`] unproven connections, the oldest makes
     /// room if it has had [`EVICT_MIN_AGE`], or else the new one is closed.
-    pub fn handle_connect(
+    pub(super) fn handle_connect(
         &mut self,
         now: Instant,
         peer: SocketAddr,
@@ -371,7 +371,7 @@ impl Rendezvous {
     /// `accept` failed at `now`. Accepting pauses, for longer while it keeps
     /// failing; out of file descriptors, the oldest unproven connection is
     /// closed (if it has had its chance) so that the next one fits.
-    pub fn handle_accept_failed(&mut self, now: Instant, why: AcceptFailure) {
+    pub(super) fn handle_accept_failed(&mut self, now: Instant, why: AcceptFailure) {
         if self.result.is_some() {
             return;
         }
@@ -414,7 +414,7 @@ impl Rendezvous {
     }
 
     /// Bytes arrived on `conn` at `now`.
-    pub fn handle_data(&mut self, now: Instant, conn: ConnId, bytes: &[u8]) {
+    pub(super) fn handle_data(&mut self, now: Instant, conn: ConnId, bytes: &[u8]) {
         if self.result.is_some() {
             return;
         }
@@ -429,7 +429,7 @@ impl Rendezvous {
     }
 
     /// `conn` ended at `now` (end of stream, or the error that broke it).
-    pub fn handle_closed(&mut self, now: Instant, conn: ConnId, error: Option<String>) {
+    pub(super) fn handle_closed(&mut self, now: Instant, conn: ConnId, error: Option<String>) {
         if self.result.is_some() {
             return;
         }
@@ -451,7 +451,7 @@ impl Rendezvous {
 
     /// The clock reached `now`: handshakes, the rendezvous and the round
     /// past their deadlines end; a paused `accept` resumes.
-    pub fn handle_timeout(&mut self, now: Instant) {
+    pub(super) fn handle_timeout(&mut self, now: Instant) {
         if self.result.is_some() {
             return;
         }
@@ -536,7 +536,7 @@ impl Rendezvous {
 
     /// The owner stopped the root: connected ranks are told, and the outcome
     /// is `Ok`.
-    pub fn handle_shutdown(&mut self, now: Instant) {
+    pub(super) fn handle_shutdown(&mut self, now: Instant) {
         if self.result.is_none() {
             let msg = format!("the bootstrap root at {} was shut down", self.cfg.addr);
             self.fail(now, msg, None, true);
@@ -544,7 +544,7 @@ impl Rendezvous {
     }
 
     /// The driver cannot go on (its poll failed): the ranks are told.
-    pub fn handle_fatal(&mut self, now: Instant, msg: String) {
+    pub(super) fn handle_fatal(&mut self, now: Instant, msg: String) {
         if self.result.is_none() {
             self.fail(now, msg, None, false);
         }

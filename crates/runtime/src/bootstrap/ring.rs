@@ -66,7 +66,7 @@ pub(super) struct Ring {
 }
 
 impl Ring {
-    pub fn new(rank: u32, nranks: u32) -> Ring {
+    pub(super) fn new(rank: u32, nranks: u32) -> Ring {
         Ring {
             rank,
             nranks,
@@ -102,7 +102,7 @@ impl Ring {
     /// Starts round `round` with this rank's `data` at `now`; it fails at
     /// `deadline` (which includes `grace`). `since`: when the caller began
     /// to wait, for the messages.
-    pub fn start(
+    pub(super) fn start(
         &mut self,
         now: Instant,
         round: u64,
@@ -140,12 +140,12 @@ impl Ring {
     }
 
     /// The bytes to write to the successor now (empty: nothing).
-    pub fn transmit(&self) -> &[u8] {
+    pub(super) fn transmit(&self) -> &[u8] {
         &self.out[self.out_at..]
     }
 
     /// `n` bytes of [`Ring::transmit`] were written at `now`.
-    pub fn handle_sent(&mut self, now: Instant, n: usize) {
+    pub(super) fn handle_sent(&mut self, now: Instant, n: usize) {
         self.out_at = (self.out_at + n).min(self.out.len());
         if self.out_at == self.out.len() {
             self.out.clear();
@@ -160,7 +160,7 @@ impl Ring {
     }
 
     /// Writing to the successor failed at `now`.
-    pub fn handle_send_failed(&mut self, now: Instant, error: &str) {
+    pub(super) fn handle_send_failed(&mut self, now: Instant, error: &str) {
         let Some(r) = self.round.as_ref() else {
             return;
         };
@@ -173,7 +173,7 @@ impl Ring {
     }
 
     /// Bytes arrived from the predecessor at `now`.
-    pub fn handle_data(&mut self, now: Instant, bytes: &[u8]) {
+    pub(super) fn handle_data(&mut self, now: Instant, bytes: &[u8]) {
         if bytes.is_empty() {
             return;
         }
@@ -186,7 +186,7 @@ impl Ring {
     }
 
     /// The predecessor's connection ended at `now`.
-    pub fn handle_prev_closed(&mut self, now: Instant) {
+    pub(super) fn handle_prev_closed(&mut self, now: Instant) {
         let Some(r) = self.round.as_ref() else {
             return;
         };
@@ -204,7 +204,7 @@ impl Ring {
 
     /// The root said `word` at `now` (its error, or that its connection
     /// closed); `left`: it is only that a rank left after its last round.
-    pub fn handle_root(&mut self, now: Instant, word: String, left: bool) {
+    pub(super) fn handle_root(&mut self, now: Instant, word: String, left: bool) {
         self.root_said = Some(word.clone());
         self.root_said_left = left;
         if self.round.as_ref().is_some_and(|r| r.failing.is_some()) {
@@ -215,7 +215,7 @@ impl Ring {
     }
 
     /// The clock reached `now`.
-    pub fn handle_timeout(&mut self, now: Instant) {
+    pub(super) fn handle_timeout(&mut self, now: Instant) {
         let Some(r) = self.round.as_ref() else {
             return;
         };
@@ -242,7 +242,7 @@ impl Ring {
     }
 
     /// When [`Ring::handle_timeout`] must be called next.
-    pub fn poll_timeout(&self) -> Option<Instant> {
+    pub(super) fn poll_timeout(&self) -> Option<Instant> {
         let r = self.round.as_ref()?;
         if let Some((_, at)) = &r.failing {
             return Some(*at);
@@ -256,22 +256,22 @@ impl Ring {
 
     /// Whether the driver should read the root's connection (nothing heard
     /// from it yet).
-    pub fn wants_root(&self) -> bool {
+    pub(super) fn wants_root(&self) -> bool {
         self.root_said.is_none()
     }
 
     /// Whether a round's outcome waits to be taken.
-    pub fn has_outcome(&self) -> bool {
+    pub(super) fn has_outcome(&self) -> bool {
         self.outcome.is_some()
     }
 
     /// The round's outcome, once (then no round is under way).
-    pub fn poll_outcome(&mut self) -> Option<Outcome> {
+    pub(super) fn poll_outcome(&mut self) -> Option<Outcome> {
         self.outcome.take()
     }
 
     /// What the root reported in an earlier round.
-    pub fn root_said(&self) -> Option<&str> {
+    pub(super) fn root_said(&self) -> Option<&str> {
         self.root_said.as_deref()
     }
 

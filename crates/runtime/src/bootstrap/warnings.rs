@@ -42,7 +42,7 @@ pub(crate) struct Warnings {
 
 impl Warnings {
     /// A debug line (never limited).
-    pub fn debug(&mut self, msg: String) {
+    pub(super) fn debug(&mut self, msg: String) {
         self.logs.push_back(LogLine {
             level: Level::Debug,
             msg,
@@ -51,7 +51,7 @@ impl Warnings {
 
     /// A warning, at most one per `cause` per [`WARN_INTERVAL`]; the next
     /// one says how many were left out. Returns whether it was shown.
-    pub fn warn(&mut self, now: Instant, cause: &str, msg: impl FnOnce() -> String) -> bool {
+    pub(super) fn warn(&mut self, now: Instant, cause: &str, msg: impl FnOnce() -> String) -> bool {
         let due = match self.causes.get(cause) {
             None => true,
             Some(w) => now.saturating_duration_since(w.last) >= WARN_INTERVAL,
@@ -88,7 +88,7 @@ impl Warnings {
     }
 
     /// When the counts of left-out warnings are next due.
-    pub fn poll_timeout(&self) -> Option<Instant> {
+    pub(super) fn poll_timeout(&self) -> Option<Instant> {
         self.causes
             .values()
             .filter(|w| w.suppressed > 0)
@@ -97,14 +97,14 @@ impl Warnings {
     }
 
     /// The clock reached `now`: says the counts that are due.
-    pub fn handle_timeout(&mut self, now: Instant) {
+    pub(super) fn handle_timeout(&mut self, now: Instant) {
         self.flush_where(now, |w| {
             now.saturating_duration_since(w.last) >= WARN_INTERVAL
         });
     }
 
     /// Says every count of left-out warnings (the machine ends).
-    pub fn flush(&mut self, now: Instant) {
+    pub(super) fn flush(&mut self, now: Instant) {
         self.flush_where(now, |_| true);
     }
 
@@ -131,13 +131,13 @@ impl Warnings {
     }
 
     /// The next log line.
-    pub fn poll_log(&mut self) -> Option<LogLine> {
+    pub(super) fn poll_log(&mut self) -> Option<LogLine> {
         self.logs.pop_front()
     }
 
     /// Warnings shown and counted as left out so far (for tests).
     #[cfg(test)]
-    pub fn suppressed(&self) -> u64 {
+    pub(super) fn suppressed(&self) -> u64 {
         self.causes.values().map(|w| w.suppressed).sum()
     }
 }

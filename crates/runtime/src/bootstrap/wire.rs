@@ -14,11 +14,11 @@ use braid_core::wire::Reader;
 use sha2::{Digest, Sha256};
 
 /// Largest payload one rank may contribute to one round (16 MiB).
-pub const MAX_PAYLOAD: usize = 16 << 20;
+pub(super) const MAX_PAYLOAD: usize = 16 << 20;
 /// Largest frame on the wire: a payload plus its headers.
-pub const MAX_FRAME: usize = MAX_PAYLOAD + 256;
+pub(super) const MAX_FRAME: usize = MAX_PAYLOAD + 256;
 /// Largest number of ranks a bootstrap accepts.
-pub const MAX_RANKS: u32 = 1 << 22;
+pub(super) const MAX_RANKS: u32 = 1 << 22;
 
 pub(crate) const MAGIC: [u8; 8] = *b"BRAIDBS\x01";
 /// Protocol version: 2 is v1 (big-endian) made little-endian; 3 moves the
@@ -237,7 +237,7 @@ pub(crate) const PEER_FIXED: usize = 8 + 4 + 4 + 4 + 8 + 16 + MAC_LEN;
 impl PeerFrame {
     /// A frame of `kind` proved with `secret` (`label` per kind).
     #[allow(clippy::too_many_arguments)]
-    pub fn sealed(
+    pub(super) fn sealed(
         kind: u8,
         secret: &[u8; 16],
         from: u32,
@@ -260,7 +260,7 @@ impl PeerFrame {
     }
 
     /// Decodes the body of a rank-to-rank frame (any of its kinds).
-    pub fn parse(body: &[u8]) -> Result<PeerFrame, String> {
+    pub(super) fn parse(body: &[u8]) -> Result<PeerFrame, String> {
         let mut r = Reader::new(body);
         let (Ok(magic), Ok(version)) = (r.arr::<8>(), r.u32()) else {
             return Err("truncated".into());
@@ -288,7 +288,7 @@ impl PeerFrame {
     }
 
     /// Whether the frame, of `kind`, is proved with `secret`.
-    pub fn proves(&self, kind: u8, secret: &[u8; 16]) -> bool {
+    pub(super) fn proves(&self, kind: u8, secret: &[u8; 16]) -> bool {
         let want = peer_mac(
             label_of(kind),
             secret,
@@ -372,7 +372,7 @@ pub(crate) struct FrameBuf {
 impl FrameBuf {
     /// The next complete frame `(kind, body)`, or an error for a malformed
     /// length.
-    pub fn next_frame(&mut self) -> Result<Option<(u8, Vec<u8>)>, String> {
+    pub(super) fn next_frame(&mut self) -> Result<Option<(u8, Vec<u8>)>, String> {
         let Some(n) = frame_len(&self.buf) else {
             return Ok(None);
         };
@@ -423,13 +423,13 @@ pub(crate) struct HelloFixed {
 
 impl HelloFixed {
     /// Whether the MAC proves the secret for the root's `nonce`.
-    pub fn proves(&self, secret: &[u8; 16], root_nonce: &[u8; NONCE_LEN]) -> bool {
+    pub(super) fn proves(&self, secret: &[u8; 16], root_nonce: &[u8; NONCE_LEN]) -> bool {
         let expect = client_mac(secret, root_nonce, &self.cnonce, self.rank, self.nranks);
         ct_eq(&self.mac, &expect)
     }
 
     /// The hello's fixed part on the wire (the payload follows it).
-    pub fn encode(&self) -> Vec<u8> {
+    pub(super) fn encode(&self) -> Vec<u8> {
         let mut v = Vec::with_capacity(HELLO_FIXED);
         v.extend_from_slice(&MAGIC);
         v.extend_from_slice(&VERSION.to_le_bytes());

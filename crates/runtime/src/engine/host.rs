@@ -23,7 +23,7 @@ use crate::slot_stores::SlotStores;
 
 /// Everything `execute` needs besides the program.
 #[derive(Debug)]
-pub struct Exec<'a> {
+pub(crate) struct Exec<'a> {
     /// The operation's buffers, by buffer index.
     pub bufs: &'a [RawBuf],
     /// Waiting policy.
@@ -114,7 +114,7 @@ impl HeaderCheck<'_> {
 /// by anything else meanwhile (buffers may alias each other as the plans
 /// allow). The regions of `prog` must lie inside those buffers (the runtime
 /// checks this when it builds the buffers from the caller's slices).
-pub unsafe fn execute(
+pub(crate) unsafe fn execute(
     prog: &Program,
     chans: &mut Channels,
     ex: &Exec<'_>,

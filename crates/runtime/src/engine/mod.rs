@@ -35,7 +35,7 @@ use crate::progress::{Progress, Waiting};
 
 /// A caller buffer as the engine sees it.
 #[derive(Clone, Copy, Debug)]
-pub struct RawBuf {
+pub(crate) struct RawBuf {
     /// Start of the buffer.
     pub ptr: *mut u8,
     /// Length in bytes.
@@ -44,7 +44,7 @@ pub struct RawBuf {
 
 /// The channels of one communicator, indexed by peer rank.
 #[derive(Default)]
-pub struct Channels {
+pub(crate) struct Channels {
     /// Sending ends, `send[peer]`.
     pub send: Vec<Option<Box<dyn SendChannel>>>,
     /// Receiving ends, `recv[peer]`.
@@ -87,7 +87,7 @@ impl std::fmt::Debug for Channels {
 
 impl Channels {
     /// Tell every peer that this side gave up.
-    pub fn abort_all(&mut self, reason: &str) {
+    pub(crate) fn abort_all(&mut self, reason: &str) {
         for c in self.send.iter_mut().flatten() {
             c.abort(reason);
         }
@@ -111,7 +111,7 @@ impl Channels {
     }
 
     /// The smallest slot size over all connected channels (the plans' piece).
-    pub fn min_slot_bytes(&self) -> Option<usize> {
+    pub(crate) fn min_slot_bytes(&self) -> Option<usize> {
         let s = self.send.iter().flatten().map(|c| c.slot_bytes());
         let r = self.recv.iter().flatten().map(|c| c.slot_bytes());
         s.chain(r).min()
@@ -120,7 +120,7 @@ impl Channels {
 
 /// How long and how hard to wait.
 #[derive(Clone, Copy, Debug)]
-pub struct WaitPolicy {
+pub(crate) struct WaitPolicy {
     /// Give up after this long without progress.
     pub timeout: Duration,
     /// Busy-poll iterations before sleeping (or yielding, on links without

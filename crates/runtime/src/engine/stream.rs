@@ -70,7 +70,7 @@ pub(crate) struct Rings {
 impl Rings {
     /// The rings of every link in `chans`, or `None` if some link to another
     /// rank is not a device ring (e.g. staged through host memory).
-    pub fn of(chans: &Channels, rank: u32, nranks: u32) -> Option<Rings> {
+    pub(crate) fn of(chans: &Channels, rank: u32, nranks: u32) -> Option<Rings> {
         let mut out = Vec::with_capacity(nranks as usize);
         let mut inc = Vec::with_capacity(nranks as usize);
         for q in 0..nranks as usize {
@@ -119,7 +119,7 @@ pub(crate) struct Shared {
 }
 
 impl Shared {
-    pub fn new(nranks: u32) -> Shared {
+    pub(crate) fn new(nranks: u32) -> Shared {
         Shared {
             issued: AtomicU32::new(0),
             release: Mutex::new(vec![(0, 0); nranks as usize]),
@@ -129,7 +129,7 @@ impl Shared {
     }
 
     /// Record what `cur` says after a collective was queued.
-    pub fn queued(&self, seq: u32, cur: &Cursor, keep: Vec<Arc<DeviceBuffer>>) {
+    pub(crate) fn queued(&self, seq: u32, cur: &Cursor, keep: Vec<Arc<DeviceBuffer>>) {
         if let Ok(mut r) = self.release.lock() {
             *r = release_values(cur);
         }
@@ -335,7 +335,7 @@ pub(crate) struct Watch {
 }
 
 impl Watch {
-    pub fn new(now: Instant, done: u32) -> Watch {
+    pub(crate) fn new(now: Instant, done: u32) -> Watch {
         Watch {
             last_done: done,
             since: now,
@@ -345,7 +345,7 @@ impl Watch {
         }
     }
 
-    pub fn step(&mut self, now: Instant, o: &Obs, lim: Limits) -> Verdict {
+    pub(crate) fn step(&mut self, now: Instant, o: &Obs, lim: Limits) -> Verdict {
         let pending = !reached(o.done, o.issued);
         if o.done != self.last_done || !pending {
             self.last_done = o.done;
@@ -420,7 +420,7 @@ pub(crate) struct Watchdog {
 }
 
 impl Watchdog {
-    pub fn run(mut self) {
+    pub(crate) fn run(mut self) {
         let rescue = match CudaStream::new(&self.dev) {
             Ok(s) => Some(s),
             Err(e) => {
