@@ -3,11 +3,12 @@
 //! of 16-bit floats in one pass.
 
 use std::arch::x86_64::{
-    __m256i, _mm256_add_epi32, _mm256_and_si256, _mm256_blendv_epi8, _mm256_castsi256_si128,
-    _mm256_cmpgt_epi32, _mm256_cvtepu16_epi32, _mm256_cvtph_ps, _mm256_cvtps_ph, _mm256_loadu_ps,
-    _mm256_loadu_si256, _mm256_or_si256, _mm256_packus_epi32, _mm256_permute4x64_epi64,
-    _mm256_set1_epi32, _mm256_slli_epi32, _mm256_srli_epi32, _mm256_storeu_ps, _mm256_storeu_si256,
-    _mm_loadu_si128, _mm_storeu_si128, _MM_FROUND_TO_NEAREST_INT,
+    __m128i, __m256i, _mm256_add_epi32, _mm256_and_si256, _mm256_blendv_epi8,
+    _mm256_castsi256_si128, _mm256_cmpgt_epi32, _mm256_cvtepu16_epi32, _mm256_cvtph_ps,
+    _mm256_cvtps_ph, _mm256_loadu_ps, _mm256_loadu_si256, _mm256_or_si256, _mm256_packus_epi32,
+    _mm256_permute4x64_epi64, _mm256_set1_epi32, _mm256_slli_epi32, _mm256_srli_epi32,
+    _mm256_storeu_ps, _mm256_storeu_si256, _mm_loadu_si128, _mm_storeu_si128,
+    _MM_FROUND_TO_NEAREST_INT,
 };
 
 use super::{bf16, f16, Loop, Narrow};
@@ -108,8 +109,40 @@ pub(super) unsafe fn narrow_f16(src: &[f32], dst: &mut [f16]) {
     }
 }
 
-/// `dst = widen(src)` for bfloat16, 8 lanes at a time: the 16 bits are the
-/// top of the f32; a NaN is quietened (as the scalar `widen`).
+/// 8 bfloat16 to f32: the 16 bits are the top of the f32 (a NaN is kept as
+/// it is; a rounding back with [`bf16x8`] quietens it).
+#[target_feature(enable = "avx2")]
+#[inline]
+fn f32x8(h: __m128i) -> __m256i {
+    _mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h))
+}
+
+/// 8 f32 (as bits) to bfloat16, rounding to nearest even as the scalar
+/// `narrow`; a NaN keeps the top of its payload and is quiet.
+#[target_feature(enable = "avx2")]
+#[inline]
+fn bf16x8(x: __m256i) -> __m128i {
+    let nan = _mm256_cmpgt_epi32(
+        _mm256_and_si256(x, _mm256_set1_epi32(0x7fff_ffff)),
+        _mm256_set1_epi32(0x7f80_0000),
+    );
+    let top = _mm256_srli_epi32::<16>(x);
+    let odd = _mm256_and_si256(top, _mm256_set1_epi32(1));
+    let rounded = _mm256_srli_epi32::<16>(_mm256_add_epi32(
+        x,
+        _mm256_add_epi32(_mm256_set1_epi32(0x7fff), odd),
+    ));
+    let nanv = _mm256_or_si256(top, _mm256_set1_epi32(0x0040));
+    let v = _mm256_blendv_epi8(rounded, nanv, nan);
+    // Every lane is below 2^16: the unsigned saturating pack keeps it; the
+    // pack works per 128-bit half, the permute joins them.
+    _mm256_castsi256_si128(_mm256_permute4x64_epi64::<0b11_01_10_00>(
+        _mm256_packus_epi32(v, v),
+    ))
+}
+
+/// `dst = widen(src)` for bfloat16, 8 lanes at a time; a NaN is quietened
+/// (as the scalar `widen`).
 ///
 /// # Safety
 ///
@@ -127,8 +160,7 @@ pub(super) unsafe fn widen_bf16(src: &[bf16], dst: &mut [f32]) {
         // SAFETY: `i + 8 <= n`: 8 bf16 (16 bytes) are readable at `src[i..]`
         // and 8 f32 (32 bytes) writable at `dst[i..]`; unaligned accesses.
         unsafe {
-            let h = _mm_loadu_si128(src.as_ptr().add(i).cast());
-            let x = _mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h));
+            let x = f32x8(_mm_loadu_si128(src.as_ptr().add(i).cast()));
             let nan = _mm256_cmpgt_epi32(_mm256_and_si256(x, abs), inf);
             let x = _mm256_or_si256(x, _mm256_and_si256(nan, quiet));
             _mm256_storeu_si256(dst.as_mut_ptr().add(i).cast::<__m256i>(), x);
@@ -140,9 +172,7 @@ pub(super) unsafe fn widen_bf16(src: &[bf16], dst: &mut [f32]) {
     }
 }
 
-/// `dst = narrow(src)` for bfloat16, 8 lanes at a time: round to nearest
-/// even; a NaN keeps the top of its payload and is quiet (as the scalar
-/// `narrow`).
+/// `dst = narrow(src)` for bfloat16, 8 lanes at a time ([`bf16x8`]).
 ///
 /// # Safety
 ///
@@ -151,27 +181,12 @@ pub(super) unsafe fn widen_bf16(src: &[bf16], dst: &mut [f32]) {
 pub(super) unsafe fn narrow_bf16(src: &[f32], dst: &mut [bf16]) {
     let n = src.len().min(dst.len());
     let mut i = 0;
-    let (abs, inf, quiet, half, one) = (
-        _mm256_set1_epi32(0x7fff_ffff),
-        _mm256_set1_epi32(0x7f80_0000),
-        _mm256_set1_epi32(0x0040),
-        _mm256_set1_epi32(0x7fff),
-        _mm256_set1_epi32(1),
-    );
     while i + 8 <= n {
         // SAFETY: `i + 8 <= n`: 8 f32 are readable at `src[i..]` and 8 bf16
         // (16 bytes) writable at `dst[i..]`; unaligned accesses.
         unsafe {
             let x = _mm256_loadu_si256(src.as_ptr().add(i).cast::<__m256i>());
-            let nan = _mm256_cmpgt_epi32(_mm256_and_si256(x, abs), inf);
-            let odd = _mm256_and_si256(_mm256_srli_epi32::<16>(x), one);
-            let rounded = _mm256_srli_epi32::<16>(_mm256_add_epi32(x, _mm256_add_epi32(half, odd)));
-            let nanv = _mm256_or_si256(_mm256_srli_epi32::<16>(x), quiet);
-            let v = _mm256_blendv_epi8(rounded, nanv, nan);
-            // Every lane is below 2^16: the unsigned saturating pack keeps
-            // it; the pack works per 128-bit half, the permute joins them.
-            let p = _mm256_permute4x64_epi64::<0b11_01_10_00>(_mm256_packus_epi32(v, v));
-            _mm_storeu_si128(dst.as_mut_ptr().add(i).cast(), _mm256_castsi256_si128(p));
+            _mm_storeu_si128(dst.as_mut_ptr().add(i).cast(), bf16x8(x));
         }
         i += 8;
     }
@@ -282,33 +297,17 @@ unsafe fn run_bf16_256(d: *mut bf16, x: *const bf16, y: *const bf16, n: usize, o
     use std::arch::x86_64::{
         _mm256_add_ps, _mm256_castps_si256, _mm256_castsi256_ps, _mm256_mul_ps,
     };
-    let (abs, inf, quiet, half, one) = (
-        _mm256_set1_epi32(0x7fff_ffff),
-        _mm256_set1_epi32(0x7f80_0000),
-        _mm256_set1_epi32(0x0040),
-        _mm256_set1_epi32(0x7fff),
-        _mm256_set1_epi32(1),
-    );
     let mut i = 0;
     while i + 8 <= n {
         // SAFETY: as in `run_bf16_512`, for 8 elements (16 bytes).
         unsafe {
-            let wa = _mm256_cvtepu16_epi32(_mm_loadu_si128(x.add(i).cast()));
-            let wb = _mm256_cvtepu16_epi32(_mm_loadu_si128(y.add(i).cast()));
-            let fa = _mm256_castsi256_ps(_mm256_slli_epi32::<16>(wa));
-            let fb = _mm256_castsi256_ps(_mm256_slli_epi32::<16>(wb));
+            let fa = _mm256_castsi256_ps(f32x8(_mm_loadu_si128(x.add(i).cast())));
+            let fb = _mm256_castsi256_ps(f32x8(_mm_loadu_si128(y.add(i).cast())));
             let r = match op {
                 Fused::Add => _mm256_add_ps(fa, fb),
                 Fused::Mul => _mm256_mul_ps(fa, fb),
             };
-            let v = _mm256_castps_si256(r);
-            let nan = _mm256_cmpgt_epi32(_mm256_and_si256(v, abs), inf);
-            let odd = _mm256_and_si256(_mm256_srli_epi32::<16>(v), one);
-            let rounded = _mm256_srli_epi32::<16>(_mm256_add_epi32(v, _mm256_add_epi32(half, odd)));
-            let nanv = _mm256_or_si256(_mm256_srli_epi32::<16>(v), quiet);
-            let w = _mm256_blendv_epi8(rounded, nanv, nan);
-            let p = _mm256_permute4x64_epi64::<0b11_01_10_00>(_mm256_packus_epi32(w, w));
-            _mm_storeu_si128(d.add(i).cast(), _mm256_castsi256_si128(p));
+            _mm_storeu_si128(d.add(i).cast(), bf16x8(_mm256_castps_si256(r)));
         }
         i += 8;
     }
