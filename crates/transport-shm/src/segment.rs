@@ -460,7 +460,7 @@ impl Segment {
         // Failure (THP for shmem disabled, old kernel) is ignored.
         let _ = unsafe {
             mman::madvise(
-                NonNull::new_unchecked(self.base.as_ptr().add(self.layout.data_offset)).cast(),
+                self.base.add(self.layout.data_offset).cast(),
                 len,
                 MmapAdvise::MADV_HUGEPAGE,
             )

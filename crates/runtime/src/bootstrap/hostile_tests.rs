@@ -31,9 +31,20 @@ fn is_child(name: &str) -> bool {
     std::env::var(CHILD_ENV).is_ok_and(|v| v == name)
 }
 
+/// Kills a child that runs past its limit, unless dropped first (drop it
+/// once the child is reaped: its pid may then belong to someone else).
+struct Watchdog(Arc<AtomicBool>);
+
+impl Drop for Watchdog {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::SeqCst);
+    }
+}
+
 /// Starts this test binary again, running only test `name` (its path
-/// below the crate), as a child; it is killed if it runs past `limit`.
-fn spawn_child(name: &str, limit: Duration) -> std::process::Child {
+/// below the crate), as a child; it is killed if it runs past `limit`
+/// while the returned watchdog lives.
+fn spawn_child(name: &str, limit: Duration) -> (std::process::Child, Watchdog) {
     let child = Command::new(std::env::current_exe().expect("the test binary"))
         .args([name, "--exact", "--nocapture", "--test-threads=1"])
         .env(CHILD_ENV, name)
@@ -43,13 +54,23 @@ fn spawn_child(name: &str, limit: Duration) -> std::process::Child {
         .spawn()
         .expect("spawn the child test");
     let pid = child.id() as libc::pid_t;
+    let reaped = Arc::new(AtomicBool::new(false));
+    let seen = reaped.clone();
     std::thread::spawn(move || {
-        std::thread::sleep(limit);
-        // SAFETY: kill sends a signal; at worst the pid is gone (ESRCH).
-        // The child is reaped by the test, so the pid is not reused before.
-        unsafe { libc::kill(pid, libc::SIGKILL) };
+        let until = Instant::now() + limit;
+        while Instant::now() < until {
+            if seen.load(Ordering::SeqCst) {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        if !seen.load(Ordering::SeqCst) {
+            // SAFETY: kill sends a signal; the child is not reaped yet (the
+            // watchdog is dropped only after that), so the pid is still it.
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+        }
     });
-    child
+    (child, Watchdog(reaped))
 }
 
 /// The `key value` of a `CHILD` line (libtest may print before it on the
@@ -75,31 +96,22 @@ fn limit_files(n: u64) {
     assert_eq!(unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &r) }, 0);
 }
 
-/// CPU time this thread has used.
-fn thread_cpu() -> Duration {
+/// CPU time used by `who` (`RUSAGE_THREAD`: this thread, `RUSAGE_SELF`:
+/// this process).
+fn cpu_time(who: libc::c_int) -> Duration {
     let mut ru = std::mem::MaybeUninit::<libc::rusage>::zeroed();
     // SAFETY: getrusage writes a rusage into the valid pointer.
-    unsafe { libc::getrusage(libc::RUSAGE_THREAD, ru.as_mut_ptr()) };
+    unsafe { libc::getrusage(who, ru.as_mut_ptr()) };
     // SAFETY: zeroed, then written by getrusage: a valid rusage.
     let ru = unsafe { ru.assume_init() };
     let tv = |t: libc::timeval| Duration::new(t.tv_sec as u64, (t.tv_usec as u32) * 1000);
     tv(ru.ru_utime) + tv(ru.ru_stime)
 }
 
-/// CPU time this process has used.
-fn process_cpu() -> Duration {
-    let mut ru = std::mem::MaybeUninit::<libc::rusage>::zeroed();
-    // SAFETY: as in `thread_cpu`.
-    unsafe { libc::getrusage(libc::RUSAGE_SELF, ru.as_mut_ptr()) };
-    // SAFETY: as in `thread_cpu`.
-    let ru = unsafe { ru.assume_init() };
-    let tv = |t: libc::timeval| Duration::new(t.tv_sec as u64, (t.tv_usec as u32) * 1000);
-    tv(ru.ru_utime) + tv(ru.ru_stime)
-}
-
 /// Reads the child's `CHILD` lines until it exits.
-fn child_said(child: std::process::Child) -> BTreeMap<String, String> {
+fn child_said((child, watchdog): (std::process::Child, Watchdog)) -> BTreeMap<String, String> {
     let out = child.wait_with_output().expect("the child's output");
+    drop(watchdog);
     let text = String::from_utf8_lossy(&out.stdout).into_owned();
     let said: BTreeMap<String, String> = text.lines().filter_map(child_line).collect();
     assert!(out.status.success(), "the child failed: {text}");
@@ -149,9 +161,9 @@ fn a_listener_out_of_descriptors_does_not_spin() {
         tag: 1,
         msg: Vec::new(),
     };
-    let (t0, c0) = (Instant::now(), thread_cpu());
+    let (t0, c0) = (Instant::now(), cpu_time(libc::RUSAGE_THREAD));
     let r = peers.exchange(&[ask], Instant::now() + Duration::from_millis(1500), None);
-    let (wall, cpu) = (t0.elapsed(), thread_cpu() - c0);
+    let (wall, cpu) = (t0.elapsed(), cpu_time(libc::RUSAGE_THREAD) - c0);
     drop(held);
     assert!(r.is_err(), "rank 0 never asks: the exchange must time out");
     say("wall_ms", wall.as_millis());
@@ -247,7 +259,7 @@ fn flood_case(name: &str, limit: u64, n: usize, refill: bool) {
             println!("skipping: this process cannot open 4096 files (ulimit -Hn)");
             return;
         }
-        let mut child = spawn_child(name, Duration::from_secs(90));
+        let (mut child, watchdog) = spawn_child(name, Duration::from_secs(90));
         let mut out = BufReader::new(child.stdout.take().expect("stdout"));
         let mut line = String::new();
         let addr: SocketAddr = loop {
@@ -277,6 +289,7 @@ fn flood_case(name: &str, limit: u64, n: usize, refill: bool) {
         stop.store(true, Ordering::Relaxed);
         let opened = flooder.join().unwrap();
         let status = child.wait().unwrap();
+        drop(watchdog);
         assert!(status.success(), "the child failed: {said:?}");
         assert_eq!(
             said.get("result").map(String::as_str),
@@ -309,7 +322,7 @@ fn flood_case(name: &str, limit: u64, n: usize, refill: bool) {
     say("root", id.addr);
     let mut go = String::new();
     std::io::stdin().read_line(&mut go).unwrap();
-    let (t0, c0) = (Instant::now(), process_cpu());
+    let (t0, c0) = (Instant::now(), cpu_time(libc::RUSAGE_SELF));
     let ranks: Vec<_> = (0..4u32)
         .map(|r| {
             std::thread::spawn(move || -> crate::error::Result<Duration> {
@@ -346,7 +359,7 @@ fn flood_case(name: &str, limit: u64, n: usize, refill: bool) {
         }
     }
     say("wall_ms", t0.elapsed().as_millis());
-    say("cpu_ms", (process_cpu() - c0).as_millis());
+    say("cpu_ms", (cpu_time(libc::RUSAGE_SELF) - c0).as_millis());
     say("join_ms", join.as_millis());
     say("result", &result);
     drop(root);

@@ -322,14 +322,11 @@ impl Ring {
                 return;
             }
             let round = r.round;
-            let what = format!(
-                "in bootstrap round {round} (rank {} of {})",
-                self.rank, self.nranks
-            );
             let (kind, body) = match self.inbuf.next_frame() {
                 Ok(Some(f)) => f,
                 Ok(None) => return,
                 Err(e) => {
+                    let what = self.what(round);
                     return self.finish(Err(format!("rank {prev} sent garbage ({e}) {what}")));
                 }
             };
@@ -339,6 +336,7 @@ impl Ring {
             let (src, bytes) = match parse_round_data(kind, &body, round, p) {
                 Ok(d) => d,
                 Err(e) => {
+                    let what = self.what(round);
                     return self
                         .finish(Err(format!("rank {prev} sent {e} {what} (protocol error)")));
                 }
@@ -347,6 +345,7 @@ impl Ring {
                 return;
             };
             if src == me || r.got[src].is_some() {
+                let what = self.what(round);
                 return self.finish(Err(format!(
                     "rank {prev} forwarded rank {src}'s contribution twice {what} (protocol error)"
                 )));

@@ -57,10 +57,10 @@ impl Warnings {
             Some(w) => now.saturating_duration_since(w.last) >= WARN_INTERVAL,
         };
         if !due {
+            // Counted only: under a flood the message is not even built.
             if let Some(w) = self.causes.get_mut(cause) {
                 w.suppressed += 1;
             }
-            self.debug(msg());
             return false;
         }
         let mut text = msg();
