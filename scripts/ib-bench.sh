@@ -12,7 +12,7 @@ size=${1:-64M}
 VM=${RDMA_VM_RUN:-tools/rdma-vm/run}
 [ -x "$VM" ] || { echo "ib-bench: the guest harness $VM is missing"; exit 1; }
 scripts/rdma-deps.sh
-cargo build -q --release -p braid-perf --features ib
+cargo build -q --release -p braid-perf
 RDMA_TEST_SECRET=$(od -An -tx1 -N16 /dev/urandom | tr -d ' \n')
 export RDMA_TEST_SECRET
 "$VM" --nodes 2 --timeout 900 -- scripts/rdma-guest.sh bench target/release/braid-perf "$size"

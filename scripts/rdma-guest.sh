@@ -30,7 +30,9 @@ die() {
 # invalid request"; see the crate docs of braid-transport-ib). With 3
 # retries a dead peer shows up within about 17 s. The guests run emulated,
 # so waits are generous; more ranks than vCPUs, so waiting ranks yield.
-export BRAID_IB_TIMEOUT=20 BRAID_IB_RETRY_CNT=3 BRAID_SPIN=0 BRAID_TIMEOUT=120
+# BRAID_REQUIRE_IB=1: a test that finds no RDMA port here fails instead of
+# passing as skipped.
+export BRAID_IB_TIMEOUT=20 BRAID_IB_RETRY_CNT=3 BRAID_SPIN=0 BRAID_TIMEOUT=120 BRAID_REQUIRE_IB=1
 
 one() {
     local probe=$1 conf=$2 ibtests=$3

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The RDMA tests, for real: builds braid with the IB transport and runs, inside
+# The RDMA tests, for real: builds braid (the default build: libibverbs is
+# loaded at run time) and runs, inside
 # the Soft-RoCE guests of tools/rdma-vm/run (see its README):
 #   1. one guest: the IB probe, the transport conformance suite over IB,
 #      and tests/ib.rs (3 ranks forced onto IB: every collective, Send/Recv,
@@ -26,17 +27,17 @@ VM=${RDMA_VM_RUN:-tools/rdma-vm/run}
 [ -x "$VM" ] || loud "the guest harness '$VM' is missing or not executable"
 echo "== rdma: guest harness $VM"
 
-scripts/rdma-deps.sh || loud "cannot install the IB build dependencies"
+scripts/rdma-deps.sh || loud "cannot install libibverbs and its providers"
 
-echo "== rdma: building the test binaries with the IB transport"
+echo "== rdma: building the test binaries (default features)"
 exe() { # cargo's "Executable <target> (<path>)" lines -> the path for <target>
     sed -n "s|^ *Executable $1 (\(.*\))\$|\1|p" | tail -1
 }
-out=$(cargo test -p braid-transport-ib --features verbs --no-run 2>&1) || { echo "$out"; loud "build"; }
+out=$(cargo test -p braid-transport-ib --no-run 2>&1) || { echo "$out"; loud "build"; }
 conf=$(echo "$out" | exe tests/conformance.rs)
-out=$(cargo test -p braid-tests --features ib --test ib --no-run 2>&1) || { echo "$out"; loud "build"; }
+out=$(cargo test -p braid-tests --test ib --no-run 2>&1) || { echo "$out"; loud "build"; }
 ibtests=$(echo "$out" | exe tests/ib.rs)
-cargo build -q -p braid-transport-ib --features verbs --example ib-probe || loud "build"
+cargo build -q -p braid-transport-ib --example ib-probe || loud "build"
 probe=target/debug/examples/ib-probe
 testrank=target/debug/braid-testrank
 for f in "$conf" "$ibtests" "$probe" "$testrank"; do

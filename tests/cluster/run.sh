@@ -17,8 +17,8 @@ cd "$(dirname "$0")/../.."
 launcher=${1:?usage: tests/cluster/run.sh srun|mpirun LAUNCHER-ARGS...}
 shift
 export BRAID_PORT=${BRAID_PORT:-29650}
-cargo build --release -p braid-tests --features ib --bin braid-testrank
-cargo build --release -p braid-perf --features ib
+cargo build --release -p braid-tests --bin braid-testrank
+cargo build --release -p braid-perf
 tr=target/release/braid-testrank
 perf=target/release/braid-perf
 

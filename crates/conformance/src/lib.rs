@@ -1387,18 +1387,27 @@ pub fn sleepers_are_woken(factory: &Factory) {
 
 /// Expands to one `#[test]` per conformance case for the transport made by
 /// `$factory` (a non-capturing closure or fn returning a `Transport` or a
-/// `Box<dyn Transport>`). Use once per module.
+/// `Box<dyn Transport>`). Use once per module. For hardware that may be
+/// absent, `transport_conformance_tests!(if ready, factory)` first calls
+/// `ready` (a closure returning `bool`, which says why when it returns
+/// false) and passes each case that it turns down.
 #[macro_export]
 macro_rules! transport_conformance_tests {
     (@cases $($test:ident => $case:ident),* $(,)?) => {
         $(
             #[test]
             fn $test() {
+                if !__braid_conformance_ready() {
+                    return;
+                }
                 $crate::$case(&__braid_conformance_factory)
             }
         )*
     };
-    ($factory:expr) => {
+    (if $ready:expr, $factory:expr) => {
+        fn __braid_conformance_ready() -> bool {
+            ($ready)()
+        }
         fn __braid_conformance_factory() -> ::std::boxed::Box<dyn ::braid_core::transport::Transport> {
             $crate::IntoTransport::into_transport(($factory)())
         }
@@ -1418,5 +1427,8 @@ macro_rules! transport_conformance_tests {
             conformance_drained_after_peer_closes => drained_after_peer_closes,
             conformance_sleepers_are_woken => sleepers_are_woken,
         );
+    };
+    ($factory:expr) => {
+        $crate::transport_conformance_tests!(if || true, $factory);
     };
 }

@@ -27,9 +27,7 @@ use braid_transport_nvlink::NvlinkTransport;
 use braid_transport_pcie::PcieTransport;
 use braid_transport_shm::{ShmConfig, ShmTransport};
 use braid_transport_socket::{SocketConfig, SocketTransport};
-use tracing::info;
-#[cfg(not(feature = "ib"))]
-use tracing::warn;
+use tracing::{info, warn};
 
 use crate::error::{Error, Result};
 
@@ -39,7 +37,6 @@ pub(crate) enum AnyTransport {
     Nvlink(NvlinkTransport),
     Pcie(PcieTransport),
     Shm(ShmTransport),
-    #[cfg(feature = "ib")]
     Ib(braid_transport_ib::IbTransport),
     Socket(SocketTransport),
 }
@@ -51,7 +48,6 @@ macro_rules! dispatch {
             AnyTransport::Nvlink($t) => $body,
             AnyTransport::Pcie($t) => $body,
             AnyTransport::Shm($t) => $body,
-            #[cfg(feature = "ib")]
             AnyTransport::Ib($t) => $body,
             AnyTransport::Socket($t) => $body,
         }
@@ -177,7 +173,6 @@ impl TransportTable {
         Ok(table)
     }
 
-    #[cfg(feature = "ib")]
     fn ib(off: Option<Off>) -> std::result::Result<AnyTransport, Off> {
         if let Some(o) = off {
             return Err(o);
@@ -194,17 +189,11 @@ impl TransportTable {
                 );
                 Ok(AnyTransport::Ib(t))
             }
-            Err(e) => Err(Off::Unavailable(e.to_string())),
+            Err(e) => {
+                warn_rdma_unused(std::path::Path::new(braid_transport_ib::probe::SYSFS_CLASS));
+                Err(Off::Unavailable(e.to_string()))
+            }
         }
-    }
-
-    #[cfg(not(feature = "ib"))]
-    fn ib(off: Option<Off>) -> std::result::Result<AnyTransport, Off> {
-        if let Some(o) = off {
-            return Err(o);
-        }
-        warn_rdma_unused(std::path::Path::new("/sys/class/infiniband"));
-        Err(Off::NotBuilt("build with `--features braid/ib`"))
     }
 
     /// The table of a device communicator: its nvlink and pcie transports.
@@ -286,64 +275,23 @@ impl TransportTable {
     }
 }
 
-/// The RDMA devices under `dir` (`/sys/class/infiniband`), sorted.
-#[cfg_attr(feature = "ib", allow(dead_code))]
-fn rdma_devices(dir: &std::path::Path) -> Vec<String> {
-    let mut v: Vec<String> = std::fs::read_dir(dir)
-        .map(|d| {
-            d.filter_map(|e| e.ok())
-                .map(|e| e.file_name().to_string_lossy().into_owned())
-                .collect()
-        })
-        .unwrap_or_default();
-    v.sort();
-    v
-}
-
-/// A build without the `ib` feature on a host with RDMA devices: say so,
-/// once per process, instead of falling back to TCP in silence.
-#[cfg(not(feature = "ib"))]
-fn warn_rdma_unused(dir: &std::path::Path) {
+/// A host with RDMA devices whose libibverbs cannot be loaded: say so, once
+/// per process, at WARN (TCP then carries what the devices could), instead
+/// of only in the INFO transport table.
+fn warn_rdma_unused(class: &std::path::Path) {
     static ONCE: std::sync::Once = std::sync::Once::new();
-    let devs = rdma_devices(dir);
+    let devs = braid_transport_ib::probe::sysfs_devices(class);
     if devs.is_empty() {
         return;
     }
-    ONCE.call_once(|| warn!("{}", rdma_unused_message(&devs)));
-}
-
-/// What [`warn_rdma_unused`] says.
-#[cfg_attr(feature = "ib", allow(dead_code))]
-fn rdma_unused_message(devs: &[String]) -> String {
-    format!(
-        "braid: this host has RDMA devices ({}) but this braid was built without the `ib` feature, so ranks on other hosts are reached over TCP; build with `--features braid/ib` (needs libibverbs) to use them, or set BRAID_IB_DISABLE=1 to silence this",
-        devs.join(", ")
-    )
+    if let Some(why) = braid_transport_ib::library_missing(&devs) {
+        ONCE.call_once(|| warn!("braid: {why}; ranks on other hosts are reached over TCP (BRAID_IB_DISABLE=1 silences this)"));
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn rdma_devices_are_listed_and_named_in_the_warning() {
-        let d = std::env::temp_dir().join(format!("braid-ib-class-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&d);
-        assert!(
-            rdma_devices(&d).is_empty(),
-            "a missing class directory means none"
-        );
-        std::fs::create_dir_all(d.join("rxe0")).unwrap();
-        std::fs::create_dir_all(d.join("mlx5_0")).unwrap();
-        let devs = rdma_devices(&d);
-        assert_eq!(devs, ["mlx5_0", "rxe0"]);
-        let m = rdma_unused_message(&devs);
-        assert!(
-            m.contains("mlx5_0, rxe0") && m.contains("--features braid/ib"),
-            "{m}"
-        );
-        std::fs::remove_dir_all(&d).unwrap();
-    }
 
     fn policy(pairs: &[(&str, &str)]) -> TransportPolicy {
         let pairs: Vec<(String, String)> = pairs
@@ -379,11 +327,17 @@ mod tests {
             t.get(TransportKind::Socket).map(|t| t.kind()),
             Some(TransportKind::Socket)
         );
-        #[cfg(not(feature = "ib"))]
-        assert!(t
-            .why_off(TransportKind::Ib)
-            .unwrap()
-            .contains("--features braid/ib"));
+        if braid_transport_ib::probe::sysfs_devices(std::path::Path::new("/sys/class/infiniband"))
+            .is_empty()
+        {
+            assert!(
+                t.why_off(TransportKind::Ib)
+                    .unwrap()
+                    .contains("no RDMA devices on this host"),
+                "{:?}",
+                t.why_off(TransportKind::Ib)
+            );
+        }
         let e = TransportTable::host(
             root(),
             &policy(&[("BRAID_TRANSPORT", "shm"), ("BRAID_SHM_DISABLE", "yes")]),

@@ -3,32 +3,28 @@
 //! when IB is usable, 1 otherwise (with the reason, "IB unavailable: ...").
 
 fn main() {
-    #[cfg(feature = "verbs")]
-    {
-        match braid_transport_ib::ports() {
-            Ok(ports) => {
-                for p in &ports {
-                    println!(
-                        "{}:{} active={} link_layer={:?} lid={} mtu_code={} numa={:?} gids={}",
-                        p.device,
-                        p.port,
-                        p.active,
-                        p.link_layer,
-                        p.lid,
-                        p.mtu,
-                        p.numa_node,
-                        p.gids.len()
-                    );
-                }
+    match braid_transport_ib::ports() {
+        Ok(ports) => {
+            for p in &ports {
+                println!(
+                    "{}:{} active={} link_layer={:?} lid={} mtu_code={} numa={:?} gids={}",
+                    p.device,
+                    p.port,
+                    p.active,
+                    p.link_layer,
+                    p.lid,
+                    p.mtu,
+                    p.numa_node,
+                    p.gids.len()
+                );
             }
-            Err(e) => {
-                println!("{e}");
-                std::process::exit(1);
-            }
+        }
+        Err(e) => {
+            println!("{e}");
+            std::process::exit(1);
         }
     }
     match braid_transport_ib::IbConfig::from_env().and_then(braid_transport_ib::IbTransport::new) {
-        #[cfg(feature = "verbs")]
         Ok(t) => {
             let c = t.chosen();
             println!(
@@ -36,8 +32,6 @@ fn main() {
                 c.device, c.port, c.gid_index, c.fabric
             );
         }
-        #[cfg(not(feature = "verbs"))]
-        Ok(_) => {}
         Err(e) => {
             println!("{e}");
             std::process::exit(1);

@@ -106,7 +106,7 @@ pub(crate) struct Shared {
 
 /// Buffers for polling, and the receiver's per-slot piece counts.
 struct Poller {
-    buf: Vec<ibverbs::ibv_wc>,
+    buf: Vec<verbs::ibv_wc>,
     wcs: Vec<Wc>,
     /// Receiver: the data notices seen so far.
     got: Arrivals,
@@ -159,7 +159,7 @@ impl Shared {
             failure: Mutex::new(None),
             stop: AtomicBool::new(false),
             poller: Mutex::new(Poller {
-                buf: vec![ibverbs::ibv_wc::default(); 32],
+                buf: vec![verbs::ibv_wc::default(); 32],
                 wcs: Vec::with_capacity(32),
                 got: Arrivals::new(slots),
             }),

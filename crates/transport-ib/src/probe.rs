@@ -315,6 +315,23 @@ pub fn parse_cpulist(s: &str) -> Vec<u32> {
 }
 
 /// The NUMA node of an RDMA device from sysfs, when the kernel says.
+/// Where the kernel lists RDMA devices.
+pub const SYSFS_CLASS: &str = "/sys/class/infiniband";
+
+/// The RDMA devices under `dir` (normally [`SYSFS_CLASS`]), sorted; none
+/// when it is absent.
+pub fn sysfs_devices(dir: &std::path::Path) -> Vec<String> {
+    let mut v: Vec<String> = std::fs::read_dir(dir)
+        .map(|d| {
+            d.filter_map(|e| e.ok())
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .collect()
+        })
+        .unwrap_or_default();
+    v.sort();
+    v
+}
+
 pub fn device_numa_node(device: &str) -> Option<i32> {
     std::fs::read_to_string(format!("/sys/class/infiniband/{device}/device/numa_node"))
         .ok()?

@@ -18,12 +18,44 @@ use crate::verbs::{Cq, Device, Mr, Qp, QpParams};
 use crate::{IbConfig, NAME};
 
 /// Every port the verbs library shows ([`CoreError::Unavailable`] with the
-/// reason when it shows nothing at all).
+/// reason when it shows nothing at all). A host whose kernel lists no RDMA
+/// device is answered without loading libibverbs.
 pub fn ports() -> Result<Vec<PortDesc>> {
-    crate::verbs::list_ports().map_err(|e| CoreError::Unavailable {
+    ports_under(std::path::Path::new(probe::SYSFS_CLASS))
+}
+
+fn ports_under(class: &std::path::Path) -> Result<Vec<PortDesc>> {
+    let unavailable = |reason: String| CoreError::Unavailable {
         transport: NAME,
-        reason: format!("the verbs library finds no RDMA support on this machine ({e})"),
+        reason,
+    };
+    let devs = probe::sysfs_devices(class);
+    if devs.is_empty() {
+        return Err(unavailable(format!(
+            "no RDMA devices on this host ({} is empty or absent)",
+            class.display()
+        )));
+    }
+    if let Some(why) = library_missing(&devs) {
+        return Err(unavailable(why));
+    }
+    crate::verbs::list_ports().map_err(|e| {
+        unavailable(format!(
+            "the verbs library finds no RDMA support on this machine ({e})"
+        ))
     })
+}
+
+/// When this host has RDMA devices but libibverbs cannot be loaded: what to
+/// tell the user (the runtime says it once as a warning, since TCP then
+/// carries what the devices could).
+pub fn library_missing(devices: &[String]) -> Option<String> {
+    let e = crate::verbs::library().err()?;
+    Some(format!(
+        "this host has RDMA devices ({}) but {} cannot be loaded ({e}); install rdma-core's libibverbs and its providers (Debian: libibverbs1 ibverbs-providers) to use them",
+        devices.join(", "),
+        crate::verbs::LIBRARY,
+    ))
 }
 
 /// The InfiniBand / RoCE transport.

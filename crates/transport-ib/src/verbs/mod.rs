@@ -1,14 +1,15 @@
 //! The one module with `unsafe`: owned, thread-safe handles over the verbs
-//! library (`ibverbs-sys`, the `ffi` of the `ibverbs` crate).
+//! library, which is loaded at run time (`load.rs`: `dlopen` of
+//! libibverbs.so.1, its entry points looked up once; `abi.rs`: the C types
+//! of verbs.h written out, checked against rdma-core's headers by a test).
 //!
-//! Why not `ibverbs`' safe API for these: it opens port 1 only, ties queue
-//! pairs and memory regions to borrowed lifetimes (they could not live in
-//! the transport's long-lived link objects), panics in `Drop` when a verb
-//! fails, registers only memory it allocates itself, and posts only SEND and
-//! RECV. braid needs any port, RDMA WRITE and RDMA WRITE WITH IMMEDIATE,
-//! registration of its own page-aligned buffers, completion channels, and
-//! teardown that never panics. What the safe API does offer (the device list
-//! and the work-completion type) is used from it.
+//! Why a loader of our own and not a crate: `ibverbs`/`ibverbs-sys` (and
+//! `rdma-sys`) link libibverbs at build time and run cmake and bindgen over
+//! rdma-core's headers; `rdma-mummy-sys` (sideway's) loads it at run time
+//! but still needs cmake and clang to build, and wraps hundreds of entry
+//! points. braid calls 22 functions and four ops-table entries, so a table
+//! of its own (as NCCL's `ibvwrap`) keeps the build free of any RDMA or C
+//! tool and every unsafe call in this one module.
 //!
 //! Ownership makes the verbs' lifetime rules hold by construction: a
 //! [`Mr`], [`Cq`] and [`Qp`] each hold an `Arc` of the [`Device`] (context and
@@ -23,7 +24,23 @@ use std::ptr;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use ibverbs_sys as ffi;
+use abi::*;
+
+mod abi;
+mod load;
+
+pub(crate) use abi::ibv_wc;
+pub(crate) use load::LIBRARY;
+
+/// Loads libibverbs if that was not done yet: Err says why it cannot be.
+pub(crate) fn library() -> Result<(), String> {
+    load::api().map(|_| ())
+}
+
+/// The loaded library, or why there is none.
+fn lib() -> io::Result<&'static load::Api> {
+    load::api().map_err(|e| io::Error::new(io::ErrorKind::NotFound, e))
+}
 
 use crate::info::Addr;
 use crate::probe::{GidDesc, GidKind, LinkLayer, PortDesc};
@@ -46,13 +63,7 @@ fn null_err(what: &str) -> io::Error {
 /// the library reports no RDMA support at all (no kernel support, no
 /// `/sys/class/infiniband`).
 pub(crate) fn list_ports() -> io::Result<Vec<PortDesc>> {
-    // The safe API's device list: it turns a NULL list into an error.
-    let list = ibverbs::devices()?;
-    let names: Vec<String> = list
-        .iter()
-        .filter_map(|d| d.name().map(|n| n.to_string_lossy().into_owned()))
-        .collect();
-    drop(list);
+    let names = device_names()?;
     let mut out = Vec::new();
     for name in names {
         match Device::open(&name) {
@@ -63,12 +74,60 @@ pub(crate) fn list_ports() -> io::Result<Vec<PortDesc>> {
     Ok(out)
 }
 
+/// The names of the devices the library lists (an error when it reports
+/// no RDMA support at all).
+fn device_names() -> io::Result<Vec<String>> {
+    let mut names = Vec::new();
+    walk_devices(lib()?, |_, name| {
+        names.push(name.to_string_lossy().into_owned());
+        None::<()>
+    })?;
+    Ok(names)
+}
+
+/// Walks the library's device list: `visit` sees each device with its name
+/// (both valid only during the call) and ends the walk by returning `Some`.
+/// The list is freed before this returns.
+fn walk_devices<T>(
+    api: &load::Api,
+    mut visit: impl FnMut(*mut ibv_device, &std::ffi::CStr) -> Option<T>,
+) -> io::Result<Option<T>> {
+    let mut n = 0i32;
+    // SAFETY: `n` is a valid out-pointer; the list is freed below.
+    let list = unsafe { (api.get_device_list)(&mut n) };
+    if list.is_null() {
+        return Err(null_err("ibv_get_device_list"));
+    }
+    let mut found = None;
+    for i in 0..n.max(0) as usize {
+        // SAFETY: the list holds `n` valid device pointers.
+        let d = unsafe { *list.add(i) };
+        // SAFETY: `d` is a valid device; the name is owned by the list.
+        let dn = unsafe { (api.get_device_name)(d) };
+        if dn.is_null() {
+            continue;
+        }
+        // SAFETY: a NUL-terminated string from the library, valid while
+        // the list is (the visitor copies what it keeps).
+        let dn = unsafe { std::ffi::CStr::from_ptr(dn) };
+        found = visit(d, dn);
+        if found.is_some() {
+            break;
+        }
+    }
+    // SAFETY: the list came from ibv_get_device_list; contexts opened from
+    // it stay valid after it is freed.
+    unsafe { (api.free_device_list)(list) };
+    Ok(found)
+}
+
 /// An open device context and one protection domain on it.
 #[derive(Debug)]
 pub(crate) struct Device {
-    ctx: *mut ffi::ibv_context,
-    pd: *mut ffi::ibv_pd,
+    ctx: *mut ibv_context,
+    pd: *mut ibv_pd,
     name: String,
+    api: &'static load::Api,
 }
 
 // SAFETY: verbs contexts and PDs may be used from any thread (libibverbs
@@ -80,96 +139,79 @@ unsafe impl Sync for Device {}
 impl Device {
     /// Opens the device called `name` and allocates a protection domain.
     pub(crate) fn open(name: &str) -> io::Result<Arc<Device>> {
-        let mut n = 0i32;
-        // SAFETY: `n` is a valid out-pointer; the list is freed below.
-        let list = unsafe { ffi::ibv_get_device_list(&mut n) };
-        if list.is_null() {
-            return Err(null_err("ibv_get_device_list"));
-        }
-        let mut ctx = ptr::null_mut();
-        for i in 0..n.max(0) as usize {
-            // SAFETY: the list holds `n` valid device pointers.
-            let d = unsafe { *list.add(i) };
-            // SAFETY: `d` is a valid device; the name is a C string owned
-            // by the list.
-            let dn = unsafe { ffi::ibv_get_device_name(d) };
-            if dn.is_null() {
-                continue;
-            }
-            // SAFETY: a NUL-terminated string from the library.
-            let dn = unsafe { std::ffi::CStr::from_ptr(dn) };
-            if dn.to_bytes() == name.as_bytes() {
+        let api = lib()?;
+        let opened = walk_devices(api, |d, dn| {
+            (dn.to_bytes() == name.as_bytes()).then(|| {
                 // SAFETY: `d` is valid while the list is.
-                ctx = unsafe { ffi::ibv_open_device(d) };
+                let ctx = unsafe { (api.open_device)(d) };
                 if ctx.is_null() {
-                    let e = null_err("ibv_open_device");
-                    // SAFETY: the list came from ibv_get_device_list.
-                    unsafe { ffi::ibv_free_device_list(list) };
-                    return Err(e);
+                    Err(null_err("ibv_open_device"))
+                } else {
+                    Ok(ctx)
                 }
-                break;
-            }
-        }
-        // SAFETY: the list came from ibv_get_device_list; an opened
-        // context stays valid after it is freed.
-        unsafe { ffi::ibv_free_device_list(list) };
-        if ctx.is_null() {
-            return Err(io::Error::new(
+            })
+        })?;
+        let ctx = opened.ok_or_else(|| {
+            io::Error::new(
                 io::ErrorKind::NotFound,
                 format!("no RDMA device named {name}"),
-            ));
-        }
+            )
+        })??;
         // SAFETY: `ctx` is an open context.
-        let pd = unsafe { ffi::ibv_alloc_pd(ctx) };
+        let pd = unsafe { (api.alloc_pd)(ctx) };
         if pd.is_null() {
             let e = null_err("ibv_alloc_pd");
             // SAFETY: nothing else uses the context.
-            unsafe { ffi::ibv_close_device(ctx) };
+            unsafe { (api.close_device)(ctx) };
             return Err(e);
         }
         Ok(Arc::new(Device {
             ctx,
             pd,
             name: name.to_owned(),
+            api,
         }))
     }
 
     /// Describes every port.
     pub(crate) fn ports(&self) -> io::Result<Vec<PortDesc>> {
-        let mut da = ffi::ibv_device_attr::default();
+        let api = self.api;
+        let mut da = ibv_device_attr::default();
         // SAFETY: valid context and out-pointer.
         errno_result("ibv_query_device", unsafe {
-            ffi::ibv_query_device(self.ctx, &mut da)
+            (api.query_device)(self.ctx, &mut da)
         })?;
         let numa = crate::probe::device_numa_node(&self.name);
         let mut out = Vec::new();
         for port in 1..=da.phys_port_cnt {
-            let mut pa = ffi::ibv_port_attr::default();
-            // SAFETY: valid context, port number and out-pointer.
+            let mut room = PortAttrRoom::default();
+            // SAFETY: valid context and port number; the out-pointer has
+            // room for any version of the structure.
             errno_result("ibv_query_port", unsafe {
-                ffi::ibv_query_port(self.ctx, port, &mut pa as *mut _ as *mut _)
+                (api.query_port)(self.ctx, port, &mut room)
             })?;
-            let active = pa.state == ffi::ibv_port_state::IBV_PORT_ACTIVE;
-            let link_layer = match u32::from(pa.link_layer) {
-                ffi::IBV_LINK_LAYER_INFINIBAND => LinkLayer::InfiniBand,
-                ffi::IBV_LINK_LAYER_ETHERNET => LinkLayer::Ethernet,
-                l => LinkLayer::Other(l as u8),
+            let pa = room.attr;
+            let active = pa.state == IBV_PORT_ACTIVE;
+            let link_layer = match pa.link_layer {
+                IBV_LINK_LAYER_INFINIBAND => LinkLayer::InfiniBand,
+                IBV_LINK_LAYER_ETHERNET => LinkLayer::Ethernet,
+                l => LinkLayer::Other(l),
             };
             let mut gids = Vec::new();
             if active && pa.gid_tbl_len > 0 {
                 let mut tbl = vec![
-                    ffi::ibv_gid_entry::default();
+                    ibv_gid_entry::default();
                     pa.gid_tbl_len as usize * da.phys_port_cnt as usize
                 ];
                 // SAFETY: `tbl` has room for `tbl.len()` entries of the
                 // size passed.
                 let got = unsafe {
-                    ffi::_ibv_query_gid_table(
+                    (api.query_gid_table)(
                         self.ctx,
                         tbl.as_mut_ptr(),
                         tbl.len(),
                         0,
-                        std::mem::size_of::<ffi::ibv_gid_entry>(),
+                        std::mem::size_of::<ibv_gid_entry>(),
                     )
                 };
                 if got < 0 {
@@ -179,15 +221,14 @@ impl Device {
                     if e.port_num != u32::from(port) {
                         continue;
                     }
-                    // SAFETY: `raw` covers the whole union.
-                    let raw = unsafe { e.gid.raw };
+                    let raw = e.gid.raw;
                     if raw == [0; 16] {
                         continue;
                     }
                     gids.push(GidDesc {
                         index: e.gid_index,
                         gid: raw,
-                        kind: if e.gid_type == ffi::IBV_GID_TYPE_ROCE_V2 {
+                        kind: if e.gid_type == IBV_GID_TYPE_ROCE_V2 {
                             GidKind::RoceV2
                         } else {
                             GidKind::IbOrRoceV1
@@ -215,12 +256,12 @@ impl Drop for Device {
     fn drop(&mut self) {
         // SAFETY: every Mr, Cq and Qp holds an Arc of this device, so none
         // is left; the PD and context are freed once.
-        let rc = unsafe { ffi::ibv_dealloc_pd(self.pd) };
+        let rc = unsafe { (self.api.dealloc_pd)(self.pd) };
         if rc != 0 {
             tracing::warn!("IB: ibv_dealloc_pd on {}: errno {rc}", self.name);
         }
         // SAFETY: as above.
-        let rc = unsafe { ffi::ibv_close_device(self.ctx) };
+        let rc = unsafe { (self.api.close_device)(self.ctx) };
         if rc != 0 {
             tracing::warn!("IB: ibv_close_device on {}: errno {rc}", self.name);
         }
@@ -231,7 +272,7 @@ impl Drop for Device {
 #[derive(Debug)]
 pub(crate) struct Mr {
     _dev: Arc<Device>,
-    mr: *mut ffi::ibv_mr,
+    mr: *mut ibv_mr,
     ptr: *mut u8,
     len: usize,
 }
@@ -262,13 +303,13 @@ impl Mr {
         if p == libc::MAP_FAILED {
             return Err(null_err("mmap"));
         }
-        let mut access = ffi::ibv_access_flags::IBV_ACCESS_LOCAL_WRITE;
+        let mut access = IBV_ACCESS_LOCAL_WRITE;
         if remote_write {
-            access |= ffi::ibv_access_flags::IBV_ACCESS_REMOTE_WRITE;
+            access |= IBV_ACCESS_REMOTE_WRITE;
         }
         // SAFETY: valid PD; `p` is mapped for `len` bytes and stays mapped
         // until Drop, after deregistration.
-        let mr = unsafe { ffi::ibv_reg_mr(dev.pd, p, len, access.0 as i32) };
+        let mr = unsafe { (dev.api.reg_mr)(dev.pd, p, len, access) };
         if mr.is_null() {
             let e = null_err("ibv_reg_mr (is `ulimit -l` large enough?)");
             // SAFETY: the mapping made above, never shared.
@@ -338,7 +379,7 @@ impl Drop for Mr {
     fn drop(&mut self) {
         // SAFETY: registered once; every QP that posted from it is gone
         // (each holds an Arc), so no work request still reads it.
-        let rc = unsafe { ffi::ibv_dereg_mr(self.mr) };
+        let rc = unsafe { (self._dev.api.dereg_mr)(self.mr) };
         if rc != 0 {
             tracing::warn!("IB: ibv_dereg_mr: errno {rc}");
             // The HCA may still own the pages: leak them rather than unmap.
@@ -364,8 +405,11 @@ pub(crate) struct Wc {
 
 /// The text of a completion status (`transport retry counter exceeded`).
 pub(crate) fn status_str(status: u32) -> String {
+    let Ok(api) = lib() else {
+        return format!("status {status}");
+    };
     // SAFETY: returns a static string for any value.
-    let p = unsafe { ffi::ibv_wc_status_str(status as _) };
+    let p = unsafe { (api.wc_status_str)(status) };
     if p.is_null() {
         return format!("status {status}");
     }
@@ -376,17 +420,17 @@ pub(crate) fn status_str(status: u32) -> String {
 }
 
 /// Status value of a retry-exceeded completion.
-pub(crate) const WC_RETRY_EXC_ERR: u32 = ffi::ibv_wc_status::IBV_WC_RETRY_EXC_ERR;
+pub(crate) const WC_RETRY_EXC_ERR: u32 = IBV_WC_RETRY_EXC_ERR;
 /// Status value of a flushed work request (the QP went to the error state).
-pub(crate) const WC_WR_FLUSH_ERR: u32 = ffi::ibv_wc_status::IBV_WC_WR_FLUSH_ERR;
+pub(crate) const WC_WR_FLUSH_ERR: u32 = IBV_WC_WR_FLUSH_ERR;
 
 /// A completion queue with its own completion channel, so a progress thread
 /// can sleep until something completes.
 #[derive(Debug)]
 pub(crate) struct Cq {
     _dev: Arc<Device>,
-    ch: *mut ffi::ibv_comp_channel,
-    cq: *mut ffi::ibv_cq,
+    ch: *mut ibv_comp_channel,
+    cq: *mut ibv_cq,
 }
 
 // SAFETY: polling and arming a CQ are thread-safe in libibverbs providers;
@@ -399,7 +443,7 @@ impl Cq {
     /// A CQ of at least `cqe` entries.
     pub(crate) fn new(dev: &Arc<Device>, cqe: usize) -> io::Result<Arc<Cq>> {
         // SAFETY: valid context.
-        let ch = unsafe { ffi::ibv_create_comp_channel(dev.ctx) };
+        let ch = unsafe { (dev.api.create_comp_channel)(dev.ctx) };
         if ch.is_null() {
             return Err(null_err("ibv_create_comp_channel"));
         }
@@ -412,11 +456,11 @@ impl Cq {
             libc::fcntl(fd, libc::F_SETFL, fl | libc::O_NONBLOCK);
         }
         // SAFETY: valid context and channel.
-        let cq = unsafe { ffi::ibv_create_cq(dev.ctx, cqe as i32, ptr::null_mut(), ch, 0) };
+        let cq = unsafe { (dev.api.create_cq)(dev.ctx, cqe as i32, ptr::null_mut(), ch, 0) };
         if cq.is_null() {
             let e = null_err("ibv_create_cq");
             // SAFETY: the channel has no CQ.
-            unsafe { ffi::ibv_destroy_comp_channel(ch) };
+            unsafe { (dev.api.destroy_comp_channel)(ch) };
             return Err(e);
         }
         Ok(Arc::new(Cq {
@@ -427,7 +471,7 @@ impl Cq {
     }
 
     /// Non-blocking: moves up to `out.len()` completions into `out`.
-    pub(crate) fn poll(&self, buf: &mut [ffi::ibv_wc], out: &mut Vec<Wc>) -> io::Result<()> {
+    pub(crate) fn poll(&self, buf: &mut [ibv_wc], out: &mut Vec<Wc>) -> io::Result<()> {
         out.clear();
         // SAFETY: `cq` is valid; the provider's poll function writes at most
         // `buf.len()` entries.
@@ -444,10 +488,10 @@ impl Cq {
         }
         for wc in &buf[..n as usize] {
             out.push(Wc {
-                wr_id: wc.wr_id(),
-                error: wc.error(),
-                byte_len: wc.len() as u32,
-                imm: wc.imm_data().map(u32::from_be),
+                wr_id: wc.wr_id,
+                error: (wc.status != IBV_WC_SUCCESS).then_some((wc.status, wc.vendor_err)),
+                byte_len: wc.byte_len,
+                imm: (wc.wc_flags & IBV_WC_WITH_IMM != 0).then(|| u32::from_be(wc.imm_data)),
             });
         }
         Ok(())
@@ -482,14 +526,15 @@ impl Cq {
     /// Takes and acknowledges the channel's event, if one arrived (never
     /// blocks: the descriptor is non-blocking).
     pub(crate) fn ack_event(&self) {
-        let mut cq: *mut ffi::ibv_cq = ptr::null_mut();
+        let api = self._dev.api;
+        let mut cq: *mut ibv_cq = ptr::null_mut();
         let mut ctx: *mut c_void = ptr::null_mut();
         // SAFETY: valid channel and out-pointers; the fd is non-blocking, so
         // without an event this returns an error at once.
-        let got = unsafe { ffi::ibv_get_cq_event(self.ch, &mut cq, &mut ctx) };
+        let got = unsafe { (api.get_cq_event)(self.ch, &mut cq, &mut ctx) };
         if got == 0 && !cq.is_null() {
             // SAFETY: the event was for this CQ (the only one on the channel).
-            unsafe { ffi::ibv_ack_cq_events(cq, 1) };
+            unsafe { (api.ack_cq_events)(cq, 1) };
         }
     }
 }
@@ -523,12 +568,12 @@ impl Drop for Cq {
     fn drop(&mut self) {
         // SAFETY: every QP on this CQ holds an Arc of it, so none is left;
         // every event was acknowledged in `wait`.
-        let rc = unsafe { ffi::ibv_destroy_cq(self.cq) };
+        let rc = unsafe { (self._dev.api.destroy_cq)(self.cq) };
         if rc != 0 {
             tracing::warn!("IB: ibv_destroy_cq: errno {rc}");
         }
         // SAFETY: its only CQ is gone.
-        let rc = unsafe { ffi::ibv_destroy_comp_channel(self.ch) };
+        let rc = unsafe { (self._dev.api.destroy_comp_channel)(self.ch) };
         if rc != 0 {
             tracing::warn!("IB: ibv_destroy_comp_channel: errno {rc}");
         }
@@ -559,7 +604,7 @@ pub(crate) struct QpParams {
 /// A reliable-connected queue pair.
 #[derive(Debug)]
 pub(crate) struct Qp {
-    qp: *mut ffi::ibv_qp,
+    qp: *mut ibv_qp,
     /// Every memory region a work request read from: released only after
     /// the QP is destroyed.
     pinned: Mutex<Vec<Arc<Mr>>>,
@@ -581,23 +626,23 @@ impl Qp {
         max_send: u32,
         max_recv: u32,
     ) -> io::Result<Qp> {
-        let mut attr = ffi::ibv_qp_init_attr {
+        let mut attr = ibv_qp_init_attr {
             qp_context: ptr::null_mut(),
             send_cq: cq.cq,
             recv_cq: cq.cq,
             srq: ptr::null_mut(),
-            cap: ffi::ibv_qp_cap {
+            cap: ibv_qp_cap {
                 max_send_wr: max_send,
                 max_recv_wr: max_recv,
                 max_send_sge: 1,
                 max_recv_sge: 1,
                 max_inline_data: 0,
             },
-            qp_type: ffi::ibv_qp_type::IBV_QPT_RC,
+            qp_type: IBV_QPT_RC,
             sq_sig_all: 0,
         };
         // SAFETY: valid PD and attributes.
-        let qp = unsafe { ffi::ibv_create_qp(dev.pd, &mut attr) };
+        let qp = unsafe { (dev.api.create_qp)(dev.pd, &mut attr) };
         if qp.is_null() {
             return Err(null_err("ibv_create_qp"));
         }
@@ -615,33 +660,25 @@ impl Qp {
         unsafe { (*self.qp).qp_num }
     }
 
-    fn modify(
-        &self,
-        what: &str,
-        attr: &mut ffi::ibv_qp_attr,
-        mask: ffi::ibv_qp_attr_mask,
-    ) -> io::Result<()> {
+    fn modify(&self, what: &str, attr: &mut ibv_qp_attr, mask: i32) -> io::Result<()> {
         // SAFETY: valid QP and attributes for the mask.
-        let rc = unsafe { ffi::ibv_modify_qp(self.qp, attr, mask.0 as i32) };
+        let rc = unsafe { (self._dev.api.modify_qp)(self.qp, attr, mask) };
         errno_result(what, rc)
     }
 
     /// RESET → INIT on `port`, accepting RDMA writes.
     pub(crate) fn init(&self, port: u8) -> io::Result<()> {
-        let mut a = ffi::ibv_qp_attr {
-            qp_state: ffi::ibv_qp_state::IBV_QPS_INIT,
+        let mut a = ibv_qp_attr {
+            qp_state: IBV_QPS_INIT,
             pkey_index: 0,
             port_num: port,
-            qp_access_flags: (ffi::ibv_access_flags::IBV_ACCESS_LOCAL_WRITE
-                | ffi::ibv_access_flags::IBV_ACCESS_REMOTE_WRITE)
-                .0,
+            qp_access_flags: (IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE) as u32,
             ..Default::default()
         };
-        use ffi::ibv_qp_attr_mask as M;
         self.modify(
             "ibv_modify_qp(INIT)",
             &mut a,
-            M::IBV_QP_STATE | M::IBV_QP_PKEY_INDEX | M::IBV_QP_PORT | M::IBV_QP_ACCESS_FLAGS,
+            IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_ACCESS_FLAGS,
         )
     }
 
@@ -654,9 +691,8 @@ impl Qp {
         remote_psn: u32,
         local_psn: u32,
     ) -> io::Result<()> {
-        use ffi::ibv_qp_attr_mask as M;
-        let mut a = ffi::ibv_qp_attr {
-            qp_state: ffi::ibv_qp_state::IBV_QPS_RTR,
+        let mut a = ibv_qp_attr {
+            qp_state: IBV_QPS_RTR,
             path_mtu: u32::from(p.mtu.min(remote.mtu)),
             dest_qp_num: qpn,
             rq_psn: remote_psn,
@@ -669,7 +705,7 @@ impl Qp {
         a.ah_attr.dlid = remote.lid;
         if p.roce || remote.lid == 0 {
             a.ah_attr.is_global = 1;
-            a.ah_attr.grh.dgid = ffi::ibv_gid { raw: remote.gid };
+            a.ah_attr.grh.dgid = ibv_gid { raw: remote.gid };
             a.ah_attr.grh.sgid_index = p.gid_index;
             a.ah_attr.grh.hop_limit = 255;
             a.ah_attr.grh.traffic_class = p.tclass;
@@ -677,16 +713,16 @@ impl Qp {
         self.modify(
             "ibv_modify_qp(RTR)",
             &mut a,
-            M::IBV_QP_STATE
-                | M::IBV_QP_AV
-                | M::IBV_QP_PATH_MTU
-                | M::IBV_QP_DEST_QPN
-                | M::IBV_QP_RQ_PSN
-                | M::IBV_QP_MAX_DEST_RD_ATOMIC
-                | M::IBV_QP_MIN_RNR_TIMER,
+            IBV_QP_STATE
+                | IBV_QP_AV
+                | IBV_QP_PATH_MTU
+                | IBV_QP_DEST_QPN
+                | IBV_QP_RQ_PSN
+                | IBV_QP_MAX_DEST_RD_ATOMIC
+                | IBV_QP_MIN_RNR_TIMER,
         )?;
-        let mut a = ffi::ibv_qp_attr {
-            qp_state: ffi::ibv_qp_state::IBV_QPS_RTS,
+        let mut a = ibv_qp_attr {
+            qp_state: IBV_QPS_RTS,
             timeout: p.timeout,
             retry_cnt: p.retry_cnt,
             rnr_retry: 7,
@@ -697,33 +733,29 @@ impl Qp {
         self.modify(
             "ibv_modify_qp(RTS)",
             &mut a,
-            M::IBV_QP_STATE
-                | M::IBV_QP_TIMEOUT
-                | M::IBV_QP_RETRY_CNT
-                | M::IBV_QP_RNR_RETRY
-                | M::IBV_QP_SQ_PSN
-                | M::IBV_QP_MAX_QP_RD_ATOMIC,
+            IBV_QP_STATE
+                | IBV_QP_TIMEOUT
+                | IBV_QP_RETRY_CNT
+                | IBV_QP_RNR_RETRY
+                | IBV_QP_SQ_PSN
+                | IBV_QP_MAX_QP_RD_ATOMIC,
         )
     }
 
     /// Moves the QP to the error state: outstanding work requests are
     /// flushed and the peer's next packets go unanswered.
     pub(crate) fn to_error(&self) {
-        let mut a = ffi::ibv_qp_attr {
-            qp_state: ffi::ibv_qp_state::IBV_QPS_ERR,
+        let mut a = ibv_qp_attr {
+            qp_state: IBV_QPS_ERR,
             ..Default::default()
         };
-        let _ = self.modify(
-            "ibv_modify_qp(ERR)",
-            &mut a,
-            ffi::ibv_qp_attr_mask::IBV_QP_STATE,
-        );
+        let _ = self.modify("ibv_modify_qp(ERR)", &mut a, IBV_QP_STATE);
     }
 
     /// Posts one receive without buffers (writes with immediate consume
     /// it; their data lands where the writer said).
     pub(crate) fn post_recv(&self, wr_id: u64) -> io::Result<()> {
-        let mut wr = ffi::ibv_recv_wr {
+        let mut wr = ibv_recv_wr {
             wr_id,
             next: ptr::null_mut(),
             sg_list: ptr::null_mut(),
@@ -755,7 +787,7 @@ impl Qp {
         rkey: u32,
         imm: Option<u32>,
     ) -> io::Result<()> {
-        let mut sge = ffi::ibv_sge::default();
+        let mut sge = ibv_sge::default();
         let mut nsge = 0;
         if let Some((mr, off, len)) = local {
             if off.checked_add(len).is_none_or(|e| e > mr.len()) || len > u32::MAX as usize {
@@ -774,7 +806,7 @@ impl Qp {
                 }
             }
             if len > 0 {
-                sge = ffi::ibv_sge {
+                sge = ibv_sge {
                     addr: mr.addr() + off as u64,
                     length: len as u32,
                     lkey: mr.lkey(),
@@ -782,22 +814,22 @@ impl Qp {
                 nsge = 1;
             }
         }
-        let mut wr = ffi::ibv_send_wr {
+        let mut wr = ibv_send_wr {
             wr_id,
             next: ptr::null_mut(),
             sg_list: if nsge == 1 { &mut sge } else { ptr::null_mut() },
             num_sge: nsge,
             opcode: if imm.is_some() {
-                ffi::ibv_wr_opcode::IBV_WR_RDMA_WRITE_WITH_IMM
+                IBV_WR_RDMA_WRITE_WITH_IMM
             } else {
-                ffi::ibv_wr_opcode::IBV_WR_RDMA_WRITE
+                IBV_WR_RDMA_WRITE
             },
-            send_flags: ffi::ibv_send_flags::IBV_SEND_SIGNALED.0,
+            send_flags: IBV_SEND_SIGNALED,
             ..Default::default()
         };
-        wr.__bindgen_anon_1.imm_data = imm.unwrap_or(0).to_be();
-        wr.wr.rdma.remote_addr = remote_addr;
-        wr.wr.rdma.rkey = rkey;
+        wr.imm_data = imm.unwrap_or(0).to_be();
+        wr.rdma.remote_addr = remote_addr;
+        wr.rdma.rkey = rkey;
         let mut bad = ptr::null_mut();
         // SAFETY: valid QP; the SGE points into a registered region pinned
         // by this QP; the provider copies the WR before returning.
@@ -817,7 +849,7 @@ impl Drop for Qp {
     fn drop(&mut self) {
         // SAFETY: destroyed once; afterwards no work request reads the
         // pinned regions, which are released after this.
-        let rc = unsafe { ffi::ibv_destroy_qp(self.qp) };
+        let rc = unsafe { (self._dev.api.destroy_qp)(self.qp) };
         if rc != 0 {
             tracing::warn!("IB: ibv_destroy_qp: errno {rc}");
             // The HCA may still read the pinned regions: keep them.
