@@ -9,6 +9,10 @@
 #                                                 2+2 ranks (shm inside a guest, IB
 #                                                 across), then a rank killed
 #                                                 mid-collective across guests
+#   rdma-guest.sh torch PYTHON                    two guests: a torchrun DDP job, one
+#                                                 rank per guest, braid forced onto IB,
+#                                                 beside the same model on gloo (TCP):
+#                                                 parameters must be equal
 #   rdma-guest.sh bench PERF SIZE                 two guests: ib_write_bw, then
 #                                                 braid-perf AllReduce at SIZE, then
 #                                                 ib_write_bw again
@@ -114,6 +118,38 @@ two() {
     say "two guests: all passed"
 }
 
+torch() {
+    local py=$1
+    export BRAID_HOST_ID=rdma-node$node GLOO_SOCKET_IFNAME=eth0 BRAID_TRANSPORT=ib
+    export OMP_NUM_THREADS=1 PYTHONUNBUFFERED=1 BRAID_DEBUG=INFO
+    # The model of python/tests/test_torch_nodes.py: several buckets, so the
+    # backward overlaps its all-reduces; 2 ranks, so every summation order
+    # gives the same bits and braid's parameters must equal gloo's exactly.
+    local spec='{"width": 128, "depth": 3, "inputs": 256, "batch": 16, "bucket_mb": 0.1, "steps": 4, "warmup": 1, "threads": 1, "kinds": ["ddp"], "backends": ["braid", "gloo"]}'
+    say "torch DDP across the guests: braid forced onto IB, beside gloo over TCP (braid from $("$py" -c 'import braid; print(braid.__file__)'))"
+    # The variables torchrun sets for one rank per node (torchrun itself
+    # would import torch once more: minutes under emulation).
+    RANK=$node LOCAL_RANK=0 WORLD_SIZE=2 LOCAL_WORLD_SIZE=1 GROUP_RANK=$node \
+        MASTER_ADDR=10.77.0.1 MASTER_PORT=29615 TORCHELASTIC_RUN_ID=rdma-guests \
+        "$py" -m braid._train worker "$spec" >/tmp/torch.out 2>/tmp/torch.err
+    local code=$?
+    cat /tmp/torch.out
+    [ $code = 0 ] || { tail -40 /tmp/torch.err; die "the torch job failed (exit $code)"; }
+    grep -m1 "braid: IB transport" /tmp/torch.err || die "braid did not create its IB transport"
+    if [ "$node" = 0 ]; then
+        "$py" - /tmp/torch.out <<'PY' || die "braid's DDP over IB did not end with gloo's parameters"
+import json, sys
+line = next(l for l in open(sys.argv[1]) if l.startswith("BRAID-TRAIN-RESULT:"))
+r = json.loads(line.split(":", 1)[1])["kinds"]["ddp"]
+print(f"== DDP over IB: {r['params']} parameters, max |braid - gloo| = {r['max_diff']}, "
+      f"step medians braid {sorted(r['braid_s'])[len(r['braid_s']) // 2] * 1e3:.0f} ms, "
+      f"gloo {sorted(r['gloo_s'])[len(r['gloo_s']) // 2] * 1e3:.0f} ms (emulated CPUs: not a benchmark)")
+sys.exit(0 if r["max_diff"] == 0.0 else 1)
+PY
+    fi
+    say "torch: passed"
+}
+
 bench() {
     local perf=$1 size=$2 peer=${RDMA_VM_PEER:-}
     export BRAID_HOST_ID=rdma-node$node
@@ -170,6 +206,7 @@ shift || true
 case $cmd in
 one) one "$@" ;;
 two) two "$@" ;;
+torch) torch "$@" ;;
 bench) bench "$@" ;;
-*) die "usage: rdma-guest.sh one|two|bench ..." ;;
+*) die "usage: rdma-guest.sh one|two|torch|bench ..." ;;
 esac

@@ -7,7 +7,10 @@
 #      a rank killed mid-collective);
 #   2. two guests (two hosts): every collective on 2+2 ranks (shared memory
 #      inside a guest, IB across, chosen by braid), then a rank killed in
-#      the other guest mid-collective.
+#      the other guest mid-collective;
+#   3. two guests: a torchrun DDP job with the Python package as users get
+#      it (the wheel scripts/test.sh built and installed in its fresh venv,
+#      BRAID_PY_VENV), braid forced onto IB, beside gloo: equal parameters.
 # Exits non-zero, loudly, if a guest cannot be started or a test fails.
 # Called by .ci/run; run it by hand the same way: scripts/rdma-tests.sh
 set -euo pipefail
@@ -74,6 +77,15 @@ if [ "${BRAID_RDMA_TWO_GUESTS:-1}" = 1 ]; then
     RDMA_TEST_SECRET=$(od -An -tx1 -N16 /dev/urandom | tr -d ' \n')
     export RDMA_TEST_SECRET
     run_vm "two guests" --nodes 2 --timeout 900 -- scripts/rdma-guest.sh two "$testrank"
+    py="${BRAID_PY_VENV:-${XDG_CACHE_HOME:-${HOME:-/root}/.cache}/braid/wheel-venv}/bin/python"
+    "$py" -c 'import braid, torch' 2>/dev/null ||
+        loud "no venv with the braid wheel and torch at $py: run scripts/test.sh first (it builds the wheel and that venv)"
+    echo "== rdma: two guests, torch DDP with the wheel"
+    # torch and numpy need SSE4.2/AVX2 (qemu64 has neither); Haswell boots
+    # (QEMU's "max" hangs the guest kernel's crypto self-tests under TCG).
+    # Importing torch takes about 1.5 min per guest under emulation.
+    RDMA_VM_CPU_MODEL=${RDMA_VM_CPU_MODEL:-Haswell} \
+        run_vm "two guests, torch" --nodes 2 --timeout 900 -- scripts/rdma-guest.sh torch "$py"
 else
     echo "== rdma: two guests NOT RUN (BRAID_RDMA_TWO_GUESTS=$BRAID_RDMA_TWO_GUESTS)"
 fi
