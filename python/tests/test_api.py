@@ -101,6 +101,20 @@ def test_from_env_torchrun_variables():
     assert all(x["sum"] == 1 for x in r.results())
 
 
+def test_works_without_loading_hardware_libraries():
+    """The wheel links nothing but libc: on a host without RDMA devices or
+    GPUs, importing braid and running collectives loads none of libibverbs,
+    libcuda and NVML (they are opened at run time only where there is
+    hardware for them), so it works on machines that lack them."""
+    import glob
+
+    if glob.glob("/sys/class/infiniband/*") or glob.glob("/dev/nvidia[0-9]*"):
+        pytest.skip("this host has RDMA devices or GPUs: braid may load their libraries here")
+    for res in run("libraries", 2).results():
+        assert res["ok"], res
+        assert res["mapped"] == [], res
+
+
 def test_rank0_creates_the_unique_id():
     run("rank0_uid", 3, uid=False)
 

@@ -526,6 +526,21 @@ def from_env(rank, p, spec):
 
 
 @scenario
+def libraries(rank, p, spec):
+    """Which of the hardware libraries (libibverbs, libcuda, NVML) this
+    process has mapped after importing braid and running collectives."""
+    comm = comm_of(rank, p, spec)
+    x = np.arange(1024, dtype=np.float32)
+    comm.all_reduce(x)
+    comm.all_gather(np.ones(4, dtype=np.int32), np.zeros(4 * p, dtype=np.int32))
+    names = ("libibverbs", "libcuda.so", "libnvidia-ml")
+    with open("/proc/self/maps") as f:
+        mapped = sorted({n for line in f for n in names if n in line})
+    ok = bool(np.array_equal(x, np.arange(1024, dtype=np.float32) * p))
+    return {"mapped": mapped, "ok": ok, "transports": comm.transports}
+
+
+@scenario
 def rank0_uid(rank, p, spec):
     """The usual pattern: rank 0 creates the id and shares its text."""
     path = os.path.join(spec["tmp"], "uid")

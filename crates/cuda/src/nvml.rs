@@ -134,6 +134,12 @@ impl std::fmt::Debug for Nvml {
 /// The library's file name.
 pub const LIBRARY: &str = "libnvidia-ml.so.1";
 
+/// What the dynamic loader said (`dlerror`'s text, which names the file),
+/// not only libloading's "dlopen failed".
+fn dl_text(e: &libloading::Error) -> String {
+    std::error::Error::source(e).map_or_else(|| format!("{LIBRARY}: {e}"), |s| s.to_string())
+}
+
 impl Nvml {
     /// Load and initialise NVML. Err says why it is unavailable
     /// ("NVML unavailable: ...").
@@ -147,15 +153,20 @@ impl Nvml {
         }
         // SAFETY: loading NVML runs its initialisers; NVML is a library made
         // to be loaded into any process (NCCL and nvidia-smi dlopen it too).
-        let lib = unsafe { libloading::Library::new(LIBRARY) }
-            .map_err(|e| unavailable(format!("{LIBRARY}: {e}")))?;
+        let lib =
+            unsafe { libloading::Library::new(LIBRARY) }.map_err(|e| unavailable(dl_text(&e)))?;
         macro_rules! sym {
             ($name:literal) => {{
                 // SAFETY: the symbol is NVML's function of that name, and the
                 // field's type is its C signature from nvml.h; the pointer is
                 // only used while `lib` is alive (it is kept in `Nvml`).
-                let s = unsafe { lib.get($name) }
-                    .map_err(|e| unavailable(format!("{}: {e}", String::from_utf8_lossy($name))))?;
+                let s = unsafe { lib.get($name) }.map_err(|e| {
+                    unavailable(format!(
+                        "{}: {}",
+                        String::from_utf8_lossy($name),
+                        dl_text(&e)
+                    ))
+                })?;
                 *s
             }};
         }

@@ -393,3 +393,21 @@ impl PendingRecv for PendingIbRecv {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// No device in the kernel's list: unavailable, said plainly, and the
+    /// library is not even loaded (a temporary empty class folder stands
+    /// for /sys/class/infiniband).
+    #[test]
+    fn a_host_without_rdma_devices_says_so() {
+        let d = std::env::temp_dir().join(format!("braid-ib-class-{}", std::process::id()));
+        std::fs::create_dir_all(&d).unwrap();
+        let e = ports_under(&d).unwrap_err().to_string();
+        std::fs::remove_dir_all(&d).unwrap();
+        assert!(e.contains("no RDMA devices on this host"), "{e}");
+        assert!(e.contains("ib"), "{e}");
+    }
+}

@@ -63,14 +63,18 @@ impl std::fmt::Debug for Api {
 /// ..." or the missing symbol.
 pub(crate) fn api() -> Result<&'static Api, String> {
     static API: OnceLock<Result<Api, String>> = OnceLock::new();
-    API.get_or_init(load).as_ref().map_err(Clone::clone)
+    API.get_or_init(|| load(LIBRARY))
+        .as_ref()
+        .map_err(Clone::clone)
 }
 
-fn load() -> Result<Api, String> {
+/// Opens `file` (the verbs library, by soname or path) and looks up every
+/// entry point.
+fn load(file: &str) -> Result<Api, String> {
     // SAFETY: loading libibverbs runs its initialisers, which only set up
     // the library's own state; it is made to be loaded into any process
     // (NCCL, UCX and MPI libraries dlopen it the same way).
-    let lib = unsafe { libloading::Library::new(LIBRARY) }.map_err(|e| e.to_string())?;
+    let lib = unsafe { libloading::Library::new(file) }.map_err(|e| dl_text(&e))?;
     macro_rules! sym {
         ($name:literal) => {{
             // SAFETY: the symbol is libibverbs' function of that name and
@@ -78,8 +82,9 @@ fn load() -> Result<Api, String> {
             // never unloaded (leaked below), so the pointer stays valid.
             let s = unsafe { lib.get($name) }.map_err(|e| {
                 format!(
-                    "{LIBRARY} has no {} (rdma-core older than v32?): {e}",
-                    String::from_utf8_lossy($name)
+                    "{file} has no {} (rdma-core older than v32?): {}",
+                    String::from_utf8_lossy($name),
+                    dl_text(&e)
                 )
             })?;
             *s
@@ -113,4 +118,36 @@ fn load() -> Result<Api, String> {
     // may outlive any one owner: it stays mapped for the process's life.
     std::mem::forget(lib);
     Ok(api)
+}
+
+/// What the dynamic loader said (`dlerror`'s text: "libibverbs.so.1:
+/// cannot open shared object file: ..."), not only "dlopen failed".
+fn dl_text(e: &libloading::Error) -> String {
+    std::error::Error::source(e).map_or_else(|| e.to_string(), |s| s.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_missing_library_is_an_error_naming_it() {
+        let e = load("libibverbs-braid-test-absent.so.1").err().unwrap();
+        assert!(
+            e.contains("libibverbs-braid-test-absent.so.1: cannot open shared object file"),
+            "{e}"
+        );
+    }
+
+    /// Every entry point exists in the installed rdma-core. The layout
+    /// check's build (feature `abi-check`) installs it, so there it must
+    /// load; elsewhere a machine without it skips.
+    #[test]
+    fn every_entry_point_is_in_the_installed_library() {
+        match load(LIBRARY) {
+            Ok(_) => {}
+            Err(e) if cfg!(feature = "abi-check") => panic!("{e}"),
+            Err(e) => eprintln!("skipped: needs {LIBRARY}: {e}"),
+        }
+    }
 }
