@@ -81,48 +81,41 @@ __all__ = ["register", "BraidProcessGroup", "BraidBackend", "BraidWork", "NAME"]
 #: The backend's name in ``init_process_group``.
 NAME = "braid"
 
-# torch dtype -> braid datatype code (braid.datatypes()).
-_DT: dict[torch.dtype, int] = {
-    torch.int8: 0,
-    torch.uint8: 1,
-    torch.int32: 2,
-    torch.int64: 4,
-    torch.float16: 6,
-    torch.bfloat16: 7,
-    torch.float32: 8,
-    torch.float64: 9,
+# Datatypes and operators cross into braid by name (braid.datatypes(),
+# braid.Op), converted to braid's own in one place, the binding.
+# torch dtype -> braid datatype.
+_DT: dict[torch.dtype, str] = {
+    torch.int8: "int8",
+    torch.uint8: "uint8",
+    torch.int32: "int32",
+    torch.int64: "int64",
+    torch.float16: "half",
+    torch.bfloat16: "bfloat16",
+    torch.float32: "float",
+    torch.float64: "double",
 }
-for _name, _code in (("uint32", 3), ("uint64", 5)):
+for _name in ("uint32", "uint64"):
     if hasattr(torch, _name):
-        _DT[getattr(torch, _name)] = _code
-_U8 = 1
+        _DT[getattr(torch, _name)] = _name
+_U8 = "uint8"
 # Dimensions a sparse all_reduce's metadata has room for.
 _SPARSE_DIMS = 64
 # Complex tensors reduce as pairs of real numbers (SUM, AVG, PREMUL_SUM only).
-_COMPLEX = {torch.complex64: 8, torch.complex128: 9}
+_COMPLEX = {torch.complex64: "float", torch.complex128: "double"}
 
-# torch ReduceOp.RedOpType -> braid Op.
-_SUM, _AVG, _PRODUCT, _MIN, _MAX, _BAND, _BOR, _BXOR, _PREMUL = range(9)
-_BRAID_OP = {_SUM: 0, _AVG: 4, _PRODUCT: 1, _MIN: 2, _MAX: 3}
+# torch ReduceOp (by its name) -> braid operator.
+_BRAID_OP = {"SUM": "sum", "AVG": "avg", "PRODUCT": "prod", "MIN": "min", "MAX": "max"}
 # bool: logical or / and as max / min of bytes.
-_BOOL_OP = {_SUM: 3, _MAX: 3, _BOR: 3, _PRODUCT: 2, _MIN: 2, _BAND: 2}
-_OP_NAME = {
-    _SUM: "SUM",
-    _AVG: "AVG",
-    _PRODUCT: "PRODUCT",
-    _MIN: "MIN",
-    _MAX: "MAX",
-    _BAND: "BAND",
-    _BOR: "BOR",
-    _BXOR: "BXOR",
-    _PREMUL: "PREMUL_SUM",
-}
+_BOOL_OP = {"SUM": "max", "MAX": "max", "BOR": "max", "PRODUCT": "min", "MIN": "min", "BAND": "min"}
 
 
-def _opcode(reduce_op: Any) -> int:
+def _op_name(reduce_op: Any) -> str:
+    """torch's name of a ReduceOp, RedOpType or its value ("SUM", "PREMUL_SUM", ...)."""
     op = getattr(reduce_op, "op", reduce_op)
-    v = getattr(op, "value", None)
-    return int(op) if v is None else v
+    name = getattr(op, "name", None)
+    if name is None:
+        name = dist.ReduceOp.RedOpType(int(op)).name
+    return name
 
 
 def _seconds(timeout: Any) -> float | None:
@@ -379,7 +372,7 @@ class _Core:
         self.comm = comm
         self.raw = comm._raw
         self.raw_seq = comm._raw_seq
-        self.raw_group = comm._raw_group
+        self.raw_blocks = comm._raw_blocks
         # Point to point: the group's mailbox (tags, any source), on a
         # communicator and worker of its own.
         self.mbox = mbox
@@ -395,7 +388,7 @@ class _Core:
         self.p2p_works: list[BraidWork] = []
         self.coalescing = False
         self.lock = threading.RLock()
-        self.red_cache: dict[torch.dtype, dict[int, tuple[int, int]]] = {}
+        self.red_cache: dict[torch.dtype, dict[str, tuple[str, str]]] = {}
 
     @classmethod
     def create(
@@ -431,33 +424,33 @@ class _Core:
         return t.data_ptr(), t.numel() * t.element_size()
 
     @staticmethod
-    def dtype(t: torch.Tensor) -> int:
-        """The datatype code for moving `t` (any dtype moves as bytes)."""
+    def dtype(t: torch.Tensor) -> str:
+        """The braid datatype for moving `t` (any dtype moves as bytes)."""
         return _DT.get(t.dtype, _U8)
 
-    def reduction(self, t: torch.Tensor, reduce_op: Any) -> tuple[int, int, Any]:
-        """(datatype code, braid op, PREMUL_SUM factor or None)."""
-        code = _opcode(reduce_op)
+    def reduction(self, t: torch.Tensor, reduce_op: Any) -> tuple[str, str, Any]:
+        """(braid datatype, braid operator, PREMUL_SUM factor or None)."""
+        name = _op_name(reduce_op)
         per = self.red_cache.get(t.dtype)
-        hit = per.get(code) if per is not None else None
+        hit = per.get(name) if per is not None else None
         if hit is not None:
             return hit[0], hit[1], None
-        if code == _PREMUL:
+        if name == "PREMUL_SUM":
             dt, _, _ = self.reduction(t, dist.ReduceOp.SUM)
-            return dt, 0, reduce_op.factor
+            return dt, "sum", reduce_op.factor
         dtype = t.dtype
         if dtype == torch.bool:
-            if code not in _BOOL_OP:
+            if name not in _BOOL_OP:
                 raise InvalidArgumentError(
-                    f"braid: ReduceOp.{_OP_NAME.get(code, code)} is not defined on bool tensors"
+                    f"braid: ReduceOp.{name} is not defined on bool tensors"
                 )
-            res = (_U8, _BOOL_OP[code])
+            res = (_U8, _BOOL_OP[name])
         elif dtype in _COMPLEX:
-            if code not in (_SUM, _AVG):
+            if name not in ("SUM", "AVG"):
                 raise InvalidArgumentError(
-                    f"braid: ReduceOp.{_OP_NAME.get(code, code)} is not defined on complex tensors"
+                    f"braid: ReduceOp.{name} is not defined on complex tensors"
                 )
-            res = (_COMPLEX[dtype], _BRAID_OP[code])
+            res = (_COMPLEX[dtype], _BRAID_OP[name])
         else:
             dt = _DT.get(dtype)
             if dt is None:
@@ -465,13 +458,13 @@ class _Core:
                     f"braid: {dtype} is not a braid datatype; braid reduces int8, uint8, int32, "
                     "uint32, int64, uint64, float16, bfloat16, float32 and float64"
                 )
-            if code not in _BRAID_OP:
+            if name not in _BRAID_OP:
                 raise InvalidArgumentError(
-                    f"braid: ReduceOp.{_OP_NAME.get(code, code)} is not supported on {dtype} "
+                    f"braid: ReduceOp.{name} is not supported on {dtype} "
                     "(braid has SUM, PRODUCT, MIN, MAX, AVG and PREMUL_SUM; BAND/BOR on bool)"
                 )
-            res = (dt, _BRAID_OP[code])
-        self.red_cache.setdefault(dtype, {})[code] = res
+            res = (dt, _BRAID_OP[name])
+        self.red_cache.setdefault(dtype, {})[name] = res
         return res[0], res[1], None
 
     @staticmethod
@@ -621,7 +614,14 @@ class _Ops:
         return BraidWork(None, _map_tensors(w.result(), lambda t: back.get(id(t), t)))
 
     def _device(
-        self, kind: str, send: torch.Tensor, recv: torch.Tensor, dt: int, op: int, root: int, result: Any
+        self,
+        kind: str,
+        send: torch.Tensor,
+        recv: torch.Tensor,
+        dt: str,
+        op: str | None,
+        root: int,
+        result: Any,
     ) -> BraidWork:
         """A collective on CUDA tensors through braid's device communicator,
         on the current CUDA stream (stream-ordered, like NCCL's)."""
@@ -679,11 +679,11 @@ class _Ops:
         The sum is torch's own sparse addition in gloo's order, so the values
         are gloo's bit for bit."""
         c = self._core
-        code = _opcode(opts.reduceOp)
-        if code != _SUM:
+        name = _op_name(opts.reduceOp)
+        if name != "SUM":
             raise InvalidArgumentError(
                 "braid: all_reduce of sparse tensors takes ReduceOp.SUM only (as gloo), not "
-                f"ReduceOp.{_OP_NAME.get(code, code)}"
+                f"ReduceOp.{name}"
             )
         for t in tensors:
             if t.layout != torch.sparse_coo:
@@ -749,7 +749,7 @@ class _Ops:
         c = self._core
         sa, sn = c.host(inp, "input")
         ra, rn = c.host(out, "output")
-        c.raw("all_gather", _U8, sa, sn, ra, rn, 0, 0, False, None)
+        c.raw("all_gather", _U8, sa, sn, ra, rn, None, 0, False, None)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> BraidWork:
         c = self._core
@@ -879,10 +879,10 @@ class _Ops:
             raise InvalidArgumentError("braid: broadcast takes exactly one tensor")
         t = tensors[0]
         if not t.is_cpu:
-            return self._device("broadcast", t, t, c.dtype(t), 0, opts.rootRank, tensors)
+            return self._device("broadcast", t, t, c.dtype(t), None, opts.rootRank, tensors)
         addr, n = c.host(t)
         a = opts.asyncOp
-        h = c.raw("broadcast", _DT.get(t.dtype, _U8), addr, n, addr, n, 0, opts.rootRank, a,
+        h = c.raw("broadcast", c.dtype(t), addr, n, addr, n, None, opts.rootRank, a,
                   tensors if a else None)
         return BraidWork(h, tensors)
 
@@ -898,11 +898,11 @@ class _Ops:
                 f"braid: all_gather: input is {input.dtype}, output {output.dtype}"
             )
         if _any_cuda(output, input):
-            return self._device("all_gather", input, output, c.dtype(input), 0, 0, [output])
+            return self._device("all_gather", input, output, c.dtype(input), None, 0, [output])
         sa, sn = c.host(input, "input")
         ra, rn = c.host(output, "output")
         a = opts.asyncOp
-        h = c.raw("all_gather", c.dtype(input), sa, sn, ra, rn, 0, 0, a,
+        h = c.raw("all_gather", c.dtype(input), sa, sn, ra, rn, None, 0, a,
                   [output, input] if a else None)
         return BraidWork(h, [output])
 
@@ -921,7 +921,7 @@ class _Ops:
         for out, inp in zip(outputs, inputs, strict=True):
             sa, sn = c.host(inp, "input")
             ra, rn = c.host(out, "output")
-            calls.append(("all_gather", c.dtype(inp), sa, sn, ra, rn, 0, 0))
+            calls.append(("all_gather", c.dtype(inp), sa, sn, ra, rn, "sum", 0))
         a = opts.asyncOp
         h = c.raw_seq(calls, a, list(outputs) + list(inputs) if a else None)
         return BraidWork(h, outputs)
@@ -963,7 +963,7 @@ class _Ops:
                 o.copy_(part.view_as(o))
 
         a = opts.asyncOp
-        h = c.raw("all_gather", c.dtype(inp), sa, sn, ra, rn, 0, 0, a, [flat, inp] if a else None)
+        h = c.raw("all_gather", c.dtype(inp), sa, sn, ra, rn, None, 0, a, [flat, inp] if a else None)
         if h is None:
             finish()
             return BraidWork(None, output_tensors)
@@ -1004,31 +1004,24 @@ class _Ops:
             return self._staged(self.gather, output_tensors, input_tensors, opts)
         root = opts.rootRank
         inp = input_tensors[0]
-        sa, sn = c.host(inp, "input")
-        if c.rank != root:
-            ops = [(True, root, sa, sn)]
-            copies: list[tuple[int, int, int]] = []
-            keep = [inp]
-        else:
+        send = c.host(inp, "input")
+        recvs: list[tuple[int, int]] = []
+        keep = [inp]
+        if c.rank == root:
             outs = output_tensors[0] if output_tensors else []
             if len(outs) != c.size:
                 raise InvalidArgumentError(
                     f"braid: gather: the root needs one output tensor per rank ({c.size})"
                 )
-            ops, copies, keep = [], [], [inp]
-            for q, o in enumerate(outs):
+            for o in outs:
                 if o.numel() != inp.numel() or o.dtype != inp.dtype:
                     raise InvalidArgumentError(
                         "braid: gather: every output tensor must match the input's size and dtype"
                     )
-                ra, rn = c.host(o, "output")
+                recvs.append(c.host(o, "output"))
                 keep.append(o)
-                if q == root:
-                    copies.append((sa, ra, sn))
-                else:
-                    ops.append((False, q, ra, rn))
         a = opts.asyncOp
-        h = c.raw_group(ops, copies, a, keep if a else None)
+        h = c.raw_blocks("gather", c.dtype(inp), [send], recvs, root, a, keep if a else None)
         return BraidWork(h, output_tensors)
 
     def gather_single(
@@ -1042,18 +1035,16 @@ class _Ops:
             return self._staged(self.gather_single, output, input, opts)
         root = opts.rootRank
         sa, sn = c.host(input, "input")
-        if c.rank != root:
-            ops, copies = [(True, root, sa, sn)], []
-        else:
+        ra, rn = 0, 0
+        if c.rank == root:
             ra, rn = c.host(output, "output")
             if rn != sn * c.size:
                 raise InvalidArgumentError(
                     f"braid: gather: the output must hold {c.size} x the input's elements"
                 )
-            ops = [(False, q, ra + q * sn, sn) for q in range(c.size) if q != root]
-            copies = [(sa, ra + root * sn, sn)]
         a = opts.asyncOp
-        h = c.raw_group(ops, copies, a, [output, input] if a else None)
+        h = c.raw("gather", c.dtype(input), sa, sn, ra, rn, None, root, a,
+                  [output, input] if a else None)
         return BraidWork(h, [output])
 
     def scatter(
@@ -1070,30 +1061,24 @@ class _Ops:
             return self._staged(self.scatter, output_tensors, input_tensors, opts)
         root = opts.rootRank
         out = output_tensors[0]
-        ra, rn = c.host(out, "output")
+        recv = c.host(out, "output")
+        sends: list[tuple[int, int]] = []
         keep = [out]
-        if c.rank != root:
-            ops, copies = [(False, root, ra, rn)], []
-        else:
+        if c.rank == root:
             ins = input_tensors[0] if input_tensors else []
             if len(ins) != c.size:
                 raise InvalidArgumentError(
                     f"braid: scatter: the root needs one input tensor per rank ({c.size})"
                 )
-            ops, copies = [], []
-            for q, t in enumerate(ins):
+            for t in ins:
                 if t.numel() != out.numel() or t.dtype != out.dtype:
                     raise InvalidArgumentError(
                         "braid: scatter: every input tensor must match the output's size and dtype"
                     )
-                sa, sn = c.host(t, "input")
+                sends.append(c.host(t, "input"))
                 keep.append(t)
-                if q == root:
-                    copies.append((sa, ra, sn))
-                else:
-                    ops.append((True, q, sa, sn))
         a = opts.asyncOp
-        h = c.raw_group(ops, copies, a, keep if a else None)
+        h = c.raw_blocks("scatter", c.dtype(out), sends, [recv], root, a, keep if a else None)
         return BraidWork(h, output_tensors)
 
     def all_to_all_single(
@@ -1112,7 +1097,7 @@ class _Ops:
         input_split_sizes = _split_sizes(input_split_sizes, "input_split_sizes")
         if _any_cuda(output, input):
             if not output_split_sizes and not input_split_sizes and output.dtype == input.dtype:
-                return self._device("all_to_all", input, output, c.dtype(input), 0, 0, [output])
+                return self._device("all_to_all", input, output, c.dtype(input), None, 0, [output])
             return self._staged(
                 self.all_to_all_single, output, input, output_split_sizes, input_split_sizes, opts
             )
@@ -1126,7 +1111,7 @@ class _Ops:
         keep = [output, input] if a else None
         p = c.size
         if not output_split_sizes and not input_split_sizes:
-            h = c.raw("all_to_all", c.dtype(input), sa, sn, ra, rn, 0, 0, a, keep)
+            h = c.raw("all_to_all", c.dtype(input), sa, sn, ra, rn, None, 0, a, keep)
             return BraidWork(h, [output])
         # Split sizes count rows (the first dimension).
         in_rows = input.shape[0] if input.dim() > 0 else 1
@@ -1142,24 +1127,16 @@ class _Ops:
                 f"braid: all_to_all: split sizes {isz} / {osz} do not add up to the tensors' "
                 f"first dimensions ({in_rows} / {out_rows})"
             )
-        ops, copies = [], []
+        # Block q of each tensor: its rows for / from rank q.
+        sends, recvs = [], []
         so = ro = 0
         for q in range(p):
             sb, rb = isz[q] * in_row, osz[q] * out_row
-            if q == c.rank:
-                if sb != rb:
-                    raise InvalidArgumentError(
-                        f"braid: all_to_all: this rank sends itself {isz[q]} rows but "
-                        f"expects {osz[q]}"
-                    )
-                if sb:
-                    copies.append((sa + so, ra + ro, sb))
-            else:
-                ops.append((True, q, sa + so, sb))
-                ops.append((False, q, ra + ro, rb))
+            sends.append((sa + so, sb))
+            recvs.append((ra + ro, rb))
             so += sb
             ro += rb
-        h = c.raw_group(ops, copies, a, keep)
+        h = c.raw_blocks("all_to_all_v", c.dtype(input), sends, recvs, 0, a, keep)
         return BraidWork(h, [output])
 
     alltoall_base = all_to_all_single
@@ -1177,24 +1154,17 @@ class _Ops:
             raise InvalidArgumentError(
                 f"braid: all_to_all takes one input and one output tensor per rank ({c.size})"
             )
-        ops, copies = [], []
-        for q, (o, i) in enumerate(zip(output_tensors, input_tensors, strict=True)):
-            if o.dtype != i.dtype:
-                raise InvalidArgumentError("braid: all_to_all: input and output dtypes differ")
-            sa, sn = c.host(i, "input")
-            ra, rn = c.host(o, "output")
-            if q == c.rank:
-                if sn != rn:
-                    raise InvalidArgumentError(
-                        "braid: all_to_all: this rank's own input and output sizes differ"
-                    )
-                copies.append((sa, ra, sn))
-            else:
-                ops.append((True, q, sa, sn))
-                ops.append((False, q, ra, rn))
+        dtypes = {t.dtype for t in output_tensors} | {t.dtype for t in input_tensors}
+        if any(o.dtype != i.dtype for o, i in zip(output_tensors, input_tensors, strict=True)):
+            raise InvalidArgumentError("braid: all_to_all: input and output dtypes differ")
+        sends = [c.host(i, "input") for i in input_tensors]
+        recvs = [c.host(o, "output") for o in output_tensors]
+        # One datatype for the whole call: the tensors' own when they share
+        # one, else bytes.
+        dt = c.dtype(input_tensors[0]) if len(dtypes) == 1 and input_tensors else _U8
         a = opts.asyncOp
         keep = list(output_tensors) + list(input_tensors)
-        h = c.raw_group(ops, copies, a, keep if a else None)
+        h = c.raw_blocks("all_to_all_v", dt, sends, recvs, 0, a, keep if a else None)
         return BraidWork(h, output_tensors)
 
     # ---- point to point -----------------------------------------------
