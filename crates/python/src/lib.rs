@@ -12,6 +12,7 @@
 mod comm;
 mod cuda;
 mod errors;
+mod names;
 mod uid;
 mod views;
 mod work;

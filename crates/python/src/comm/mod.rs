@@ -18,11 +18,12 @@
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
-use braid::{Communicator, Config, RedOp, Stream};
+use braid::{Communicator, Config, Stream};
 use pyo3::prelude::*;
 use pyo3::types::{PyList, PyTuple};
 
 use crate::errors::{invalid, py_err, ErrInfo, Kind};
+use crate::names::{data_type, opt_op, red_op};
 use crate::uid::{timeout_arg, PyUniqueId};
 use crate::work::{Handle, Job, TaggedOp};
 
@@ -162,10 +163,7 @@ impl PyComm {
         op: Option<&Bound<'_, PyAny>>,
         async_op: bool,
     ) -> PyResult<Option<Handle>> {
-        let op = match op {
-            Some(o) => red_op(py, o)?,
-            None => RedOp::Sum,
-        };
+        let op = opt_op(py, op)?;
         let prep = self.prep_all_reduce(py, sendbuf, recvbuf, op)?;
         self.launch(py, prep, async_op)
     }
@@ -182,10 +180,7 @@ impl PyComm {
         op: Option<&Bound<'_, PyAny>>,
         async_op: bool,
     ) -> PyResult<Option<Handle>> {
-        let op = match op {
-            Some(o) => red_op(py, o)?,
-            None => RedOp::Sum,
-        };
+        let op = opt_op(py, op)?;
         let prep = self.prep_reduce_scatter(py, sendbuf, recvbuf, op)?;
         self.launch(py, prep, async_op)
     }
@@ -235,10 +230,7 @@ impl PyComm {
         root: i64,
         async_op: bool,
     ) -> PyResult<Option<Handle>> {
-        let op = match op {
-            Some(o) => red_op(py, o)?,
-            None => RedOp::Sum,
-        };
+        let op = opt_op(py, op)?;
         let prep = self.prep_reduce(py, sendbuf, recvbuf, op, root)?;
         self.launch(py, prep, async_op)
     }
