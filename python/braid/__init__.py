@@ -35,6 +35,7 @@ from ._braid import (
     Handle,
     UniqueId,
     __version__,
+    _operators,
     datatype_of,
     datatypes,
 )
@@ -77,16 +78,21 @@ __all__ = [
 ]
 
 
+# The operators' values are braid's own codes, by name (one table: the
+# binding's).
+_OP_CODE = {name: code for code, name in _operators()}
+
+
 class Op(_enum.IntEnum):
     """Reduction operators (``MPI_SUM``/``ncclSum`` and friends). Every
     operator works on every datatype; ``AVG`` is the sum divided by the
     number of ranks (integer division for integer datatypes)."""
 
-    SUM = 0
-    PROD = 1
-    MIN = 2
-    MAX = 3
-    AVG = 4
+    SUM = _OP_CODE["sum"]
+    PROD = _OP_CODE["prod"]
+    MIN = _OP_CODE["min"]
+    MAX = _OP_CODE["max"]
+    AVG = _OP_CODE["avg"]
 
 
 SUM = Op.SUM

@@ -22,6 +22,10 @@ OpLike = int | str
 def datatypes() -> list[tuple[int, str, int]]:
     """The datatypes braid has, as ``(code, name, size in bytes)``."""
 
+def _operators() -> list[tuple[int, str]]:
+    """The reduction operators as ``(code, name)`` (``braid.Op`` is built
+    from it)."""
+
 def datatype_of(obj: BufferLike) -> str:
     """The braid datatype of a buffer (``"float"``, ``"half"``,
     ``"bfloat16"``, ``"int32"``, ...); raises ``InvalidArgumentError`` when it
@@ -212,27 +216,46 @@ class Communicator:
     def __enter__(self) -> Self: ...
     def __exit__(self, *exc: Any) -> bool: ...
     # Private entry points of the torch backend (raw host addresses).
+    # Datatypes and operators by name (or code): "float", "sum", ...
     def _raw(
         self,
         kind: str,
-        dt: int,
+        dt: str | int,
         send_addr: int,
         send_len: int,
         recv_addr: int,
         recv_len: int,
-        op: int = 0,
+        op: OpLike | None = None,
         root: int = 0,
         async_op: bool = False,
         keep: Any = None,
     ) -> Handle | None: ...
-    def _raw_seq(self, calls: list[tuple[str, int, int, int, int, int, int, int]], async_op: bool = False, keep: Any = None) -> Handle | None: ...
-    def _raw_group(
+    def _raw_seq(self, calls: list[tuple[str, str | int, int, int, int, int, OpLike, int]], async_op: bool = False, keep: Any = None) -> Handle | None: ...
+    def _raw_blocks(
         self,
-        ops: list[tuple[bool, int, int, int]],
-        copies: list[tuple[int, int, int]],
+        kind: str,
+        dt: str | int,
+        sends: list[tuple[int, int]],
+        recvs: list[tuple[int, int]],
+        root: int = 0,
         async_op: bool = False,
         keep: Any = None,
-    ) -> Handle | None: ...
+    ) -> Handle | None:
+        """Private (torch backend): gather, scatter or all_to_all_v on
+        blocks ``(addr, len)`` that live apart (lists of tensors)."""
+    def _cuda(
+        self,
+        kind: str,
+        dt: str | int,
+        send_addr: int,
+        send_len: int,
+        recv_addr: int,
+        recv_len: int,
+        op: OpLike | None = None,
+        root: int = 0,
+        stream: int = 0,
+        device: int = 0,
+    ) -> int: ...
     def _mailbox(self) -> Communicator:
         """Private (torch backend): the group's mailbox for tagged
         point-to-point messages, as the communicator it owns (a

@@ -123,7 +123,6 @@ pub(crate) unsafe fn run(
             braid::Collective::Reduce { .. } => (coll, *dt, *buf, *buf, is_root),
             _ => (coll, *dt, *buf, *buf, true),
         },
-        Job::AllToAllInPlace { coll, dt, buf } => (coll, *dt, *buf, *buf, true),
         _ => return Err(braid::Error::InvalidArgument(
             "this operation has no device form; the torch backend stages it through host memory"
                 .into(),

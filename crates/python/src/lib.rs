@@ -12,19 +12,29 @@
 mod comm;
 mod cuda;
 mod errors;
+mod names;
 mod uid;
 mod views;
 mod work;
 
 use pyo3::prelude::*;
 
-/// The datatypes braid has, as (code, name, size in bytes), the code being
-/// what the private raw-pointer entry points take.
+/// The datatypes braid has, as (code, name, size in bytes); the raw entry
+/// points of the torch backend take the name (or the code).
 #[pyfunction]
 fn datatypes() -> Vec<(u8, &'static str, usize)> {
     braid::DataType::ALL
         .iter()
         .map(|d| (*d as u8, d.name(), d.size()))
+        .collect()
+}
+
+/// The reduction operators, as (code, name): `braid.Op` is built from it.
+#[pyfunction]
+fn _operators() -> Vec<(u8, &'static str)> {
+    braid::RedOp::ALL
+        .iter()
+        .map(|o| (*o as u8, o.name()))
         .collect()
 }
 
@@ -47,5 +57,6 @@ fn _braid(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<work::Handle>()?;
     m.add_function(wrap_pyfunction!(datatypes, m)?)?;
     m.add_function(wrap_pyfunction!(datatype_of, m)?)?;
+    m.add_function(wrap_pyfunction!(_operators, m)?)?;
     Ok(())
 }

@@ -396,8 +396,3 @@ fn dl_dtype(t: DLDataType) -> Result<DataType, String> {
         )
     })
 }
-
-/// The datatype of its wire code (the `DataType` discriminant).
-pub(crate) fn dtype_from_code(code: u8) -> Option<DataType> {
-    DataType::from_u8(code)
-}

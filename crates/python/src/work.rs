@@ -27,19 +27,31 @@ pub(crate) enum Job {
         dt: DataType,
         buf: Raw,
     },
-    /// AllToAll in place: the send side is copied first.
-    AllToAllInPlace {
-        coll: Collective,
-        dt: DataType,
-        buf: Raw,
-    },
     Barrier,
-    /// Point-to-point operations issued together, after local copies
-    /// (a rank's own block of gather, scatter, AllToAllv).
-    Group {
-        ops: Vec<P2pOp>,
-        copies: Vec<(Raw, Raw)>,
+    /// Gather to `root` (`gather_bytes`): `recvs` holds one block per rank
+    /// on the root and nothing elsewhere.
+    Gather {
+        dt: DataType,
+        send: Raw,
+        recvs: Vec<Raw>,
+        root: u32,
     },
+    /// Scatter from `root` (`scatter_bytes`): `sends` holds one block per
+    /// rank on the root and nothing elsewhere.
+    Scatter {
+        dt: DataType,
+        sends: Vec<Raw>,
+        recv: Raw,
+        root: u32,
+    },
+    /// AllToAllv (`all_to_all_v_bytes`): one block per rank each way.
+    AllToAllv {
+        dt: DataType,
+        sends: Vec<Raw>,
+        recvs: Vec<Raw>,
+    },
+    /// Point-to-point operations issued together.
+    Group(Vec<P2pOp>),
     /// Several operations, one after the other (coalesced calls); the first
     /// failure ends it.
     Seq(Vec<Job>),
@@ -77,7 +89,9 @@ impl Job {
         // Every slice below: the caller keeps the buffers exported (views,
         // tensors held by the handle or the Python frame) until the job is
         // done, and the argument checks rejected overlapping buffers other
-        // than the in-place forms, which use one slice.
+        // than the in-place forms, which use one slice, and a rank's own
+        // block passed as both input and output, read from a copy
+        // (`own_send`).
         match self {
             Job::Coll {
                 coll,
@@ -93,19 +107,41 @@ impl Job {
                 // SAFETY: see above.
                 comm.run_bytes_in_place(coll, *dt, unsafe { buf.slice_mut() })
             }
-            Job::AllToAllInPlace { coll, dt, buf } => {
-                // SAFETY: see above.
-                let out = unsafe { buf.slice_mut() };
-                let send = out.to_vec();
-                comm.run_bytes(coll, *dt, &send, out)
-            }
             Job::Barrier => comm.barrier(),
-            Job::Group { ops, copies } => {
-                for (src, dst) in copies {
-                    // SAFETY: as above; a copy's ranges do not overlap
-                    // (checked when the job was built).
-                    unsafe { dst.slice_mut().copy_from_slice(src.slice()) };
-                }
+            Job::Gather {
+                dt,
+                send,
+                recvs,
+                root,
+            } => {
+                let mut copy = Vec::new();
+                let s = own_send(*send, recvs.get(*root as usize), &mut copy);
+                // SAFETY: see above.
+                let mut r: Vec<&mut [u8]> =
+                    recvs.iter().map(|b| unsafe { b.slice_mut() }).collect();
+                comm.gather_bytes(*dt, s, &mut r, *root)
+            }
+            Job::Scatter {
+                dt,
+                sends,
+                recv,
+                root,
+            } => {
+                let mut copy = Vec::new();
+                let s = send_blocks(sends, *root as usize, Some(recv), &mut copy);
+                // SAFETY: see above.
+                comm.scatter_bytes(*dt, &s, unsafe { recv.slice_mut() }, *root)
+            }
+            Job::AllToAllv { dt, sends, recvs } => {
+                let me = comm.rank() as usize;
+                let mut copy = Vec::new();
+                let s = send_blocks(sends, me, recvs.get(me), &mut copy);
+                // SAFETY: see above.
+                let mut r: Vec<&mut [u8]> =
+                    recvs.iter().map(|b| unsafe { b.slice_mut() }).collect();
+                comm.all_to_all_v_bytes(*dt, &s, &mut r)
+            }
+            Job::Group(ops) => {
                 let mut g = comm.group();
                 for op in ops.iter().filter(|o| o.buf.len > 0) {
                     if op.send {
@@ -143,6 +179,45 @@ impl Job {
             }
         }
     }
+}
+
+/// The bytes of a rank's own send block: `send` itself, or a copy of it
+/// (in `copy`, 8-byte aligned as every datatype needs) when it is the very
+/// range `own_recv`, the block it lands in (a torch caller may pass one
+/// tensor as both).
+fn own_send<'a>(send: Raw, own_recv: Option<&Raw>, copy: &'a mut Vec<u64>) -> &'a [u8] {
+    if own_recv != Some(&send) || send.len == 0 {
+        // SAFETY: see `Job::run`: the range is live for the job and no
+        // writable slice overlaps it.
+        return unsafe { send.slice() };
+    }
+    copy.resize(send.len.div_ceil(8), 0);
+    // SAFETY: `copy` holds at least `send.len` bytes, owned here; u64 has
+    // no invalid bit patterns for bytes written through a u8 view.
+    let bytes = unsafe { std::slice::from_raw_parts_mut(copy.as_mut_ptr().cast::<u8>(), send.len) };
+    // SAFETY: see `Job::run`; read before the operation writes the block.
+    bytes.copy_from_slice(unsafe { send.slice() });
+    bytes
+}
+
+/// The bytes of send blocks, this rank's own (`own`) through [`own_send`].
+fn send_blocks<'a>(
+    sends: &'a [Raw],
+    own: usize,
+    own_recv: Option<&Raw>,
+    copy: &'a mut Vec<u64>,
+) -> Vec<&'a [u8]> {
+    let mine = sends.get(own).map(|&b| own_send(b, own_recv, copy));
+    sends
+        .iter()
+        .enumerate()
+        .map(|(q, b)| match mine {
+            Some(m) if q == own => m,
+            // SAFETY: see `Job::run`: the range is live for the job and no
+            // writable slice overlaps it.
+            _ => unsafe { b.slice() },
+        })
+        .collect()
 }
 
 /// Where an asynchronous operation's outcome lands.

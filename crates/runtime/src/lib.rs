@@ -38,7 +38,7 @@ pub use braid_core::topo::Plan as TopologyPlan;
 pub use braid_core::types::{bf16, f16, DataType, Element, RedOp};
 pub use braid_cuda;
 pub use braid_transport_shm::HostBuffer;
-pub use comm::{Communicator, Config, Group, MailBatch, Mailbox};
+pub use comm::{Blocks, Communicator, Config, Group, MailBatch, Mailbox};
 pub use device::CudaComm;
 pub use error::{Error, Result};
 pub use progress::{dump as dump_pending, Running, Snapshot, Waiting};

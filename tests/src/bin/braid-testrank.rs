@@ -15,7 +15,9 @@
 //! - `loop ITERS COUNT`: AllReduce over and over (the kill test kills one rank
 //!   in the middle); prints `ready` after the first, and on error prints
 //!   `error: ...` and exits 3.
-//! - `p2p`: Send/Recv and groups (ring exchange, alltoallv-like group).
+//! - `p2p`: Send/Recv and groups (ring exchange, alltoallv-like group);
+//!   Gather and Scatter from every root, AllToAllv with uneven blocks and
+//!   AllToAll in place, against plain loops.
 //! - `badinput`: bad arguments give InvalidArgument and leave the
 //!   communicator usable.
 //!
@@ -319,6 +321,68 @@ fn p2p(comm: &Communicator) -> Result<(), String> {
             if got.iter().any(|&x| x != partner as f32) {
                 return Err("send/recv pair wrong".into());
             }
+        }
+    }
+    Ok(())
+}
+
+/// Element `i` of what rank `from` has for rank `to` (the reference of
+/// [`rooted_and_v`]).
+fn for_rank(from: u32, to: u32, i: usize) -> u32 {
+    (from << 24) ^ (to << 16) ^ ((i as u32).wrapping_mul(2654435761) >> 16)
+}
+
+/// Gather, Scatter, AllToAllv and in-place AllToAll, each result compared
+/// with what a plain loop over `for_rank` says it must be.
+fn rooted_and_v(comm: &Communicator) -> Result<(), String> {
+    let (r, p) = (comm.rank(), comm.nranks());
+    let pu = p as usize;
+    let e = |e: Error| e.to_string();
+    for n in [0usize, 3, 100_000] {
+        for root in 0..p {
+            let send: Vec<u32> = (0..n).map(|i| for_rank(r, root, i)).collect();
+            let mut all = vec![u32::MAX; if r == root { pu * n } else { 0 }];
+            comm.gather(&send, &mut all, root).map_err(e)?;
+            for (k, &x) in all.iter().enumerate() {
+                if x != for_rank((k / n) as u32, root, k % n) {
+                    return Err(format!("gather n={n} root={root}: element {k} is {x:#x}"));
+                }
+            }
+            let whole: Vec<u32> = if r == root {
+                (0..pu * n)
+                    .map(|k| for_rank(root, (k / n) as u32, k % n))
+                    .collect()
+            } else {
+                Vec::new()
+            };
+            let mut mine = vec![u32::MAX; n];
+            comm.scatter(&whole, &mut mine, root).map_err(e)?;
+            if (0..n).any(|i| mine[i] != for_rank(root, r, i)) {
+                return Err(format!("scatter n={n} root={root} wrong"));
+            }
+        }
+        // AllToAllv: rank a sends (a + b) % 3 * n / 2 elements to rank b.
+        let cnt = |a: u32, b: u32| (a + b) as usize % 3 * n / 2;
+        let sc: Vec<usize> = (0..p).map(|q| cnt(r, q)).collect();
+        let rc: Vec<usize> = (0..p).map(|q| cnt(q, r)).collect();
+        let send: Vec<u32> = (0..p)
+            .flat_map(|q| (0..cnt(r, q)).map(move |i| for_rank(r, q, i)))
+            .collect();
+        let mut recv = vec![u32::MAX; rc.iter().sum()];
+        let (sb, rb) = (braid::Blocks::packed(&sc), braid::Blocks::packed(&rc));
+        comm.all_to_all_v(&send, sb, &mut recv, rb).map_err(e)?;
+        let want: Vec<u32> = (0..p)
+            .flat_map(|q| (0..cnt(q, r)).map(move |i| for_rank(q, r, i)))
+            .collect();
+        if recv != want {
+            return Err(format!("all_to_all_v n={n} wrong"));
+        }
+        let mut buf: Vec<u32> = (0..pu * n)
+            .map(|k| for_rank(r, (k / n) as u32, k % n))
+            .collect();
+        comm.all_to_all_in_place(&mut buf).map_err(e)?;
+        if (0..pu * n).any(|k| buf[k] != for_rank((k / n) as u32, r, k % n)) {
+            return Err(format!("all_to_all in place n={n} wrong"));
         }
     }
     Ok(())
@@ -649,7 +713,7 @@ fn main() -> ExitCode {
             }
         }
         "p2p" => {
-            if let Err(e) = p2p(&comm) {
+            if let Err(e) = p2p(&comm).and_then(|()| rooted_and_v(&comm)) {
                 println!("FAIL rank {rank}: {e}");
                 return ExitCode::from(1);
             }

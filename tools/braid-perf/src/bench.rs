@@ -737,7 +737,7 @@ impl<'a> Runner<'a> {
             h += &format!(
                 "# in-place: N/A ({})\n",
                 if o.bench == Bench::AllToAll {
-                    "braid's AllToAll has no in-place form"
+                    "braid's in-place AllToAll is the out-of-place one after a copy"
                 } else {
                     "a send and a receive of one group cannot share a buffer"
                 }

@@ -67,13 +67,7 @@ impl PyGroup {
     fn run(&mut self, py: Python<'_>, async_op: bool) -> PyResult<Option<Handle>> {
         let ops = std::mem::take(&mut self.ops);
         let keep = std::mem::take(&mut self.keep);
-        let prep = Prepared::new(
-            Job::Group {
-                ops,
-                copies: vec![],
-            },
-            keep,
-        );
+        let prep = Prepared::new(Job::Group(ops), keep);
         self.comm.get().launch(py, prep, async_op)
     }
 

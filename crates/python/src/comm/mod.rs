@@ -18,14 +18,14 @@
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
-use braid::{Communicator, Config, RedOp, Stream};
+use braid::{Communicator, Config, Stream};
 use pyo3::prelude::*;
 use pyo3::types::{PyList, PyTuple};
 
 use crate::errors::{invalid, py_err, ErrInfo, Kind};
+use crate::names::{data_type, opt_op, red_op};
 use crate::uid::{timeout_arg, PyUniqueId};
-use crate::views::dtype_from_code;
-use crate::work::{Handle, Job, P2pOp, TaggedOp};
+use crate::work::{Handle, Job, TaggedOp};
 
 /// A communicator: a group of ranks that run collectives together.
 ///
@@ -163,10 +163,7 @@ impl PyComm {
         op: Option<&Bound<'_, PyAny>>,
         async_op: bool,
     ) -> PyResult<Option<Handle>> {
-        let op = match op {
-            Some(o) => red_op(py, o)?,
-            None => RedOp::Sum,
-        };
+        let op = opt_op(py, op)?;
         let prep = self.prep_all_reduce(py, sendbuf, recvbuf, op)?;
         self.launch(py, prep, async_op)
     }
@@ -183,10 +180,7 @@ impl PyComm {
         op: Option<&Bound<'_, PyAny>>,
         async_op: bool,
     ) -> PyResult<Option<Handle>> {
-        let op = match op {
-            Some(o) => red_op(py, o)?,
-            None => RedOp::Sum,
-        };
+        let op = opt_op(py, op)?;
         let prep = self.prep_reduce_scatter(py, sendbuf, recvbuf, op)?;
         self.launch(py, prep, async_op)
     }
@@ -236,10 +230,7 @@ impl PyComm {
         root: i64,
         async_op: bool,
     ) -> PyResult<Option<Handle>> {
-        let op = match op {
-            Some(o) => red_op(py, o)?,
-            None => RedOp::Sum,
-        };
+        let op = opt_op(py, op)?;
         let prep = self.prep_reduce(py, sendbuf, recvbuf, op, root)?;
         self.launch(py, prep, async_op)
     }
@@ -464,28 +455,28 @@ impl PyComm {
     /// caller keeps alive (``keep``, held by the handle when asynchronous)
     /// and has checked (contiguous CPU tensors). ``kind`` is one of
     /// all_reduce, broadcast, reduce, all_gather, reduce_scatter,
-    /// all_to_all; ``dt`` a code from ``datatypes()``; in place when the
-    /// ranges are the same (or this rank's block of the other).
-    #[pyo3(signature = (kind, dt, send_addr, send_len, recv_addr, recv_len, op = 0, root = 0, async_op = false, keep = None))]
+    /// all_to_all, gather (the root's receive range holds one block per
+    /// rank), scatter (the root's send range does); ``dt`` a datatype's name
+    /// (or code) and ``op`` an operator's, as ``datatypes()`` and
+    /// ``braid.Op`` name them; in place when the ranges are the same (or
+    /// this rank's block of the other).
+    #[pyo3(signature = (kind, dt, send_addr, send_len, recv_addr, recv_len, op = None, root = 0, async_op = false, keep = None))]
     #[allow(clippy::too_many_arguments)]
     fn _raw(
         &self,
         py: Python<'_>,
         kind: &str,
-        dt: u8,
+        dt: &Bound<'_, PyAny>,
         send_addr: usize,
         send_len: usize,
         recv_addr: usize,
         recv_len: usize,
-        op: u8,
+        op: Option<&Bound<'_, PyAny>>,
         root: i64,
         async_op: bool,
         keep: Option<Py<PyAny>>,
     ) -> PyResult<Option<Handle>> {
-        let dt = dtype_from_code(dt)
-            .ok_or_else(|| invalid(py, format!("datatype code {dt} is not a braid datatype")))?;
-        let op = RedOp::from_u8(op)
-            .ok_or_else(|| invalid(py, format!("operator code {op} is not a braid operator")))?;
+        let (dt, op) = (data_type(py, dt)?, opt_op(py, op)?);
         let send = Self::raw_range(py, send_addr, send_len)?;
         let recv = Self::raw_range(py, recv_addr, recv_len)?;
         let job = self.raw_job(py, kind, dt, send, recv, op, root)?;
@@ -502,27 +493,24 @@ impl PyComm {
     /// as an integer) of this rank's GPU through braid's device
     /// communicator, created on first use (every rank must get here).
     /// Returns the GPU's ordinal. Not yet run on a GPU.
-    #[pyo3(signature = (kind, dt, send_addr, send_len, recv_addr, recv_len, op = 0, root = 0, stream = 0, device = 0))]
+    #[pyo3(signature = (kind, dt, send_addr, send_len, recv_addr, recv_len, op = None, root = 0, stream = 0, device = 0))]
     #[allow(clippy::too_many_arguments)]
     fn _cuda(
         &self,
         py: Python<'_>,
         kind: &str,
-        dt: u8,
+        dt: &Bound<'_, PyAny>,
         send_addr: usize,
         send_len: usize,
         recv_addr: usize,
         recv_len: usize,
-        op: u8,
+        op: Option<&Bound<'_, PyAny>>,
         root: i64,
         stream: usize,
         device: u32,
     ) -> PyResult<u32> {
         self.check_open(py)?;
-        let dt = dtype_from_code(dt)
-            .ok_or_else(|| invalid(py, format!("datatype code {dt} is not a braid datatype")))?;
-        let op = RedOp::from_u8(op)
-            .ok_or_else(|| invalid(py, format!("operator code {op} is not a braid operator")))?;
+        let (dt, op) = (data_type(py, dt)?, opt_op(py, op)?);
         let send = Self::raw_range(py, send_addr, send_len)?;
         let recv = Self::raw_range(py, recv_addr, recv_len)?;
         let job = self.raw_job(py, kind, dt, send, recv, op, root)?;
@@ -553,20 +541,15 @@ impl PyComm {
         for c in calls.iter() {
             let (kind, dt, sa, sl, ra, rl, op, root): (
                 String,
-                u8,
+                Bound<'_, PyAny>,
                 usize,
                 usize,
                 usize,
                 usize,
-                u8,
+                Bound<'_, PyAny>,
                 i64,
             ) = c.extract()?;
-            let dt = dtype_from_code(dt).ok_or_else(|| {
-                invalid(py, format!("datatype code {dt} is not a braid datatype"))
-            })?;
-            let op = RedOp::from_u8(op).ok_or_else(|| {
-                invalid(py, format!("operator code {op} is not a braid operator"))
-            })?;
+            let (dt, op) = (data_type(py, &dt)?, red_op(py, &op)?);
             let send = Self::raw_range(py, sa, sl)?;
             let recv = Self::raw_range(py, ra, rl)?;
             jobs.push(self.raw_job(py, &kind, dt, send, recv, op, root)?);
@@ -579,46 +562,67 @@ impl PyComm {
         self.launch(py, prep, async_op)
     }
 
-    /// Private (torch backend): point-to-point operations on raw host
-    /// addresses issued together, after local copies. ``ops`` holds
-    /// ``(is_send, peer, addr, len)``, ``copies`` ``(src, dst, len)``.
-    #[pyo3(signature = (ops, copies, async_op = false, keep = None))]
-    fn _raw_group(
+    /// Private (torch backend): a collective on blocks of raw host
+    /// addresses that live apart (lists of tensors), each ``(addr, len)``:
+    /// ``kind`` ``gather`` (one send block; on the root one receive block
+    /// per rank, elsewhere none), ``scatter`` (the other way round) or
+    /// ``all_to_all_v`` (one block per rank each way, of any length); ``dt``
+    /// as for ``_raw``. The blocks' sizes are braid's to check; an output
+    /// may overlap no other block, but a rank's own input may be its own
+    /// output.
+    #[pyo3(signature = (kind, dt, sends, recvs, root = 0, async_op = false, keep = None))]
+    #[allow(clippy::too_many_arguments)]
+    fn _raw_blocks(
         &self,
         py: Python<'_>,
-        ops: Vec<(bool, i64, usize, usize)>,
-        copies: Vec<(usize, usize, usize)>,
+        kind: &str,
+        dt: &Bound<'_, PyAny>,
+        sends: Vec<(usize, usize)>,
+        recvs: Vec<(usize, usize)>,
+        root: i64,
         async_op: bool,
         keep: Option<Py<PyAny>>,
     ) -> PyResult<Option<Handle>> {
-        let (p, me) = (self.p(), self.me());
-        let mut out = Vec::with_capacity(ops.len());
-        for (is_send, peer, addr, len) in ops {
-            let what = if is_send { "send" } else { "recv" };
-            out.push(P2pOp {
-                send: is_send,
-                peer: check_peer(py, what, peer, p, me)?,
-                buf: Self::raw_range(py, addr, len)?,
-            });
-        }
-        let mut cps = Vec::with_capacity(copies.len());
-        for (src, dst, len) in copies {
-            let (s, d) = (
-                Self::raw_range(py, src, len)?,
-                Self::raw_range(py, dst, len)?,
-            );
-            if s.overlaps(&d) && s != d {
-                return Err(invalid(py, "a local copy between overlapping ranges"));
+        let dt = data_type(py, dt)?;
+        let ranges = |v: Vec<(usize, usize)>| -> PyResult<Vec<_>> {
+            v.into_iter()
+                .map(|(a, n)| Self::raw_range(py, a, n))
+                .collect()
+        };
+        let (sends, recvs) = (ranges(sends)?, ranges(recvs)?);
+        let me = self.me() as usize;
+        let job = match kind {
+            "gather" | "scatter" => {
+                let gather = kind == "gather";
+                let root = check_root(py, kind, root, self.p())?;
+                let (mine, blocks) = if gather {
+                    (&sends, &recvs)
+                } else {
+                    (&recvs, &sends)
+                };
+                let [mine] = mine[..] else {
+                    return Err(invalid(
+                        py,
+                        format!("{kind}: {} blocks for this rank; it takes one", mine.len()),
+                    ));
+                };
+                let own = if gather { (0, me) } else { (me, 0) };
+                check_apart(py, kind, &sends, &recvs, Some(own))?;
+                rooted_job(gather, dt, mine, blocks.clone(), root)
             }
-            if s != d {
-                cps.push((s, d));
+            "all_to_all_v" => {
+                check_apart(py, kind, &sends, &recvs, Some((me, me)))?;
+                Job::AllToAllv { dt, sends, recvs }
             }
-        }
+            _ => {
+                return Err(invalid(
+                    py,
+                    format!("{kind}: unknown collective: one of gather, scatter, all_to_all_v"),
+                ))
+            }
+        };
         let prep = Prepared {
-            job: Job::Group {
-                ops: out,
-                copies: cps,
-            },
+            job,
             keep: vec![],
             keep_obj: keep,
         };

@@ -59,29 +59,6 @@ pub(super) fn opt_view(
     }
 }
 
-/// The operator: a `braid.Op`, its integer value, or its name.
-pub(crate) fn red_op(py: Python<'_>, op: &Bound<'_, PyAny>) -> PyResult<RedOp> {
-    if let Ok(code) = op.extract::<i64>() {
-        if let Some(o) = u8::try_from(code).ok().and_then(RedOp::from_u8) {
-            return Ok(o);
-        }
-    } else if let Ok(name) = op.extract::<String>() {
-        if let Some(o) = RedOp::ALL
-            .iter()
-            .find(|o| o.name().eq_ignore_ascii_case(name.trim()))
-        {
-            return Ok(*o);
-        }
-    }
-    Err(invalid(
-        py,
-        format!(
-            "op {} is not a braid operator: use braid.Op.SUM, PROD, MIN, MAX or AVG (or their names)",
-            op.repr().map(|r| r.to_string()).unwrap_or_default()
-        ),
-    ))
-}
-
 pub(super) fn same_dtype(py: Python<'_>, op: &str, s: &View, r: &View) -> PyResult<()> {
     if s.dtype != r.dtype {
         return Err(invalid(
@@ -339,13 +316,7 @@ impl PyComm {
             peer,
             buf: v.raw,
         }];
-        Ok(Prepared::new(
-            Job::Group {
-                ops,
-                copies: vec![],
-            },
-            vec![v],
-        ))
+        Ok(Prepared::new(Job::Group(ops), vec![v]))
     }
 
     pub(super) fn prep_reduce_scatter(
@@ -535,14 +506,7 @@ impl PyComm {
         let count = self.blocks(py, "all_to_all", "sendbuf", s.count())?;
         let coll = Collective::AllToAll { count };
         match r {
-            None => Ok(Prepared::new(
-                Job::AllToAllInPlace {
-                    coll,
-                    dt: s.dtype,
-                    buf: s.raw,
-                },
-                vec![s],
-            )),
+            None => Ok(Prepared::in_place(coll, s)),
             Some(r) => {
                 same_dtype(py, "all_to_all", &s, &r)?;
                 if r.count() != s.count() {
@@ -555,15 +519,6 @@ impl PyComm {
                         ),
                     ));
                 }
-                if s.raw == r.raw {
-                    let dt = s.dtype;
-                    let buf = s.raw;
-                    return Ok(Prepared::new(
-                        Job::AllToAllInPlace { coll, dt, buf },
-                        vec![s, r],
-                    ));
-                }
-                no_overlap(py, "all_to_all", &s.raw, &r.raw)?;
                 self.pair(py, "all_to_all", coll, s, r)
             }
         }
@@ -661,38 +616,12 @@ impl PyComm {
                 "all_to_allv: the blocks of recvbuf overlap; give each rank its own block",
             ));
         }
-        let me = self.me() as usize;
-        if sr[me].len != rr[me].len {
-            return Err(invalid(
-                py,
-                format!(
-                    "all_to_allv: this rank sends itself {} elements (sendcounts[{me}]) but expects {} (recvcounts[{me}])",
-                    sendcounts[me], recvcounts[me]
-                ),
-            ));
-        }
-        let mut ops = Vec::new();
-        for q in 0..self.p() as usize {
-            if q == me {
-                continue;
-            }
-            ops.push(P2pOp {
-                send: true,
-                peer: q as u32,
-                buf: sr[q],
-            });
-            ops.push(P2pOp {
-                send: false,
-                peer: q as u32,
-                buf: rr[q],
-            });
-        }
-        let copies = if sr[me].len > 0 {
-            vec![(sr[me], rr[me])]
-        } else {
-            vec![]
+        let job = Job::AllToAllv {
+            dt: s.dtype,
+            sends: sr,
+            recvs: rr,
         };
-        Ok(Prepared::new(Job::Group { ops, copies }, vec![s, r]))
+        Ok(Prepared::new(job, vec![s, r]))
     }
 
     pub(super) fn prep_gather(
@@ -723,10 +652,9 @@ impl PyComm {
         })
     }
 
-    /// Gather and Scatter as point-to-point groups: `mine` is every rank's
-    /// block (Gather's sendbuf, Scatter's recvbuf); the root also passes
-    /// `whole` (p blocks) and exchanges block q with rank q, copying its
-    /// own.
+    /// Gather and Scatter: `mine` is every rank's block (Gather's sendbuf,
+    /// Scatter's recvbuf); the root also passes `whole` (one block per
+    /// rank).
     fn rooted_blocks(
         &self,
         py: Python<'_>,
@@ -744,19 +672,10 @@ impl PyComm {
         } else {
             ("recvbuf", "sendbuf")
         };
+        let dt = mine.dtype;
         if root != self.me() {
-            let ops = vec![P2pOp {
-                send: gather,
-                peer: root,
-                buf: mine.raw,
-            }];
-            return Ok(Prepared::new(
-                Job::Group {
-                    ops,
-                    copies: vec![],
-                },
-                vec![mine],
-            ));
+            let job = rooted_job(gather, dt, mine.raw, vec![], root);
+            return Ok(Prepared::new(job, vec![mine]));
         }
         let Some(w) = whole()? else {
             return Err(invalid(
@@ -783,26 +702,9 @@ impl PyComm {
             ));
         }
         no_overlap(py, op, &mine.raw, &w.raw)?;
-        let block = |q: usize| Raw {
-            addr: w.raw.addr + q * mine.raw.len,
-            len: mine.raw.len,
-        };
-        let ops = (0..p)
-            .filter(|&q| q != root as usize)
-            .map(|q| P2pOp {
-                send: !gather,
-                peer: q as u32,
-                buf: block(q),
-            })
-            .collect();
-        let own = block(root as usize);
-        let copies = vec![if gather {
-            (mine.raw, own)
-        } else {
-            (own, mine.raw)
-        }];
+        let job = rooted_job(gather, dt, mine.raw, split(w.raw, mine.raw.len, p), root);
         let keep = if gather { vec![mine, w] } else { vec![w, mine] };
-        Ok(Prepared::new(Job::Group { ops, copies }, keep))
+        Ok(Prepared::new(job, keep))
     }
 
     /// A raw byte range from the torch backend.
@@ -914,17 +816,113 @@ impl PyComm {
                         "{sn} elements in and {rn} out: both must be equal and split into {p} blocks"
                     )));
                 }
-                let coll = Collective::AllToAll { count: sn / p };
-                if send == recv {
-                    return Ok(Job::AllToAllInPlace { coll, dt, buf: recv });
+                in_place_or(Collective::AllToAll { count: sn / p }, send == recv)
+            }
+            "gather" | "scatter" => {
+                let root = check_root(py, kind, root, self.p())?;
+                let gather = kind == "gather";
+                // This rank's block, and the root's whole buffer.
+                let (mine, whole) = if gather { (send, recv) } else { (recv, send) };
+                if root as usize != me {
+                    return Ok(rooted_job(gather, dt, mine, vec![], root));
                 }
-                in_place_or(coll, false)
+                let (mn, wn) = (mine.len / es, whole.len / es);
+                if wn != mn * p {
+                    return Err(bad(format!(
+                        "{mn} elements per rank, so {} on the root, not {wn}",
+                        mn * p
+                    )));
+                }
+                let blocks = split(whole, mine.len, p);
+                let (sends, recvs) = if gather {
+                    (vec![mine], blocks.clone())
+                } else {
+                    (blocks.clone(), vec![mine])
+                };
+                check_apart(py, kind, &sends, &recvs, Some(if gather { (0, me) } else { (me, 0) }))?;
+                Ok(rooted_job(gather, dt, mine, blocks, root))
             }
             _ => Err(bad(
-                "unknown collective: one of all_reduce, broadcast, reduce, all_gather, reduce_scatter, all_to_all".into(),
+                "unknown collective: one of all_reduce, broadcast, reduce, all_gather, reduce_scatter, all_to_all, gather, scatter".into(),
             )),
         }
     }
+}
+
+/// The job of a Gather (`gather`: `mine` is the send block, `blocks` the
+/// root's receive blocks) or a Scatter (the other way round); `blocks` is
+/// empty off the root.
+pub(super) fn rooted_job(
+    gather: bool,
+    dt: DataType,
+    mine: Raw,
+    blocks: Vec<Raw>,
+    root: u32,
+) -> Job {
+    if gather {
+        Job::Gather {
+            dt,
+            send: mine,
+            recvs: blocks,
+            root,
+        }
+    } else {
+        Job::Scatter {
+            dt,
+            sends: blocks,
+            recv: mine,
+            root,
+        }
+    }
+}
+
+/// `whole` as `p` blocks of `block` bytes, back to back.
+pub(super) fn split(whole: Raw, block: usize, p: usize) -> Vec<Raw> {
+    (0..p)
+        .map(|q| Raw {
+            addr: whole.addr + q * block,
+            len: block,
+        })
+        .collect()
+}
+
+/// No output block shares a byte with another block of the call (inputs
+/// may overlap each other), except an input that is the very range of this
+/// rank's own output (`own`: input index, output index), which the job
+/// reads from a copy.
+pub(super) fn check_apart(
+    py: Python<'_>,
+    op: &str,
+    sends: &[Raw],
+    recvs: &[Raw],
+    own: Option<(usize, usize)>,
+) -> PyResult<()> {
+    let skip = own
+        .filter(|&(s, r)| sends.get(s).is_some_and(|x| recvs.get(r) == Some(x)))
+        .map(|(s, _)| s);
+    let mut all: Vec<(Raw, bool)> = sends
+        .iter()
+        .enumerate()
+        .filter(|&(i, _)| Some(i) != skip)
+        .map(|(_, b)| (*b, false))
+        .chain(recvs.iter().map(|b| (*b, true)))
+        .filter(|(b, _)| b.len > 0)
+        .collect();
+    all.sort_by_key(|(b, _)| b.addr);
+    let (mut end_any, mut end_out) = (0usize, 0usize);
+    for (b, out) in all {
+        if b.addr < end_out || (out && b.addr < end_any) {
+            return Err(invalid(
+                py,
+                format!("{op}: an output overlaps another buffer of the call; each output needs memory of its own"),
+            ));
+        }
+        end_any = end_any.max(b.end());
+        if out {
+            end_out = end_out.max(b.end());
+        }
+    }
+    Ok(())
 }
 
 /// Which rooted collective [`PyComm::rooted_blocks`] builds.

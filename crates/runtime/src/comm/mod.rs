@@ -9,6 +9,8 @@
 //! - [`connect`]: links on demand (those of the default collectives at
 //!   creation, the others on first use; `BRAID_CONNECT`).
 //! - [`ops`]: the typed collective API and its argument checks.
+//! - [`exchange`]: Gather, Scatter and AllToAllv, run as one group of
+//!   point-to-point operations each.
 //! - [`p2p`]: tagged point-to-point messages ([`Mailbox`]: matched by
 //!   source and tag, received from any source).
 
@@ -43,12 +45,14 @@ mod algo;
 mod config;
 mod connect;
 mod create;
+mod exchange;
 pub(crate) mod links;
 mod ops;
 mod p2p;
 mod tuning;
 
 pub use config::Config;
+pub use exchange::Blocks;
 pub(crate) use links::LinkSetup;
 use links::*;
 use ops::raw_bytes;
@@ -449,6 +453,20 @@ impl Communicator {
 
     /// Plan and run one operation over raw buffers (validated by the caller).
     fn run(&self, coll: Collective, dt: DataType, bufs: &[RawBuf]) -> Result<()> {
+        let name = coll.name();
+        self.run_named(coll, dt, bufs, name)
+    }
+
+    /// [`Communicator::run`], the operation called `name` in logs, errors
+    /// and the progress snapshot (a collective built from a group says what
+    /// it is: Gather, not Group).
+    fn run_named(
+        &self,
+        coll: Collective,
+        dt: DataType,
+        bufs: &[RawBuf],
+        name: &'static str,
+    ) -> Result<()> {
         let sh = &*self.shared;
         let mut st = self.lock()?;
         if let Some(why) = &st.broken {
@@ -459,7 +477,6 @@ impl Communicator {
         }
         let seq = st.seq;
         st.seq += 1;
-        let name = coll.name();
         let _span = info_span!("op", op = name, seq, rank = sh.rank).entered();
         let planned = self.program(&mut st, &coll, dt, Some(seq))?;
         if !planned.links.connected(&st.chans) {
@@ -731,8 +748,10 @@ impl Communicator {
     /// Run a collective in place on `buf` (see [`Communicator::run_bytes`]):
     /// AllReduce, Broadcast and Reduce use `buf` as both buffers; AllGather
     /// takes this rank's contribution from block `rank` of `buf`;
-    /// ReduceScatter leaves this rank's result in block `rank` of `buf`.
-    /// AllToAll has no in-place form.
+    /// ReduceScatter leaves this rank's result in block `rank` of `buf`;
+    /// AllToAll sends the blocks of `buf` and replaces them with the blocks
+    /// received (braid copies the send side first). Groups have no
+    /// in-place form.
     pub fn run_bytes_in_place(
         &self,
         coll: &Collective,
@@ -764,7 +783,16 @@ impl Communicator {
                 self.check_buf(coll, "buffer", b, counts[0], dt)?;
                 [b, block(recv_count)]
             }
-            Collective::AllToAll { .. } | Collective::Group(_) => {
+            Collective::AllToAll { .. } => {
+                // Blocks land before others are read: the send side is a
+                // copy (8-byte aligned, as every datatype needs).
+                self.check_buf(coll, "buffer", b, counts[1], dt)?;
+                let mut words = vec![0u64; buf.len().div_ceil(8)];
+                let copy = &mut ops::bytes_mut(&mut words)[..buf.len()];
+                copy.copy_from_slice(buf);
+                return self.run(coll.clone(), dt, &[raw_bytes(copy), b]);
+            }
+            Collective::Group(_) => {
                 return Err(Error::InvalidArgument(format!(
                     "{} has no in-place form: pass separate send and receive buffers",
                     coll.name()

@@ -1,0 +1,121 @@
+"""The braid communicator behind a process group and its backend, and the
+batching of point-to-point operations (issued together on the group's
+mailbox)."""
+
+from __future__ import annotations
+
+import datetime
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .. import _braid
+from ..errors import InvalidArgumentError
+from . import rendezvous
+from .tensors import host
+from .work import BraidWork, seconds
+
+
+class Core:
+    """One braid communicator behind a process group and its backend."""
+
+    def __init__(
+        self,
+        comm: _braid.Communicator,
+        rank: int,
+        size: int,
+        timeout: float | None,
+        mbox: _braid.Communicator,
+    ) -> None:
+        self.comm = comm
+        self.raw = comm._raw
+        self.raw_seq = comm._raw_seq
+        self.raw_blocks = comm._raw_blocks
+        # Point to point: the group's mailbox (tags, any source), on a
+        # communicator and worker of its own.
+        self.mbox = mbox
+        self.raw_tagged = mbox._raw_tagged
+        self.rank = rank
+        self.size = size
+        self.timeout = timeout
+        # Point-to-point operations not yet issued (see flush):
+        # (is_send, peer or -1 for any source, tag, address, bytes).
+        self.p2p_ops: list[tuple[bool, int, int, int, int]] = []
+        self.p2p_recvs = 0
+        self.p2p_keep: list[torch.Tensor] = []
+        self.p2p_works: list[BraidWork] = []
+        self.coalescing = False
+        self.lock = threading.RLock()
+
+    @classmethod
+    def create(
+        cls, store: dist.Store, rank: int, size: int, timeout: datetime.timedelta | None
+    ) -> Core:
+        secs = seconds(timeout)
+        comm = rendezvous.join(store, rank, size, secs)
+        # Every rank of the group creates the mailbox (a collective).
+        return cls(comm, rank, size, secs, comm._mailbox())
+
+    # ---- point-to-point batching --------------------------------------
+
+    def add_p2p(
+        self, is_send: bool, tensors: Sequence[torch.Tensor], peer: int | None, tag: Any = 0
+    ) -> BraidWork:
+        """Queue sends to / receives from `peer` (None: a receive from any
+        source) with `tag`; checked here, before anything is sent."""
+        if peer is None:
+            peer = -1
+        elif not isinstance(peer, int) or not 0 <= peer < self.size or peer == self.rank:
+            raise InvalidArgumentError(
+                f"braid: peer {peer} is not another rank of this group (0..{self.size - 1}, "
+                f"this rank is {self.rank})"
+            )
+        if isinstance(tag, bool) or not isinstance(tag, int) or not 0 <= tag < 1 << 63:
+            raise InvalidArgumentError(
+                f"braid: tag {tag!r} is not a non-negative integer (as gloo's tags)"
+            )
+        bufs = [host(t) for t in tensors]
+        with self.lock:
+            # A receive needs memory of its own within the batch.
+            for i, (addr, n) in enumerate(bufs):
+                mine = ([] if is_send else bufs[:i]) + [
+                    op[3:] for op in self.p2p_ops if not is_send or not op[0]
+                ]
+                if n and any(b and addr < a + b and a < addr + n for a, b in mine):
+                    raise InvalidArgumentError(
+                        "braid: this tensor overlaps another tensor of the point-to-point "
+                        "operations not yet run; a receive needs memory of its own"
+                    )
+            first = self.p2p_recvs
+            for t, (addr, n) in zip(tensors, bufs, strict=True):
+                self.p2p_ops.append((is_send, peer, tag, addr, n))
+                self.p2p_keep.append(t)
+            w = BraidWork(None, list(tensors), core=self)
+            if not is_send:
+                w._src_index = first
+                self.p2p_recvs += len(bufs)
+            self.p2p_works.append(w)
+        return w
+
+    def flush(self) -> _braid.Handle | None:
+        """Issue the pending point-to-point operations together, on the
+        mailbox (they run on its worker, beside the collectives)."""
+        with self.lock:
+            if not self.p2p_ops:
+                return None
+            ops, keep, works = self.p2p_ops, self.p2p_keep, self.p2p_works
+            self.p2p_ops, self.p2p_keep, self.p2p_works = [], [], []
+            self.p2p_recvs = 0
+            try:
+                h = self.raw_tagged(ops, keep)
+            except BaseException as e:
+                for w in works:  # their wait() raises it
+                    w._core = None
+                    w._exc = e
+                raise
+            for w in works:
+                w._attach(h)
+            return h
