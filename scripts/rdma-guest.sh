@@ -90,6 +90,22 @@ two() {
             die "rank $r: expected transports $want (IB across guests, shm inside)"
     done
 
+    say "matrix again, every link forced onto IB (BRAID_TRANSPORT=ib: inside a guest too)"
+    export BRAID_UNIQUE_ID=10.77.0.1:29616/$RDMA_TEST_SECRET
+    pids=()
+    for r in $mine; do
+        BRAID_RANK=$r BRAID_TRANSPORT=ib "$tr" matrix env 0 0 $sizes >/tmp/forced.$r 2>&1 &
+        pids+=($!)
+    done
+    ok=0
+    wait_all "${pids[@]}" || ok=1
+    for r in $mine; do grep -E "transports|cases" /tmp/forced.$r; done
+    [ $ok = 0 ] || { for r in $mine; do tail -20 /tmp/forced.$r; done; die "forced-IB matrix across two guests"; }
+    for r in $mine; do
+        grep -Eq "rank $r transports: (self|ib)(,(self|ib))*\$" /tmp/forced.$r ||
+            die "rank $r: a link not on IB with BRAID_TRANSPORT=ib"
+    done
+
     say "a rank killed mid-collective in the other guest: an error naming it, no hang"
     export BRAID_UNIQUE_ID=10.77.0.1:29612/$RDMA_TEST_SECRET BRAID_NRANKS=2 BRAID_TIMEOUT=60
     if [ "$node" = 0 ]; then

@@ -5,9 +5,10 @@
 #   1. one guest: the IB probe, the transport conformance suite over IB,
 #      and tests/ib.rs (3 ranks forced onto IB: every collective, Send/Recv,
 #      a rank killed mid-collective);
-#   2. two guests (two hosts): every collective on 2+2 ranks (shared memory
-#      inside a guest, IB across, chosen by braid), then a rank killed in
-#      the other guest mid-collective;
+#   2. two guests (two hosts), with the default release build: every
+#      collective on 2+2 ranks (shared memory inside a guest, IB across,
+#      chosen by braid), again with every link forced onto IB, then a rank
+#      killed in the other guest mid-collective;
 #   3. two guests: a torchrun DDP job with the Python package as users get
 #      it (the wheel scripts/test.sh built and installed in its fresh venv,
 #      BRAID_PY_VENV), braid forced onto IB, beside gloo: equal parameters.
@@ -41,8 +42,11 @@ conf=$(echo "$out" | exe tests/conformance.rs)
 out=$(cargo test -p braid-tests --test ib --no-run 2>&1) || { echo "$out"; loud "build"; }
 ibtests=$(echo "$out" | exe tests/ib.rs)
 cargo build -q -p braid-transport-ib --example ib-probe || loud "build"
+# The two-guest runs use a release build, as users run braid (and faster
+# under emulation).
+cargo build -q --release -p braid-tests --bin braid-testrank || loud "build"
 probe=target/debug/examples/ib-probe
-testrank=target/debug/braid-testrank
+testrank=target/release/braid-testrank
 for f in "$conf" "$ibtests" "$probe" "$testrank"; do
     [ -n "$f" ] && [ -x "$f" ] || loud "test binary not found after the build: '$f'"
 done
