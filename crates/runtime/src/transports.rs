@@ -110,6 +110,17 @@ impl fmt::Display for Off {
     }
 }
 
+impl From<braid_core::error::CoreError> for Off {
+    /// A transport's own "transport X unavailable: why" becomes "why" (the
+    /// table already names the transport).
+    fn from(e: braid_core::error::CoreError) -> Off {
+        match e {
+            braid_core::error::CoreError::Unavailable { reason, .. } => Off::Unavailable(reason),
+            e => Off::Unavailable(e.to_string()),
+        }
+    }
+}
+
 const FOR_DEVICES: &str = "serves device communicators (CudaComm)";
 const FOR_HOSTS: &str = "serves host communicators";
 
@@ -164,7 +175,7 @@ impl TransportTable {
                     );
                     AnyTransport::Socket(t)
                 })
-                .map_err(|e| Off::Unavailable(e.to_string())),
+                .map_err(Off::from),
         };
         entries.push((TransportKind::Socket, socket));
         let table = TransportTable::new(entries);
@@ -191,7 +202,7 @@ impl TransportTable {
             }
             Err(e) => {
                 warn_rdma_unused(std::path::Path::new(braid_transport_ib::probe::SYSFS_CLASS));
-                Err(Off::Unavailable(e.to_string()))
+                Err(Off::from(e))
             }
         }
     }
