@@ -25,7 +25,7 @@ use super::peer::{Ask, ExchangeError, Peers, RootWatch};
 use super::wire::{
     client_mac, contrib_header, ct_eq, decode_addr, encode_addr, hello_header, parse_challenge,
     read_frame_with, root_mac, ChallengeError, FrameBuf, FrameError, HelloFixed, K_ACCEPT, K_ERROR,
-    K_LEFT, K_RING, MAX_PAYLOAD, MAX_RANKS, NONCE_LEN, V1_CHALLENGE_LEN_LE, VERSION,
+    K_LEFT, K_RING, MAX_PAYLOAD, MAX_RANKS, NONCE_LEN, VERSION,
 };
 use super::{fmt_dur, grace, remaining, MAX_TIMEOUT};
 use crate::error::{Error, Result};
@@ -230,13 +230,6 @@ impl<'a> Wire<'a> {
         match read_frame_with(|b| self.read_exact(b, deadline)) {
             Ok(f) => Ok(f),
             Err(FrameError::Io(e)) => Err(self.io_error(e, what)),
-            Err(FrameError::Length(n)) if n == V1_CHALLENGE_LEN_LE => {
-                Err(Error::Bootstrap(format!(
-                    "bootstrap protocol version mismatch: the root at {} speaks v1 (an older \
-                     braid), this rank v{VERSION}; all ranks must run the same braid version",
-                    self.root
-                )))
-            }
             Err(FrameError::Length(n)) => Err(Error::Bootstrap(format!(
                 "the peer at {} does not speak the braid bootstrap protocol (frame length {n}) \
                  while {what}; is the unique id's address really a braid root?",
@@ -345,13 +338,8 @@ fn handshake(
 }
 
 impl Bootstrap {
-    /// Joins the bootstrap at `id`: connects to the root (retrying while it
-    /// is not up yet, or while it closes the connection before accepting
-    /// this rank), proves the secret, and waits until all `nranks` ranks
-    /// have joined. Returns every rank's `payload` in rank order.
-    ///
-    /// Fails within about `timeout` with an error naming the root or the
-    /// ranks concerned.
+    /// [`Bootstrap::connect_abortable`] without an abort flag; only the
+    /// tests join this way.
     #[cfg(test)]
     pub(crate) fn connect(
         id: &UniqueId,
@@ -363,8 +351,14 @@ impl Bootstrap {
         Self::connect_abortable(id, rank, nranks, payload, timeout, None)
     }
 
-    /// [`Bootstrap::connect`] that gives up within about 50 ms once `abort`
-    /// is set (from any thread), here and in every later round.
+    /// Joins the bootstrap at `id`: connects to the root (retrying while it
+    /// is not up yet, or while it closes the connection before accepting
+    /// this rank), proves the secret, and waits until all `nranks` ranks
+    /// have joined. Returns every rank's `payload` in rank order.
+    ///
+    /// Fails within about `timeout` with an error naming the root or the
+    /// ranks concerned, and within about 50 ms once `abort` is set (from
+    /// any thread), here and in every later round.
     pub(crate) fn connect_abortable(
         id: &UniqueId,
         rank: u32,

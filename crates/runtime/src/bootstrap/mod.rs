@@ -78,9 +78,10 @@
 //! connects again, within its own deadline.
 //!
 //! Every wait has a deadline: the `timeout` given to [`RootServer::spawn`]
-//! and [`Bootstrap::connect`]. Between rounds the root waits without a
-//! deadline (the ranks may compute for as long as they like); it ends as
-//! soon as a rank disconnects.
+//! and [`Bootstrap::connect_abortable`] (communicator creation's way in;
+//! `Bootstrap::connect`, the same without an abort flag, is the tests').
+//! Between rounds the root waits without a deadline (the ranks may compute
+//! for as long as they like); it ends as soon as a rank disconnects.
 
 use std::time::{Duration, Instant};
 

@@ -40,8 +40,8 @@ use super::warnings::Warnings;
 pub(crate) use super::warnings::{Level, LogLine};
 use super::wire::{
     accept_frame, challenge_frame, error_frame, frame_header, hello_prefix, left_frame,
-    parse_contrib, parse_hello, root_mac, v1_error_frame, FrameBuf, HelloError, HelloFixed,
-    HELLO_PREFIX, K_CONTRIB, K_RING, MAX_FRAME, MAX_RANKS, NONCE_LEN, READ_CHUNK, VERSION,
+    parse_contrib, parse_hello, root_mac, FrameBuf, HelloError, HelloFixed, HELLO_PREFIX,
+    K_CONTRIB, K_RING, MAX_FRAME, MAX_RANKS, NONCE_LEN, READ_CHUNK, VERSION,
 };
 use super::{fmt_dur, fmt_ranks};
 
@@ -619,10 +619,6 @@ impl Rendezvous {
             HelloError::Version(v) => {
                 let msg = mismatch(v);
                 self.reject(now, conn, &msg, Some(error_frame(&msg)));
-            }
-            HelloError::V1 => {
-                let msg = mismatch(1);
-                self.reject(now, conn, &msg, Some(v1_error_frame(&msg)));
             }
             HelloError::Truncated => self.reject(now, conn, "truncated hello", None),
         }

@@ -5,8 +5,10 @@
 //! Every message is a frame: a little-endian `u32` length `n` (at most
 //! [`MAX_FRAME`]), then `n` bytes: one kind byte and the body. Integers in
 //! bodies are little-endian too and are read with [`braid_core::wire::Reader`].
-//! Protocol v1 was big-endian; a v1 peer is recognised so that it can be told
-//! to upgrade ([`HelloError::V1`], [`v1_error_frame`]).
+//! A peer of another protocol version that frames the same way (v2 and
+//! later) is told the versions ([`HelloError::Version`],
+//! [`ChallengeError::Version`]); v1's big-endian framing, never released, is
+//! refused as a bad frame length like any other stranger.
 
 use std::io;
 
@@ -175,16 +177,6 @@ pub(crate) fn error_frame(msg: &str) -> Vec<u8> {
 pub(crate) fn left_frame(msg: &str) -> Vec<u8> {
     let m = cut_message(msg);
     let mut v = frame_header(K_LEFT, m.len()).to_vec();
-    v.extend_from_slice(m);
-    v
-}
-
-/// An `ERROR` frame as a protocol v1 (big-endian) client reads it, to tell
-/// an old rank that it must upgrade.
-pub(crate) fn v1_error_frame(msg: &str) -> Vec<u8> {
-    let m = cut_message(msg);
-    let mut v = ((m.len() + 1) as u32).to_be_bytes().to_vec();
-    v.push(K_ERROR);
     v.extend_from_slice(m);
     v
 }
@@ -405,9 +397,6 @@ pub(crate) enum HelloError {
     Magic,
     /// Another protocol version (the rank should be told).
     Version(u32),
-    /// A hello of protocol v1 (big-endian): an older braid, to be told in
-    /// its own framing ([`v1_error_frame`]).
-    V1,
     /// Shorter than a hello's fixed part.
     Truncated,
 }
@@ -481,24 +470,6 @@ fn hello_fixed(kind: u8, body_len: usize, avail: &[u8]) -> Result<Option<HelloFi
     }))
 }
 
-/// The v1 (big-endian) verdict on a first frame whose little-endian length
-/// is invalid: `Some(true)` a v1 hello, `Some(false)` not one, `None` not
-/// enough bytes yet. v1 framed a length in big-endian, then the kind, the
-/// magic and a big-endian version 1.
-fn v1_hello(buf: &[u8]) -> Option<bool> {
-    let len: [u8; 4] = buf.get(..4)?.try_into().ok()?;
-    let n = u32::from_be_bytes(len) as usize;
-    if !(13..=MAX_FRAME).contains(&n) {
-        return Some(false);
-    }
-    let want: Vec<u8> = [&[K_HELLO][..], &MAGIC, &1u32.to_be_bytes()].concat();
-    let got = &buf[4..buf.len().min(4 + want.len())];
-    if got != &want[..got.len()] {
-        return Some(false);
-    }
-    (got.len() == want.len()).then_some(true)
-}
-
 /// Decodes the start of a connection's byte stream as a hello frame, as far
 /// as the bytes go (at most [`HELLO_PREFIX`] of them matter).
 pub(crate) fn hello_prefix(buf: &[u8]) -> Result<Option<HelloFixed>, HelloError> {
@@ -506,11 +477,7 @@ pub(crate) fn hello_prefix(buf: &[u8]) -> Result<Option<HelloFixed>, HelloError>
         return Ok(None);
     };
     if n == 0 || n > MAX_FRAME {
-        return match v1_hello(buf) {
-            None => Ok(None),
-            Some(true) => Err(HelloError::V1),
-            Some(false) => Err(HelloError::Length(n)),
-        };
+        return Err(HelloError::Length(n));
     }
     let Some(&kind) = buf.get(4) else {
         return Ok(None);
@@ -562,10 +529,6 @@ pub(crate) fn parse_challenge(kind: u8, body: &[u8]) -> Result<[u8; NONCE_LEN], 
     }
     Ok(nonce)
 }
-
-/// The length field of a v1 (big-endian) challenge as this version reads
-/// it: how a client recognises a root of protocol v1.
-pub(crate) const V1_CHALLENGE_LEN_LE: usize = u32::from_le_bytes(45u32.to_be_bytes()) as usize;
 
 /// Checks one `DATA` frame of round `round` that must come from rank `want`;
 /// returns its data, or what arrived instead.
@@ -675,10 +638,10 @@ mod tests {
     }
 
     /// Integers are little-endian since v2 (v3 moved the rounds onto a
-    /// ring of ranks); a v1 (big-endian) hello is recognised as such, byte
-    /// by byte, and nothing else is taken for one.
+    /// ring of ranks); a big-endian (v1-framed) hello is refused by its
+    /// length as soon as the length is in, like any frame of a stranger.
     #[test]
-    fn little_endian_and_v1_recognised() {
+    fn little_endian_and_big_endian_refused() {
         assert_eq!(VERSION, 3);
         let f = challenge_frame(&[9; NONCE_LEN]);
         assert_eq!(&f[..5], &[45, 0, 0, 0, K_CHALLENGE]);
@@ -701,23 +664,13 @@ mod tests {
         v1.extend_from_slice(&1u32.to_be_bytes());
         v1.extend_from_slice(&[0; 80]);
         for k in 0..v1.len() {
-            let r = hello_prefix(&v1[..k]);
-            if k < 17 {
-                assert_eq!(r, Ok(None), "at {k}");
+            let want = if k < 4 {
+                Ok(None)
             } else {
-                assert_eq!(r, Err(HelloError::V1), "at {k}");
-            }
+                Err(HelloError::Length(0x5d00_0000))
+            };
+            assert_eq!(hello_prefix(&v1[..k]), want, "at {k}");
         }
-        let mut not_v1 = v1.clone();
-        not_v1[16] = 3;
-        assert_eq!(hello_prefix(&not_v1), Err(HelloError::Length(0x5d00_0000)));
-        // v1 clients read the error in their framing.
-        let e = v1_error_frame("upgrade");
-        assert_eq!(&e[..5], &[0, 0, 0, 8, K_ERROR]);
-        assert_eq!(
-            V1_CHALLENGE_LEN_LE,
-            frame_len(&45u32.to_be_bytes()).unwrap()
-        );
     }
 
     /// Rank-to-rank frames: proved with the secret, bound to their kind,
