@@ -14,7 +14,7 @@
 use std::ffi::c_void;
 use std::sync::{Arc, Mutex};
 
-use braid::braid_cuda::{CudaStream, DeviceBuffer};
+use braid::cuda::{CudaStream, DeviceBuffer};
 use braid::{CudaComm, DataType};
 
 use crate::work::Job;

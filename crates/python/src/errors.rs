@@ -6,8 +6,7 @@
 //! classified here, without the GIL (operations complete on a stream's
 //! thread), and becomes an exception once it reaches Python.
 
-use braid::Error;
-use braid_core::CoreError;
+use braid::{Error, ErrorKind};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
@@ -53,11 +52,6 @@ pub(crate) struct ErrInfo {
     pub seq: Option<u64>,
 }
 
-/// The phrase braid's mismatch detection puts in every mismatch report
-/// (`fingerprint::check`); a peer that aborted because of a mismatch relays
-/// that report as its reason.
-const MISMATCH: &str = "every rank must issue the same operations";
-
 impl ErrInfo {
     pub(crate) fn new(kind: Kind, msg: impl Into<String>) -> ErrInfo {
         ErrInfo {
@@ -74,27 +68,21 @@ impl ErrInfo {
         ErrInfo::new(Kind::InvalidArgument, msg)
     }
 
-    /// Classify one of braid's errors.
+    /// Classify one of braid's errors (by its [`braid::ErrorKind`]).
     pub(crate) fn from_braid(e: &Error) -> ErrInfo {
-        let msg = e.to_string();
-        let (kind, peer) = match e {
-            Error::InvalidArgument(_) => (Kind::InvalidArgument, None),
-            Error::Env(_) | Error::Config(_) | Error::Topology(_) => (Kind::Config, None),
-            Error::Bootstrap(m) if is_timeout(m) => (Kind::Timeout, None),
-            Error::BootstrapIo { source, .. }
-                if source.kind() == std::io::ErrorKind::TimedOut
-                    || source.kind() == std::io::ErrorKind::WouldBlock =>
-            {
-                (Kind::Timeout, None)
-            }
-            Error::Bootstrap(_) | Error::BootstrapIo { .. } => (Kind::Bootstrap, None),
-            Error::Operation { source, .. } | Error::Core(source) => core_kind(source),
-            Error::Cuda(_) => (Kind::Cuda, None),
-            Error::Unusable(_) => (Kind::Unusable, None),
-            _ => (Kind::Other, None),
+        let kind = match e.kind() {
+            ErrorKind::InvalidArgument => Kind::InvalidArgument,
+            ErrorKind::Config => Kind::Config,
+            ErrorKind::Bootstrap => Kind::Bootstrap,
+            ErrorKind::Timeout => Kind::Timeout,
+            ErrorKind::PeerFailed => Kind::PeerFailed,
+            ErrorKind::Mismatch => Kind::Mismatch,
+            ErrorKind::Unusable => Kind::Unusable,
+            ErrorKind::Cuda => Kind::Cuda,
+            _ => Kind::Other,
         };
-        let mut info = ErrInfo::new(kind, msg);
-        info.peer = peer;
+        let mut info = ErrInfo::new(kind, e.to_string());
+        info.peer = e.peer();
         if let Error::Operation { rank, op, seq, .. } = e {
             info.rank = Some(*rank);
             info.op = Some(op.clone());
@@ -121,28 +109,6 @@ impl ErrInfo {
         kwargs.set_item("seq", self.seq)?;
         let exc = class.call((self.msg.as_str(),), Some(&kwargs))?;
         Ok(PyErr::from_value(exc))
-    }
-}
-
-fn is_timeout(m: &str) -> bool {
-    m.contains("timed out") || m.contains("timeout")
-}
-
-fn core_kind(c: &CoreError) -> (Kind, Option<u32>) {
-    match c {
-        CoreError::InvalidArgument(_) => (Kind::InvalidArgument, None),
-        CoreError::Timeout { peer, .. } => (Kind::Timeout, Some(*peer)),
-        CoreError::Peer { peer, .. } => (Kind::PeerFailed, Some(*peer)),
-        CoreError::PeerAborted { peer, reason, .. } if reason.contains(MISMATCH) => {
-            (Kind::Mismatch, Some(*peer))
-        }
-        CoreError::PeerAborted { peer, .. } => (Kind::PeerFailed, Some(*peer)),
-        CoreError::Protocol { peer, detail } if detail.contains(MISMATCH) => {
-            (Kind::Mismatch, Some(*peer))
-        }
-        CoreError::Protocol { peer, .. } => (Kind::PeerFailed, Some(*peer)),
-        CoreError::Aborted(_) => (Kind::Unusable, None),
-        _ => (Kind::Other, c.peer()),
     }
 }
 

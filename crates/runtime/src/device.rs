@@ -501,12 +501,55 @@ impl CudaComm {
     }
 
     /// Enqueue `coll` on `stream` over device buffers holding elements of
-    /// `dt` and return at once. Sizes follow [`Collective::buffer_counts`];
+    /// `dt` and return at once. Sizes follow [`crate::Collective::buffer_counts`];
     /// on non-root ranks a Broadcast's `send` and a Reduce's `recv` are not
     /// used (pass any buffer). Pass the same buffer twice for AllReduce,
     /// Broadcast and Reduce in place. The buffers stay allocated until the
     /// operation is done; the result is in `recv` once `stream` passes it.
     pub fn run(
+        &self,
+        coll: &crate::Collective,
+        dt: DataType,
+        send: &Arc<DeviceBuffer>,
+        recv: &Arc<DeviceBuffer>,
+        stream: &CudaStream,
+    ) -> Result<()> {
+        self.run_plan(&coll.plan(), dt, send, recv, stream)
+    }
+
+    /// Send `count` elements of `dt` from `send` to rank `to` and receive
+    /// as many from rank `from` into `recv`, enqueued on `stream` like
+    /// [`CudaComm::run`] (one group of two point-to-point operations; `to`
+    /// and `from` must make the same call with this rank as `from` and `to`).
+    #[allow(clippy::too_many_arguments)]
+    pub fn send_recv(
+        &self,
+        send: &Arc<DeviceBuffer>,
+        to: u32,
+        recv: &Arc<DeviceBuffer>,
+        from: u32,
+        count: usize,
+        dt: DataType,
+        stream: &CudaStream,
+    ) -> Result<()> {
+        use braid_core::plan::{P2p, P2pKind};
+        let group = Collective::Group(vec![
+            P2p {
+                kind: P2pKind::Send,
+                peer: to,
+                count,
+            },
+            P2p {
+                kind: P2pKind::Recv,
+                peer: from,
+                count,
+            },
+        ]);
+        self.run_plan(&group, dt, send, recv, stream)
+    }
+
+    /// [`CudaComm::run`] with the planner's description (a group too).
+    fn run_plan(
         &self,
         coll: &Collective,
         dt: DataType,
@@ -570,7 +613,7 @@ impl CudaComm {
         op: RedOp,
         stream: &CudaStream,
     ) -> Result<()> {
-        self.run(&Collective::AllReduce { count, op }, dt, send, recv, stream)
+        self.run_plan(&Collective::AllReduce { count, op }, dt, send, recv, stream)
     }
 
     fn enqueue(

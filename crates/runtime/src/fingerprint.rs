@@ -14,6 +14,10 @@
 use braid_core::plan::{Collective, P2pKind, Program};
 use braid_core::{DataType, RedOp};
 
+/// The phrase in every mismatch report; a peer that aborted because of a
+/// mismatch relays the report as its reason ([`crate::ErrorKind::Mismatch`]).
+pub(crate) const MISMATCH: &str = "every rank must issue the same operations";
+
 /// Bytes of one header (one slot message of its own).
 pub const HEADER_BYTES: usize = 32;
 const MAGIC: [u8; 4] = *b"BRHD";
@@ -285,7 +289,7 @@ pub fn check(peer: u32, me: u32, got: &[u8], want: &OpHeader) -> Result<(), Stri
         return Ok(());
     }
     Err(format!(
-        "rank {peer} called {} where rank {me} called {}: every rank must issue the same operations, with the same counts, datatypes, operators and roots, in the same order",
+        "rank {peer} called {} where rank {me} called {}: {MISMATCH}, with the same counts, datatypes, operators and roots, in the same order",
         theirs.describe(),
         want.describe()
     ))

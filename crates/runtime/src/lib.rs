@@ -15,6 +15,7 @@
 //! runs plans, the communicator and streams.
 
 mod bootstrap;
+mod collective;
 mod comm;
 mod device;
 mod engine;
@@ -33,16 +34,22 @@ mod topology;
 mod transports;
 
 pub use bootstrap::{RootServer, UniqueId};
-pub use braid_core::plan::Collective;
-pub use braid_core::topo::Plan as TopologyPlan;
 pub use braid_core::types::{bf16, f16, DataType, Element, RedOp};
-pub use braid_cuda;
 pub use braid_transport_shm::HostBuffer;
+pub use collective::Collective;
 pub use comm::{Blocks, Communicator, Config, Group, MailBatch, Mailbox};
 pub use device::CudaComm;
-pub use error::{Error, Result};
+pub use error::{Error, ErrorKind, Result};
 pub use progress::{dump as dump_pending, Running, Snapshot, Waiting};
 pub use stream::{Handle, Stream};
+
+/// The CUDA types a [`CudaComm`] works with: the device it was made on
+/// ([`CudaComm::device`]), buffers in its memory and the streams that
+/// operations are enqueued on. Without CUDA every constructor answers
+/// "CUDA unavailable: ...".
+pub mod cuda {
+    pub use braid_cuda::{CudaError, CudaStream, Device, DeviceBuffer};
+}
 
 /// Unstable internals for braid's own tools, tests and fuzzers (the wire
 /// decoders, launch-environment parsing). Not part of the library's API:

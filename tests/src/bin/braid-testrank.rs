@@ -94,8 +94,7 @@ fn prepare(
 ) -> Result<Prepared, String> {
     let (r, p) = (comm.rank() as usize, comm.nranks() as usize);
     let root = (n % p) as u32;
-    let counts = kind
-        .collective(n, op, root)
+    let counts = collective(kind, n, op, root)
         .buffer_counts(p as u32)
         .map_err(|e| e.to_string())?;
     let input = gen(dt, op, r, counts[0]);
@@ -111,6 +110,22 @@ fn prepare(
     Ok(Prepared { input, expect })
 }
 
+/// The collective of `kind` as braid's API takes it (the reference's
+/// [`Kind::collective`] is the planner's description).
+fn collective(kind: Kind, count: usize, op: RedOp, root: u32) -> Collective {
+    match kind {
+        Kind::AllReduce => Collective::AllReduce { count, op },
+        Kind::ReduceScatter => Collective::ReduceScatter {
+            recv_count: count,
+            op,
+        },
+        Kind::AllGather => Collective::AllGather { send_count: count },
+        Kind::Broadcast => Collective::Broadcast { count, root },
+        Kind::Reduce => Collective::Reduce { count, op, root },
+        Kind::AllToAll => Collective::AllToAll { count },
+    }
+}
+
 /// Run one case; `Err` describes a wrong result or an operation error.
 fn case(
     comm: &Communicator,
@@ -124,7 +139,7 @@ fn case(
     let (r, p) = (comm.rank() as usize, comm.nranks() as usize);
     let es = dt.size();
     let root = (n % p) as u32;
-    let c = kind.collective(n, op, root);
+    let c = collective(kind, n, op, root);
     let counts = c.buffer_counts(p as u32).map_err(|e| e.to_string())?;
     let input = &prep.input;
     let (got, untouched): (Vec<u8>, Option<Vec<u8>>) = if in_place {
@@ -490,11 +505,10 @@ fn main() -> ExitCode {
     // One line the multi-host tests read: the transport to each peer.
     println!("rank {rank} transports: {}", comm.transports().join(","));
     println!("rank {rank} oversubscribed: {}", comm.oversubscribed());
-    let plan = comm.topology_plan();
     println!(
         "rank {rank} ring: {:?} nic: {}",
         comm.ring(),
-        plan.nearest_nic[rank as usize].as_deref().unwrap_or("-")
+        comm.nic().unwrap_or("-")
     );
     let extra: Vec<usize> = args[5..].iter().filter_map(|s| s.parse().ok()).collect();
     match args[1].as_str() {

@@ -6,7 +6,6 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use braid::{Collective, Communicator, CudaComm, DataType, RedOp};
-use braid_core::plan::{P2p, P2pKind};
 use braid_core::reference::{self, GARBAGE};
 
 use crate::cli::{Average, Bench, Opts, RootSel, Step, Timing};
@@ -344,25 +343,14 @@ fn download(
 /// Enqueue one operation of `shape` on the GPU buffers (out of place).
 fn exec_dev(d: &DevState, comm: &Communicator, case: &Case, shape: &Shape) -> braid::Result<()> {
     let (p, r) = (comm.nranks(), comm.rank());
-    let coll = match &shape.coll {
-        Some(c) => c.clone(),
+    match &shape.coll {
+        Some(c) => d.cc.run(c, case.dt, &d.send, &d.recv, &d.stream),
         None => {
+            let (to, from) = ((r + 1) % p, (r + p - 1) % p);
             let n = shape.count as usize;
-            Collective::Group(vec![
-                P2p {
-                    kind: P2pKind::Send,
-                    peer: (r + 1) % p,
-                    count: n,
-                },
-                P2p {
-                    kind: P2pKind::Recv,
-                    peer: (r + p - 1) % p,
-                    count: n,
-                },
-            ])
+            d.cc.send_recv(&d.send, to, &d.recv, from, n, case.dt, &d.stream)
         }
-    };
-    d.cc.run(&coll, case.dt, &d.send, &d.recv, &d.stream)
+    }
 }
 
 /// Ask for transparent huge pages on the page-aligned interior of `v`

@@ -751,10 +751,15 @@ impl Communicator {
     /// The algorithm this communicator runs (or ran) for `coll` on `dt`,
     /// as `BRAID_ALGO` names it (`ring`, `rd`, `hier(rabenseifner)`, …),
     /// with what decided it (`forced`, `rule`, `model`, `timed` or `default`); `None`
-    /// for operations without a choice (AllToAll, groups) or when the
+    /// for operations without a choice (AllToAll) or when the
     /// choice would need the network measured first (call the operation
     /// once). Asks no other rank.
-    pub fn algorithm(&self, coll: &Collective, dt: DataType) -> Option<(String, &'static str)> {
+    pub fn algorithm(
+        &self,
+        coll: &crate::Collective,
+        dt: DataType,
+    ) -> Option<(String, &'static str)> {
+        let coll = &coll.plan();
         let st = self.lock().ok()?;
         if let Some((c, d, p)) = &st.last {
             if c == coll && *d == dt {

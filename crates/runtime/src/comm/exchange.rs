@@ -175,7 +175,7 @@ impl Communicator {
     /// (braid copies the send side first).
     pub fn all_to_all_in_place<T: Element>(&self, buf: &mut [T]) -> Result<()> {
         let count = self.block_count("AllToAll", buf.len())?;
-        self.run_bytes_in_place(&Collective::AllToAll { count }, T::DTYPE, bytes_mut(buf))
+        self.run_coll_bytes_in_place(&Collective::AllToAll { count }, T::DTYPE, bytes_mut(buf))
     }
 
     /// Gather on byte slices holding elements of `dt` (the untyped form,

@@ -262,11 +262,12 @@ impl Communicator {
         self.shared.progress.snapshot()
     }
 
-    /// The topology plan this communicator was built from: the transport of
-    /// every rank pair and the ring of every channel (the engine runs
-    /// channel 0's ring).
-    pub fn topology_plan(&self) -> &braid_core::topo::Plan {
-        &self.shared.topo_plan
+    /// The network port this rank leaves and enters its host by (the one
+    /// nearest its GPU, the first when it uses several), as the topology
+    /// names it (`mlx5_0`, `eth0`, ...); `None` when it has none.
+    pub fn nic(&self) -> Option<&str> {
+        let plan = &self.shared.topo_plan;
+        plan.nearest_nic.get(self.shared.rank as usize)?.as_deref()
     }
 
     /// The fused topology (ranks placed without GPUs) and the environment's
@@ -441,7 +442,7 @@ impl Communicator {
     /// the others.
     pub fn barrier(&self) -> Result<()> {
         let (send, mut recv) = ([0u8], [0u8]);
-        self.run_bytes(&Collective::Barrier, DataType::U8, &send, &mut recv)
+        self.run_coll_bytes(&Collective::Barrier, DataType::U8, &send, &mut recv)
     }
 
     fn lock(&self) -> Result<OpGuard<'_, State>> {
@@ -718,9 +719,20 @@ impl Communicator {
 
     /// Run a collective described by `coll` on byte buffers holding elements
     /// of `dt` (the untyped API, like NCCL's `void*` + datatype). Buffer sizes
-    /// follow [`Collective::buffer_counts`]; on non-root ranks a Broadcast's
+    /// follow [`crate::Collective::buffer_counts`]; on non-root ranks a Broadcast's
     /// `send` and a Reduce's `recv` are not used and may be empty.
     pub fn run_bytes(
+        &self,
+        coll: &crate::Collective,
+        dt: DataType,
+        send: &[u8],
+        recv: &mut [u8],
+    ) -> Result<()> {
+        self.run_coll_bytes(&coll.plan(), dt, send, recv)
+    }
+
+    /// [`Communicator::run_bytes`] with the planner's description.
+    pub(super) fn run_coll_bytes(
         &self,
         coll: &Collective,
         dt: DataType,
@@ -750,9 +762,18 @@ impl Communicator {
     /// takes this rank's contribution from block `rank` of `buf`;
     /// ReduceScatter leaves this rank's result in block `rank` of `buf`;
     /// AllToAll sends the blocks of `buf` and replaces them with the blocks
-    /// received (braid copies the send side first). Groups have no
-    /// in-place form.
+    /// received (braid copies the send side first).
     pub fn run_bytes_in_place(
+        &self,
+        coll: &crate::Collective,
+        dt: DataType,
+        buf: &mut [u8],
+    ) -> Result<()> {
+        self.run_coll_bytes_in_place(&coll.plan(), dt, buf)
+    }
+
+    /// [`Communicator::run_bytes_in_place`] with the planner's description.
+    pub(super) fn run_coll_bytes_in_place(
         &self,
         coll: &Collective,
         dt: DataType,

@@ -68,7 +68,7 @@ impl Communicator {
             count: send.len(),
             op,
         };
-        self.run_bytes(&coll, T::DTYPE, bytes(send), bytes_mut(recv))
+        self.run_coll_bytes(&coll, T::DTYPE, bytes(send), bytes_mut(recv))
     }
 
     /// AllReduce in place.
@@ -77,7 +77,7 @@ impl Communicator {
             count: buf.len(),
             op,
         };
-        self.run_bytes_in_place(&coll, T::DTYPE, bytes_mut(buf))
+        self.run_coll_bytes_in_place(&coll, T::DTYPE, bytes_mut(buf))
     }
 
     /// ReduceScatter: `send` holds `nranks · n` elements, `recv` receives the
@@ -87,7 +87,7 @@ impl Communicator {
             recv_count: recv.len(),
             op,
         };
-        self.run_bytes(&coll, T::DTYPE, bytes(send), bytes_mut(recv))
+        self.run_coll_bytes(&coll, T::DTYPE, bytes(send), bytes_mut(recv))
     }
 
     /// ReduceScatter in place: `buf` holds `nranks · n` elements; the result
@@ -95,7 +95,7 @@ impl Communicator {
     pub fn reduce_scatter_in_place<T: Element>(&self, buf: &mut [T], op: RedOp) -> Result<()> {
         let recv_count = self.block_count("ReduceScatter", buf.len())?;
         let coll = Collective::ReduceScatter { recv_count, op };
-        self.run_bytes_in_place(&coll, T::DTYPE, bytes_mut(buf))
+        self.run_coll_bytes_in_place(&coll, T::DTYPE, bytes_mut(buf))
     }
 
     /// AllGather: `recv` receives every rank's `send`, in rank order.
@@ -103,7 +103,7 @@ impl Communicator {
         let coll = Collective::AllGather {
             send_count: send.len(),
         };
-        self.run_bytes(&coll, T::DTYPE, bytes(send), bytes_mut(recv))
+        self.run_coll_bytes(&coll, T::DTYPE, bytes(send), bytes_mut(recv))
     }
 
     /// AllGather in place: this rank's contribution is already in block
@@ -111,7 +111,7 @@ impl Communicator {
     pub fn all_gather_in_place<T: Element>(&self, buf: &mut [T]) -> Result<()> {
         let send_count = self.block_count("AllGather", buf.len())?;
         let coll = Collective::AllGather { send_count };
-        self.run_bytes_in_place(&coll, T::DTYPE, bytes_mut(buf))
+        self.run_coll_bytes_in_place(&coll, T::DTYPE, bytes_mut(buf))
     }
 
     /// Broadcast in place: the root's `buf` is copied to every rank's `buf`.
@@ -120,7 +120,7 @@ impl Communicator {
             count: buf.len(),
             root,
         };
-        self.run_bytes_in_place(&coll, T::DTYPE, bytes_mut(buf))
+        self.run_coll_bytes_in_place(&coll, T::DTYPE, bytes_mut(buf))
     }
 
     /// Broadcast out of place: `send` is read on the root only (other ranks
@@ -130,7 +130,7 @@ impl Communicator {
             count: recv.len(),
             root,
         };
-        self.run_bytes(&coll, T::DTYPE, bytes(send), bytes_mut(recv))
+        self.run_coll_bytes(&coll, T::DTYPE, bytes(send), bytes_mut(recv))
     }
 
     /// Reduce to `root`: the root's `recv` receives the reduction of every
@@ -147,7 +147,7 @@ impl Communicator {
             op,
             root,
         };
-        self.run_bytes(&coll, T::DTYPE, bytes(send), bytes_mut(recv))
+        self.run_coll_bytes(&coll, T::DTYPE, bytes(send), bytes_mut(recv))
     }
 
     /// Reduce in place: the root's `buf` receives the result; other ranks'
@@ -158,14 +158,14 @@ impl Communicator {
             op,
             root,
         };
-        self.run_bytes_in_place(&coll, T::DTYPE, bytes_mut(buf))
+        self.run_coll_bytes_in_place(&coll, T::DTYPE, bytes_mut(buf))
     }
 
     /// AllToAll: block `j` of `send` goes to rank `j`, landing in block
     /// `rank` of its `recv`. Both hold `nranks · n` elements.
     pub fn all_to_all<T: Element>(&self, send: &[T], recv: &mut [T]) -> Result<()> {
         let count = self.block_count("AllToAll", send.len())?;
-        self.run_bytes(
+        self.run_coll_bytes(
             &Collective::AllToAll { count },
             T::DTYPE,
             bytes(send),
