@@ -108,11 +108,6 @@ struct StreamMode {
     shared: Arc<Shared>,
 }
 
-/// Which engine: `BRAID_CUDA_ENGINE` (`stream`, `proxy`, or unset: auto).
-fn engine_from_env() -> Result<Option<bool>> {
-    parse_engine(std::env::var("BRAID_CUDA_ENGINE").ok())
-}
-
 /// `Some(true)`: stream forced, `Some(false)`: proxy forced, `None`: auto.
 fn parse_engine(v: Option<String>) -> Result<Option<bool>> {
     match v {
@@ -216,7 +211,7 @@ impl CudaComm {
     pub fn new(comm: &Communicator) -> Result<CudaComm> {
         let rank = comm.rank();
         let nranks = comm.nranks();
-        let host = crate::topology::host_id();
+        let host = crate::topology::host_id(comm.settings().host_id.as_deref());
         // Round 1: who has CUDA, and the host of each rank (local ranks).
         let probe = braid_cuda::probe();
         let why = match &probe {
@@ -337,7 +332,9 @@ impl CudaComm {
         };
 
         // Stream mode needs every link of every rank to be a device ring.
-        let forced = engine_from_env()?;
+        // Which engine: `BRAID_CUDA_ENGINE` (`stream`, `proxy`, or unset:
+        // auto), from the host communicator's settings.
+        let forced = parse_engine(comm.settings().cuda_engine.clone())?;
         let rings = Rings::of(&chans, rank, nranks);
         let can = forced != Some(false) && rings.is_some();
         let all = comm.allgather_bytes(&[can as u8])?;

@@ -50,7 +50,7 @@ pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(120);
 /// Reads `BRAID_TIMEOUT` (seconds, fractions allowed, e.g. `2.5`); the
 /// default is [`DEFAULT_TIMEOUT`] (120 s).
 pub fn timeout_from_env() -> Result<Duration> {
-    timeout_from_vars(real_env)
+    timeout_from_vars(braid_core::config::process_env)
 }
 
 /// [`timeout_from_env`] over any variable source. Accepts 1 ms to a year;
@@ -80,34 +80,22 @@ pub fn timeout_from_vars(get: impl Fn(&str) -> Option<String>) -> Result<Duratio
     }
 }
 
-fn real_env(name: &str) -> Option<String> {
-    std::env::var(name).ok()
-}
+/// The value of `name` through `get`, trimmed; empty counts as unset.
+use braid_core::config::value as var;
 
-/// A variable's value, trimmed; empty counts as unset.
-fn var(get: &impl Fn(&str) -> Option<String>, name: &str) -> Option<String> {
-    get(name)
-        .map(|v| v.trim().to_string())
-        .filter(|v| !v.is_empty())
-}
-
-fn parse_u32(name: &str, v: &str, hint: &str) -> Result<u32> {
-    v.parse::<u32>().map_err(|_| {
+/// `name` as a count (`u32`), or `None` when unset; a bad value says what
+/// the launcher should give (`hint`).
+fn opt_u32(get: &impl Fn(&str) -> Option<String>, name: &str, hint: &str) -> Result<Option<u32>> {
+    braid_core::config::number::<u32>(get, name).map_err(|e| {
         Error::Env(format!(
-            "{name}={v:?} is not a non-negative integer; {hint}"
+            "{name}={:?} is not a non-negative integer; {hint}",
+            e.value
         ))
     })
 }
 
 fn req_u32(get: &impl Fn(&str) -> Option<String>, name: &str, hint: &str) -> Result<u32> {
-    let v = var(get, name).ok_or_else(|| Error::Env(format!("{name} is not set; {hint}")))?;
-    parse_u32(name, &v, hint)
-}
-
-fn opt_u32(get: &impl Fn(&str) -> Option<String>, name: &str, hint: &str) -> Result<Option<u32>> {
-    var(get, name)
-        .map(|v| parse_u32(name, &v, hint))
-        .transpose()
+    opt_u32(get, name, hint)?.ok_or_else(|| Error::Env(format!("{name} is not set; {hint}")))
 }
 
 fn port_var(get: &impl Fn(&str) -> Option<String>, name: &str) -> Result<Option<u16>> {
@@ -153,7 +141,7 @@ const NO_LAUNCHER: &str = "no launch environment found: run under braid-run, tor
 impl LaunchInfo {
     /// Reads the process environment. See the module documentation.
     pub fn from_env() -> Result<LaunchInfo> {
-        LaunchInfo::from_vars(real_env)
+        LaunchInfo::from_vars(braid_core::config::process_env)
     }
 
     /// Reads the launch information from any variable source (testable).

@@ -28,6 +28,7 @@ mod fingerprint;
 mod launch;
 mod oplock;
 mod progress;
+mod settings;
 mod slot_stores;
 mod stream;
 mod topology;
@@ -75,7 +76,7 @@ pub fn init_logging() {
     use std::sync::Once;
     static ONCE: Once = Once::new();
     ONCE.call_once(|| {
-        let level = std::env::var("BRAID_DEBUG").unwrap_or_default();
+        let level = braid_core::config::process_env(settings::process::DEBUG).unwrap_or_default();
         if level.trim().is_empty() {
             return;
         }

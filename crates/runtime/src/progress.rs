@@ -300,18 +300,10 @@ pub fn dump() -> String {
     o
 }
 
-/// How long a wait may last before it is logged at WARN.
-pub(crate) fn stall_warn(timeout: Duration) -> Result<Duration, braid_core::config::ConfigError> {
-    use braid_core::config;
-    let default = Duration::from_secs(10).min(timeout / 2);
-    let range = (
-        Duration::from_millis(1),
-        Duration::from_secs(365 * 24 * 3600),
-    );
-    Ok(
-        config::seconds(&config::process_env, "BRAID_STALL_WARN", range.0, range.1)?
-            .unwrap_or(default),
-    )
+/// How long a wait may last before it is logged at WARN: `BRAID_STALL_WARN`
+/// (`set`, see `settings`), else 10 s or half of `timeout` when shorter.
+pub(crate) fn stall_warn(set: Option<Duration>, timeout: Duration) -> Duration {
+    set.unwrap_or_else(|| Duration::from_secs(10).min(timeout / 2))
 }
 
 static DUMP_REQUESTED: AtomicBool = AtomicBool::new(false);
@@ -328,7 +320,8 @@ pub(crate) fn install_dump_signal() -> Result<(), String> {
     static INSTALLED: OnceLock<Result<(), String>> = OnceLock::new();
     INSTALLED
         .get_or_init(|| {
-            let Ok(v) = std::env::var("BRAID_DUMP_SIGNAL") else {
+            let Some(v) = braid_core::config::process_env(crate::settings::process::DUMP_SIGNAL)
+            else {
                 return Ok(());
             };
             let sig = match v
@@ -477,15 +470,9 @@ mod tests {
 
     #[test]
     fn stall_warning_defaults_to_half_a_short_timeout() {
-        if std::env::var("BRAID_STALL_WARN").is_err() {
-            assert_eq!(
-                stall_warn(Duration::from_secs(4)).unwrap(),
-                Duration::from_secs(2)
-            );
-            assert_eq!(
-                stall_warn(Duration::from_secs(120)).unwrap(),
-                Duration::from_secs(10)
-            );
-        }
+        let secs = Duration::from_secs;
+        assert_eq!(stall_warn(None, secs(4)), secs(2));
+        assert_eq!(stall_warn(None, secs(120)), secs(10));
+        assert_eq!(stall_warn(Some(secs(30)), secs(4)), secs(30), "set wins");
     }
 }

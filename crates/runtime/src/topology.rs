@@ -47,9 +47,9 @@ pub(crate) struct Placement {
     pub cluster: Cluster,
 }
 
-/// This host's model and where it came from.
-fn local_system() -> Result<(System, String)> {
-    let env = |k: &str| std::env::var(k).ok();
+/// This host's model and where it came from (`env`: the communicator's
+/// snapshot of the environment, for `BRAID_TOPO_FILE` and the like).
+fn local_system(env: &dyn Fn(&str) -> Option<String>) -> Result<(System, String)> {
     match topo::load_host(env, Path::new("/"), &braid_cuda::CudaGpus) {
         Ok((sys, topo::Source::File(f), notes)) => {
             for n in notes {
@@ -256,10 +256,11 @@ pub(crate) fn place(
     table: &TransportTable,
     policy: &TransportPolicy,
     allowed: Option<&CpuSet>,
+    env: &dyn Fn(&str) -> Option<String>,
 ) -> Result<Placement> {
     let rank = me.rank as usize;
     let leaders = host_leaders(peers);
-    let (sys, source) = local_system()?;
+    let (sys, source) = local_system(env)?;
     let mine = Contribution {
         transports: table.ready().map(|(k, _)| k).collect(),
         numa: numa_of(&sys, allowed).unwrap_or(-1),
@@ -361,11 +362,11 @@ pub(crate) fn place(
 /// containers or network namespaces on one kernel that do not share
 /// `/dev/shm` (or process ids) count as different hosts, and ones that do
 /// count as one.
-pub(crate) fn host_id() -> String {
-    if let Ok(v) = std::env::var("BRAID_HOST_ID") {
-        if !v.trim().is_empty() {
-            return v.trim().to_string();
-        }
+/// `set`: `BRAID_HOST_ID` from the communicator's settings (trimmed, not
+/// empty).
+pub(crate) fn host_id(set: Option<&str>) -> String {
+    if let Some(v) = set {
+        return v.to_string();
     }
     let hostname = std::fs::read_to_string("/proc/sys/kernel/hostname")
         .map(|s| s.trim().to_string())

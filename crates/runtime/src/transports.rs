@@ -144,7 +144,13 @@ impl TransportTable {
     /// address: the socket transport listens on the interface that routes
     /// to it unless `BRAID_SOCKET_IFNAME` says otherwise. A forced
     /// transport that is not ready is an error saying why.
-    pub(crate) fn host(root: SocketAddr, policy: &TransportPolicy) -> Result<TransportTable> {
+    /// `env`: the communicator's snapshot of the environment, for the
+    /// transports' own variables.
+    pub(crate) fn host(
+        root: SocketAddr,
+        policy: &TransportPolicy,
+        env: &dyn Fn(&str) -> Option<String>,
+    ) -> Result<TransportTable> {
         let off = |t: TransportKind| {
             policy
                 .disabled
@@ -155,7 +161,6 @@ impl TransportTable {
             (TransportKind::Nvlink, Err(Off::OtherKind(FOR_DEVICES))),
             (TransportKind::Pcie, Err(Off::OtherKind(FOR_DEVICES))),
         ];
-        let env = &braid_core::config::process_env;
         let shm = match off(TransportKind::Shm) {
             Some(o) => Err(o),
             None => Ok(AnyTransport::Shm(ShmTransport::new(ShmConfig::from_env(
@@ -325,7 +330,8 @@ mod tests {
     /// host table's business.
     #[test]
     fn the_host_table_holds_every_kind_and_says_why_one_is_off() {
-        let t = TransportTable::host(root(), &policy(&[("BRAID_SHM_DISABLE", "1")])).unwrap();
+        let t = TransportTable::host(root(), &policy(&[("BRAID_SHM_DISABLE", "1")]), &|_| None)
+            .unwrap();
         let kinds: Vec<TransportKind> = t.entries.iter().map(|(k, _)| *k).collect();
         assert_eq!(kinds, TransportKind::ALL);
         assert!(t.get(TransportKind::Shm).is_none());
@@ -352,6 +358,7 @@ mod tests {
         let e = TransportTable::host(
             root(),
             &policy(&[("BRAID_TRANSPORT", "shm"), ("BRAID_SHM_DISABLE", "yes")]),
+            &|_| None,
         )
         .unwrap_err()
         .to_string();
@@ -359,6 +366,9 @@ mod tests {
             e.contains("BRAID_TRANSPORT=shm") && e.contains("BRAID_SHM_DISABLE"),
             "{e}"
         );
-        assert!(TransportTable::host(root(), &policy(&[("BRAID_TRANSPORT", "nvlink")])).is_ok());
+        assert!(
+            TransportTable::host(root(), &policy(&[("BRAID_TRANSPORT", "nvlink")]), &|_| None)
+                .is_ok()
+        );
     }
 }

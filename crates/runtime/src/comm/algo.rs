@@ -28,6 +28,8 @@ pub(super) struct Algos {
     /// Host (index) of every rank, from the transports: ranks joined by
     /// anything but a network share a host.
     pub(super) hosts: Vec<u32>,
+    /// The job's shape, with the piece of pure data movement known at
+    /// creation ([`Algos::shape`] gives it with the final one).
     pub(super) shape: Shape,
     /// The network transport between hosts, if any.
     net: Option<TransportKind>,
@@ -120,13 +122,14 @@ impl Algos {
     /// `direct_min`: pieces from this size go by reference on links that
     /// allow it (`BRAID_DIRECT_MIN_BYTES`); the model counts it between
     /// hosts over sockets, whose references spare the sender a copy.
+    /// `env`: the communicator's snapshot of the environment.
     pub(super) fn from_env(
         plan: &braid_core::topo::Plan,
         piece: usize,
         move_piece: usize,
         direct_min: usize,
+        env: &dyn Fn(&str) -> Option<String>,
     ) -> Result<Algos> {
-        let env = &config::process_env;
         let forced_text = config::value(env, "BRAID_ALGO").unwrap_or_default();
         let forced = Forced::parse(&forced_text)
             .map_err(|e| Error::Env(format!("BRAID_ALGO={forced_text}: {e}")))?;
@@ -172,6 +175,15 @@ impl Algos {
             shape,
             net,
         })
+    }
+
+    /// The job's shape for the tuner, with `move_piece` (the
+    /// communicator's, once its first links are connected: `State::moves`).
+    pub(super) fn shape(&self, move_piece: usize) -> Shape {
+        Shape {
+            move_piece,
+            ..self.shape
+        }
     }
 
     /// What every rank must agree on: the forced algorithms, the rules and
@@ -314,6 +326,7 @@ impl Communicator {
             return Ok(None);
         };
         let a = &sh.algos;
+        let shape = a.shape(st.moves.piece);
         let bytes = coll_bytes(coll, dt, sh.nranks);
         let mut picked = None;
         match a.forced.get(kind) {
@@ -335,7 +348,7 @@ impl Communicator {
             }
         }
         if picked.is_none() {
-            if let Some((_, c)) = a.rules.get(kind, bytes, &a.shape) {
+            if let Some((_, c)) = a.rules.get(kind, bytes, &shape) {
                 picked = Some((c, Source::Rule));
             }
         }
@@ -344,7 +357,7 @@ impl Communicator {
             None if a.shape.nhosts <= 1 => return Ok(None),
             None => {
                 let costs = self.costs(st)?;
-                let (c, t) = tune::best(&costs, &a.shape, kind, bytes as usize);
+                let (c, t) = tune::best(&costs, &shape, kind, bytes as usize);
                 match self.timed(st, coll, dt, params, kind, &costs)? {
                     Some(tc) => (tc, Source::Timed, f64::NAN),
                     None => (c, Source::Model, t),
@@ -356,12 +369,12 @@ impl Communicator {
                 Algo::Ring
             } else {
                 let costs = self.costs(st)?;
-                tune::hier_inner(&costs, &a.shape, bytes as usize)
+                tune::hier_inner(&costs, &shape, bytes as usize)
             });
         }
         if estimate_us.is_nan() && a.shape.nhosts > 1 {
             if let Some(costs) = st.tune.costs {
-                estimate_us = tune::estimate(&costs, &a.shape, kind, choice, bytes as usize);
+                estimate_us = tune::estimate(&costs, &shape, kind, choice, bytes as usize);
             }
         }
         Ok(Some(Picked {
@@ -391,6 +404,7 @@ impl Communicator {
     ) -> Result<Option<Choice>> {
         let sh = &*self.shared;
         let a = &sh.algos;
+        let shape = a.shape(st.moves.piece);
         if !a.measure {
             return Ok(None);
         }
@@ -405,7 +419,7 @@ impl Communicator {
             return Ok(c);
         }
         let limits = a.rules.trial_limits();
-        let Some(trial) = tune::trial(costs, &a.shape, kind, bytes, limits) else {
+        let Some(trial) = tune::trial(costs, &shape, kind, bytes, limits) else {
             st.tune.timed.push((kind, class, None));
             return Ok(None);
         };

@@ -2,13 +2,12 @@
 //! choice per peer, link set-up, and the defaults that depend on them.
 
 use super::*;
-use braid_core::config;
 
 impl Communicator {
     /// Join the communicator named by `id` as `rank` of `nranks`. Some process
     /// must host the id's root ([`Communicator::unique_id`] does).
     pub fn init(id: &UniqueId, rank: u32, nranks: u32, config: &Config) -> Result<Communicator> {
-        Self::init_inner(id, rank, nranks, config, None)
+        Self::init_inner(id, rank, nranks, config, None, Settings::from_env()?)
     }
 
     /// Create a unique id whose rendezvous root runs in this process, on
@@ -28,7 +27,7 @@ impl Communicator {
         nranks: u32,
         config: &Config,
     ) -> Result<Communicator> {
-        Self::init_inner(id, rank, nranks, config, Some(root))
+        Self::init_inner(id, rank, nranks, config, Some(root), Settings::from_env()?)
     }
 
     /// Create the communicator from the launcher's environment: `braid-run`
@@ -44,7 +43,8 @@ impl Communicator {
             launcher = info.source,
             "braid: joining communicator"
         );
-        Self::init_inner(&info.id, info.rank, info.nranks, &config, root)
+        let settings = Settings::from_env()?;
+        Self::init_inner(&info.id, info.rank, info.nranks, &config, root, settings)
     }
 
     /// Create all `nranks` ranks as threads of this process (tests, and
@@ -55,9 +55,12 @@ impl Communicator {
         }
         let (id, root) = create_unique_id(SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 0))?;
         let root = Arc::new(Mutex::new(Some(root)));
+        // One snapshot for all of them.
+        let settings = Settings::from_env()?;
         let handles: Vec<_> = (0..nranks)
             .map(|r| {
                 let (id, config, root) = (id, config.clone(), root.clone());
+                let settings = settings.clone();
                 std::thread::Builder::new()
                     .name(format!("braid-init-{r}"))
                     .spawn(move || {
@@ -66,7 +69,7 @@ impl Communicator {
                         } else {
                             None
                         };
-                        Self::init_inner(&id, r, nranks, &config, root)
+                        Self::init_inner(&id, r, nranks, &config, root, settings)
                     })
             })
             .collect();
@@ -96,12 +99,15 @@ impl Communicator {
         }
     }
 
+    /// `settings`: the `BRAID_*` settings, read from the environment by
+    /// the public constructors, a split's from its parent.
     pub(super) fn init_inner(
         id: &UniqueId,
         rank: u32,
         nranks: u32,
         config: &Config,
         root: Option<RootServer>,
+        settings: Settings,
     ) -> Result<Communicator> {
         crate::init_logging();
         progress::install_dump_signal().map_err(Error::Env)?;
@@ -113,11 +119,12 @@ impl Communicator {
         let timeout = config.timeout;
         // The table first: network transports probe their fabric, which
         // every rank needs to know about the others.
-        let policy = TransportPolicy::from_env(&braid_core::config::process_env)?;
-        let table = TransportTable::host(id.addr, &policy)?;
+        let env = |k: &str| settings.env.get(k);
+        let policy = settings.policy.clone();
+        let table = TransportTable::host(id.addr, &policy, &env)?;
         let me = PeerDesc {
             rank,
-            host_id: topology::host_id(),
+            host_id: topology::host_id(settings.host_id.as_deref()),
             pid: std::process::id(),
             fabrics: table.fabrics(),
         };
@@ -148,8 +155,15 @@ impl Communicator {
         if host_policy.forced.is_some_and(|f| f.is_device()) {
             host_policy.forced = None;
         }
-        let placement =
-            topology::place(&boot, &me, &peers, &table, &host_policy, allowed.as_ref())?;
+        let placement = topology::place(
+            &boot,
+            &me,
+            &peers,
+            &table,
+            &host_policy,
+            allowed.as_ref(),
+            &env,
+        )?;
         let (choice, ring, topo_plan) = (placement.choice, placement.ring, placement.plan);
         let topo_cluster = placement.cluster;
 
@@ -159,10 +173,9 @@ impl Communicator {
         // which CPUs this rank may run on (a hex mask; empty when unknown),
         // for the oversubscription test.
         let p = nranks as usize;
-        let mode = connect::ConnectMode::from_env(&config::process_env)?;
-        let direct_min = env_bytes("BRAID_DIRECT_MIN_BYTES", 64 * 1024)?;
-        let slot_mode = slot_stores::Mode::parse(std::env::var(slot_stores::ENV).ok().as_deref())
-            .map_err(Error::Env)?;
+        let mode = settings.connect;
+        let direct_min = settings.direct_min;
+        let slot_mode = settings.slot_stores;
         let chans = Channels {
             send: (0..p).map(|_| None).collect(),
             recv: (0..p).map(|_| None).collect(),
@@ -218,51 +231,51 @@ impl Communicator {
         // The tuner's settings, the same on every rank (one more round);
         // its piece for pure data movement is set with the communicator's,
         // once the first links are connected (below).
-        let algos = super::algo::Algos::from_env(&topo_plan, piece, piece, direct_min)?;
+        let algos = super::algo::Algos::from_env(&topo_plan, piece, piece, direct_min, &env)?;
         algos.agree(&boot, rank)?;
         let transports = choice
             .iter()
             .map(|c| c.map_or("self", |k| k.name()))
             .collect();
-        let mut comm = Communicator {
+        let comm = Communicator {
             shared: Arc::new(Shared {
                 rank,
                 nranks,
                 ring,
                 piece,
-                small_allreduce: small_allreduce_bytes()?,
+                small_allreduce: settings.small_allreduce,
                 // process_vm_readv runs at about half the speed of memcpy on
                 // the VMs measured (page pinning), but it replaces two copies
                 // and leaves the sender free: side by side it was faster for
                 // Broadcast, AllGather and AllToAll from 1 to 64 MiB.
                 direct_min,
                 // See `single_copy_default`.
-                single_copy_min: env_bytes(
-                    "BRAID_SINGLE_COPY_MIN_BYTES",
-                    single_copy_default(THP_ENABLED),
-                )?,
-                stream_min: env_bytes(
-                    "BRAID_STREAM_MIN_BYTES",
+                single_copy_min: settings
+                    .single_copy_min
+                    .unwrap_or_else(|| single_copy_default(THP_ENABLED)),
+                stream_min: settings.stream_min.unwrap_or_else(|| {
                     stream_default(
                         std::path::Path::new(CPU0_CACHES),
                         peers.iter().filter(|p| p.host_id == me.host_id).count(),
-                    ),
-                )?,
-                // Both decided once the first links are connected (below).
-                move_piece: piece,
-                direct_moves: false,
+                    )
+                }),
                 oversubscribed: oversub,
                 // Mismatch detection (one 32-byte header per link per
                 // operation); BRAID_CHECK_MISMATCH=0 turns it off.
-                check_headers: config::flag(&config::process_env, "BRAID_CHECK_MISMATCH", true)?,
+                check_headers: settings.check_headers,
                 policy: WaitPolicy {
                     timeout,
-                    spin: spin_budget(oversub)?,
-                    stall_warn: progress::stall_warn(timeout)?,
+                    spin: spin_budget(settings.spin, oversub),
+                    stall_warn: progress::stall_warn(settings.stall_warn, timeout),
                 },
                 abort,
                 state: OpLock::new(State {
                     chans,
+                    // Decided once the first links are connected (below).
+                    moves: Moves {
+                        piece,
+                        direct: false,
+                    },
                     links: connect::Connector {
                         me: me.clone(),
                         peers: peers.clone(),
@@ -292,6 +305,7 @@ impl Communicator {
                 transport_policy: policy,
                 children: Mutex::new(Vec::new()),
                 progress: Progress::register(rank, nranks, format!("comm@{}", id.addr)),
+                settings,
                 _root: root,
             }),
         };
@@ -318,22 +332,19 @@ impl Communicator {
         // pieces below `direct_min` still fit a slot). Links connected later
         // are of the same transports, so they are alike.
         let all_direct = all.iter().all(|b| b.first() == Some(&1));
-        let move_piece = if all_direct && direct_min <= piece {
-            piece.max(env_bytes("BRAID_DIRECT_PIECE_BYTES", 2 << 20)?)
-        } else {
-            piece
+        let settings = &comm.shared.settings;
+        let moves = Moves {
+            piece: if all_direct && direct_min <= piece {
+                piece.max(settings.direct_piece)
+            } else {
+                piece
+            },
+            direct: all_direct && direct_min <= piece && settings.direct_moves,
         };
-        let direct_moves = all_direct
-            && direct_min <= piece
-            && config::flag(&config::process_env, "BRAID_DIRECT_MOVES", true)?;
-        let sh = Arc::get_mut(&mut comm.shared)
-            .ok_or_else(|| Error::Unusable("the communicator was shared during creation".into()))?;
-        sh.move_piece = move_piece;
-        sh.direct_moves = direct_moves;
-        sh.algos.shape.move_piece = move_piece;
         {
             // Plans made before this used the provisional pieces.
             let mut st = comm.lock()?;
+            st.moves = moves;
             st.cache.clear();
             st.last = None;
         }

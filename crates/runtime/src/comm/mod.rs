@@ -37,7 +37,8 @@ use crate::fingerprint::Headers;
 use crate::launch::{timeout_from_env, LaunchInfo};
 use crate::oplock::{OpGuard, OpLock};
 use crate::progress::{self, Progress, Snapshot};
-use crate::slot_stores::{self, SlotStores};
+use crate::settings::Settings;
+use crate::slot_stores::SlotStores;
 use crate::topology;
 use crate::transports::TransportTable;
 
@@ -52,6 +53,7 @@ mod p2p;
 mod tuning;
 
 pub use config::Config;
+pub(crate) use connect::{ConnectMode, ENV_CONNECT};
 pub use exchange::Blocks;
 pub(crate) use links::LinkSetup;
 use links::*;
@@ -78,11 +80,6 @@ struct Shared {
     ring: Vec<u32>,
     piece: usize,
     small_allreduce: usize,
-    move_piece: usize,
-    /// Every link passes references: single-copy AllGather and Broadcast
-    /// on more than two ranks read each block from its owner
-    /// ([`PlanParams::direct_moves`]). `BRAID_DIRECT_MOVES=0` keeps the ring.
-    direct_moves: bool,
     /// Ranks on this host share CPUs ([`oversubscribed`]): waits yield.
     oversubscribed: bool,
     direct_min: usize,
@@ -109,7 +106,21 @@ struct Shared {
     progress: Arc<Progress>,
     /// Communicators split from this one ([`Communicator::abort_with_splits`]).
     children: Mutex<Vec<std::sync::Weak<Shared>>>,
+    /// The `BRAID_*` settings it was created with.
+    settings: Settings,
     _root: Option<RootServer>,
+}
+
+/// How pure data movement runs, decided once the first links are connected
+/// (until then, through slots in pieces of `Shared::piece`).
+#[derive(Clone, Copy, Debug)]
+struct Moves {
+    /// The piece of single-copy data movement.
+    piece: usize,
+    /// Every link passes references: single-copy AllGather and Broadcast
+    /// on more than two ranks read each block from its owner
+    /// ([`PlanParams::direct_moves`]). `BRAID_DIRECT_MOVES=0` keeps the ring.
+    direct: bool,
 }
 
 impl Shared {
@@ -125,6 +136,8 @@ impl Shared {
 #[derive(Debug)]
 struct State {
     chans: Channels,
+    /// Pieces and reads of pure data movement.
+    moves: Moves,
     /// What connects the links not connected yet.
     links: connect::Connector,
     seq: u64,
@@ -272,6 +285,11 @@ impl Communicator {
 
     /// The fused topology (ranks placed without GPUs) and the environment's
     /// transport policy, for a device communicator to plan its GPU links.
+    /// The `BRAID_*` settings this communicator was created with.
+    pub(crate) fn settings(&self) -> &Settings {
+        &self.shared.settings
+    }
+
     pub(crate) fn topology_inputs(&self) -> (&braid_core::topo::Cluster, &TransportPolicy) {
         (&self.shared.topo_cluster, &self.shared.transport_policy)
     }
@@ -398,7 +416,14 @@ impl Communicator {
             timeout,
             abort: None,
         };
-        let child = Self::init_inner(&id, new_rank, members.len() as u32, &config, root)?;
+        let child = Self::init_inner(
+            &id,
+            new_rank,
+            members.len() as u32,
+            &config,
+            root,
+            self.shared.settings.clone(),
+        )?;
         if let Ok(mut kids) = sh.children.lock() {
             kids.retain(|w| w.strong_count() > 0);
             kids.push(Arc::downgrade(&child.shared));
@@ -665,9 +690,13 @@ impl Communicator {
             rank: sh.rank,
             ring: sh.ring.clone(),
             piece_bytes: sh.piece,
-            move_piece_bytes: if single_copy { sh.move_piece } else { sh.piece },
+            move_piece_bytes: if single_copy {
+                st.moves.piece
+            } else {
+                sh.piece
+            },
             small_allreduce_bytes: sh.small_allreduce,
-            direct_moves: sh.direct_moves
+            direct_moves: st.moves.direct
                 && (single_copy
                     || matches!(*coll, Collective::AllGather { send_count }
                         if send_count

@@ -3,7 +3,6 @@
 //! with its `BRAID_*` override.
 
 use super::*;
-use braid_core::config;
 
 /// AllGathers over slots of at most this many bytes (the whole result) read
 /// every block from its owner instead of relaying it along the ring (see
@@ -17,13 +16,10 @@ pub(super) const FLAT_ALLGATHER_MAX_BYTES: usize = 64 * 1024;
 /// flag in shared memory is seen in ~0.1 µs, a woken thread in 25–30 µs),
 /// but when ranks on this host share CPUs (more ranks than cores, see
 /// [`oversubscribed`]) a spinning rank steals the core from the rank it
-/// waits for, so it sleeps at once. `BRAID_SPIN` overrides (iterations; a
-/// spin also ends after `engine::SPIN_MAX`).
-pub(super) fn spin_budget(oversubscribed: bool) -> Result<u32> {
-    if let Some(v) = config::number(&config::process_env, "BRAID_SPIN")? {
-        return Ok(v);
-    }
-    Ok(if oversubscribed {
+/// waits for, so it sleeps at once. `BRAID_SPIN` (`set`) overrides
+/// (iterations; a spin also ends after `engine::SPIN_MAX`).
+pub(super) fn spin_budget(set: Option<u32>, oversubscribed: bool) -> u32 {
+    set.unwrap_or(if oversubscribed {
         0
     } else {
         WaitPolicy::default().spin
@@ -149,17 +145,6 @@ pub(super) fn last_level_cache(dir: &std::path::Path) -> Option<usize> {
 /// nothing.
 pub(super) fn stream_default(caches: &std::path::Path, local: usize) -> usize {
     last_level_cache(caches).unwrap_or(32 << 20) / local.max(1)
-}
-
-/// A byte count from the environment, or `default` when unset.
-pub(super) fn env_bytes(name: &str, default: usize) -> Result<usize> {
-    Ok(config::number(&config::process_env, name)?.unwrap_or(default))
-}
-
-/// AllReduce up to this size uses recursive doubling (latency-bound sizes);
-/// `BRAID_ALLREDUCE_RD_BYTES` overrides, 0 forces the ring.
-pub(super) fn small_allreduce_bytes() -> Result<usize> {
-    env_bytes("BRAID_ALLREDUCE_RD_BYTES", 16 * 1024)
 }
 
 /// Default slot size when a communicator has no links (one rank).
