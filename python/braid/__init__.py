@@ -47,6 +47,7 @@ from .errors import (
     InvalidArgumentError,
     MismatchError,
     PeerFailedError,
+    RevokedError,
     TimeoutError,
     UnusableError,
 )
@@ -71,6 +72,7 @@ __all__ = [
     "PeerFailedError",
     "MismatchError",
     "UnusableError",
+    "RevokedError",
     "BootstrapError",
     "ConfigError",
     "CudaError",

@@ -207,6 +207,21 @@ class Communicator:
     def split(self, color: int | None, key: int = 0) -> Communicator | None:
         """Like ``MPI_Comm_split``: ranks with the same ``color`` form a new
         communicator ordered by ``key``; ``color=None`` gets None."""
+    def shrink(self, exclude: Sequence[int]) -> Communicator:
+        """Drop the ranks ``exclude``; every rank that stays calls it with the
+        same list (``ncclCommShrink``). Works after a peer failed."""
+    def revoke(self) -> None:
+        """Fail every pending and later operation on every rank with
+        ``RevokedError`` (``ncclCommRevoke``); any thread, not collective."""
+    def is_revoked(self) -> bool:
+        """Whether this communicator was revoked, here or by another rank."""
+    def gone_ranks(self) -> list[int]:
+        """The ranks whose process is gone (for ``shrink``)."""
+    def grow_id(self) -> UniqueId:
+        """On rank 0: the id new processes join a ``grow`` with."""
+    def grow(self, nranks: int) -> Communicator:
+        """Grow to ``nranks``: every rank here calls it, the new processes
+        ``Communicator.init(grow_id, rank, nranks)`` (``ncclCommGrow``)."""
     def abort(self) -> None:
         """Fail every pending and later operation promptly (any thread)."""
     def async_error(self) -> str | None:

@@ -22,7 +22,9 @@ The subclasses say what happened:
 - :class:`MismatchError`: the ranks issued different operations (kind,
   count, datatype, root).
 - :class:`UnusableError`: the communicator was aborted or broken by an
-  earlier error; create a new one.
+  earlier error; create a new one (or ``shrink`` it to the ranks left).
+- :class:`RevokedError` (an :class:`UnusableError`): a rank revoked the
+  communicator (``Communicator.revoke``); shrink it or drop it.
 - :class:`BootstrapError`: the rendezvous failed (wrong secret, ranks that
   never came).
 - :class:`ConfigError`: a ``BRAID_*`` variable or the launch environment is
@@ -45,6 +47,7 @@ __all__ = [
     "PeerFailedError",
     "MismatchError",
     "UnusableError",
+    "RevokedError",
     "BootstrapError",
     "ConfigError",
     "CudaError",
@@ -108,6 +111,10 @@ class MismatchError(Error):
 
 class UnusableError(Error):
     """The communicator was aborted or broken by an earlier error."""
+
+
+class RevokedError(UnusableError):
+    """A rank revoked the communicator (``Communicator.revoke``)."""
 
 
 class BootstrapError(Error):

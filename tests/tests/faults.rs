@@ -6,6 +6,11 @@
 //! or namespace may be left. The matrix is printed; the test fails on any
 //! hang, leak or unexpected outcome.
 //!
+//! The elastic matrix (`elastic_matrix`): the same faults on 4, 8 and 16
+//! ranks, after which the survivors shrink the victim out (revoking first
+//! when it stalled) and run checked AllReduces; it prints how long each case
+//! took from the fault to the last survivor's recovery.
+//!
 //! Random choices come from `BRAID_FAULT_SEED` (default: the clock), printed
 //! so that a failing case can be replayed.
 
@@ -64,6 +69,11 @@ const TIMEOUT_S: u64 = 4;
 enum Work {
     Mixed,
     Lazy,
+    /// AllReduces, then shrink past `victim` and go on (`elastic_matrix`).
+    Elastic {
+        victim: usize,
+        stall: bool,
+    },
 }
 
 fn spawn(place: &Place, id: &UniqueId, r: usize, n: usize, work: Work) -> Child {
@@ -80,11 +90,16 @@ fn spawn(place: &Place, id: &UniqueId, r: usize, n: usize, work: Work) -> Child 
             c
         }
     };
-    let (suite, arg) = match work {
-        Work::Mixed => ("mixed", "100000000"),
-        Work::Lazy => ("lazy", "1500"),
+    let (suite, args) = match work {
+        Work::Mixed => ("mixed", vec!["100000000".to_string()]),
+        Work::Lazy => ("lazy", vec!["1500".to_string()]),
+        Work::Elastic { victim, stall } => (
+            "elastic",
+            vec![victim.to_string(), (stall as u8).to_string()],
+        ),
     };
-    cmd.args([suite, &id.to_string(), &r.to_string(), &n.to_string(), arg])
+    cmd.args([suite, &id.to_string(), &r.to_string(), &n.to_string()])
+        .args(&args)
         .env("BRAID_TIMEOUT", TIMEOUT_S.to_string())
         .env_remove("BRAID_DEBUG")
         .stdin(Stdio::null())
@@ -520,6 +535,243 @@ fn fault_matrix() {
     assert!(
         bad.is_empty(),
         "fault matrix (BRAID_FAULT_SEED={seed}):\n{}",
+        bad.join("\n")
+    );
+}
+
+/// One elastic case: `n` ranks run AllReduces; `victim` is killed or
+/// stopped; every survivor must shrink it out and print that it recovered.
+/// Returns the time from the fault to the last survivor's recovery line.
+fn elastic_case(
+    row: &mut Row,
+    label: &str,
+    place: &Place,
+    n: usize,
+    fault: Fault,
+    victim: usize,
+) -> Option<Duration> {
+    row.cases += 1;
+    let (id, _root) =
+        Communicator::unique_id(SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 0)).expect("root");
+    let work = Work::Elastic {
+        victim,
+        stall: fault == Fault::Stop,
+    };
+    let mut kids: Vec<Child> = (0..n).map(|r| spawn(place, &id, r, n, work)).collect();
+    let pids: Vec<u32> = kids.iter().map(|k| k.id()).collect();
+    // Every line, stamped when read: "ready" and "recovered" are timed.
+    let (tx, rx) = std::sync::mpsc::channel::<(usize, Instant, String)>();
+    let outs: Vec<_> = kids
+        .iter_mut()
+        .enumerate()
+        .map(|(r, k)| {
+            let out = k.stdout.take().expect("stdout");
+            let tx = tx.clone();
+            std::thread::spawn(move || {
+                let mut all = String::new();
+                for line in BufReader::new(out).lines().map_while(|l| l.ok()) {
+                    let _ = tx.send((r, Instant::now(), line.clone()));
+                    all.push_str(&line);
+                    all.push('\n');
+                }
+                all
+            })
+        })
+        .collect();
+    drop(tx);
+    let errs = read_stderr(&mut kids);
+    let start = Instant::now();
+    let mut ready = vec![false; n];
+    let mut recovered: Vec<Option<Instant>> = vec![None; n];
+    while !ready.iter().all(|&x| x) && start.elapsed() < Duration::from_secs(90) {
+        if let Ok((r, _, l)) = rx.recv_timeout(Duration::from_millis(50)) {
+            ready[r] |= l.trim() == "ready";
+        }
+    }
+    let all_ready = ready.iter().all(|&x| x);
+    if !all_ready {
+        row.notes.push(format!("{label}: not every rank got ready"));
+    }
+    let t0 = Instant::now();
+    if all_ready {
+        let sig = match fault {
+            Fault::Stop => nix::sys::signal::Signal::SIGSTOP,
+            _ => nix::sys::signal::Signal::SIGKILL,
+        };
+        signal(&kids[victim], sig);
+    }
+    // A kill is found at once; a stall after one timeout (then revoke).
+    let limit = Duration::from_secs(TIMEOUT_S * 3 + 20);
+    let mut codes: Vec<Option<Option<i32>>> = vec![None; n];
+    let mut hang = false;
+    loop {
+        while let Ok((r, at, l)) = rx.try_recv() {
+            if l.contains(" recovered ") {
+                recovered[r] = Some(at);
+            }
+        }
+        for (r, k) in kids.iter_mut().enumerate() {
+            if r != victim && codes[r].is_none() {
+                if let Ok(Some(st)) = k.try_wait() {
+                    codes[r] = Some(st.code());
+                }
+            }
+        }
+        if (0..n).all(|r| r == victim || codes[r].is_some()) || !all_ready {
+            break;
+        }
+        if t0.elapsed() > limit {
+            hang = true;
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    for k in kids.iter_mut() {
+        let _ = k.kill();
+        let _ = k.wait();
+    }
+    let outs: Vec<String> = outs
+        .into_iter()
+        .map(|h| h.join().unwrap_or_default())
+        .collect();
+    while let Ok((r, at, l)) = rx.try_recv() {
+        if l.contains(" recovered ") {
+            recovered[r] = Some(at);
+        }
+    }
+    let errs: Vec<String> = errs
+        .into_iter()
+        .map(|h| h.join().unwrap_or_default())
+        .collect();
+    let mut ok = all_ready && !hang;
+    if hang {
+        row.hangs += 1;
+        row.notes.push(format!(
+            "{label}: HANG, survivors still running after {limit:?}"
+        ));
+    }
+    let want = format!(" recovered {} ", n - 1);
+    let mut worst = Duration::ZERO;
+    for r in (0..n).filter(|&r| r != victim) {
+        let good = codes[r] == Some(Some(0)) && outs[r].contains(&want);
+        match recovered[r] {
+            Some(at) if good => worst = worst.max(at.saturating_duration_since(t0)),
+            _ => {
+                ok = false;
+                row.notes.push(format!(
+                    "{label}: rank {r} exit {:?}: {}",
+                    codes[r].flatten(),
+                    format!("{}{}", outs[r], errs[r])
+                        .lines()
+                        .filter(|l| l.contains("error") || l.contains("failed"))
+                        .collect::<Vec<_>>()
+                        .join(" | ")
+                ));
+            }
+        }
+    }
+    std::thread::sleep(Duration::from_millis(100));
+    let mut leaked: Vec<String> = segments(place, None)
+        .into_iter()
+        .filter(|name| {
+            pids.iter()
+                .any(|p| name.starts_with(&format!("braid-{p}-")))
+        })
+        .collect();
+    leaked.extend(stray_ranks().into_iter().map(|p| format!("process {p}")));
+    if !leaked.is_empty() {
+        row.leaks += 1;
+        ok = false;
+        row.notes.push(format!("{label}: left behind {leaked:?}"));
+    }
+    if ok {
+        row.expected += 1;
+    }
+    let summary: Vec<&str> = outs
+        .iter()
+        .filter_map(|o| o.lines().find(|l| l.contains(" recovered ")))
+        .take(1)
+        .collect();
+    println!(
+        "  {label}: victim rank {victim}, last survivor recovered {:.0} ms after the fault: {} ({})",
+        worst.as_secs_f64() * 1e3,
+        if ok { "ok" } else { "UNEXPECTED" },
+        summary.first().copied().unwrap_or("-")
+    );
+    ok.then_some(worst)
+}
+
+#[test]
+fn elastic_matrix() {
+    let seed = std::env::var("BRAID_FAULT_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_nanos() as u64)
+                .unwrap_or(1)
+                | 1
+        });
+    println!("elastic matrix, BRAID_FAULT_SEED={seed}");
+    let mut rng = Rng(seed);
+    let sock_env = [("BRAID_TRANSPORT", "socket")];
+    let places = [
+        ("shm", Place::Local(&[])),
+        ("socket", Place::Local(&sock_env)),
+    ];
+    let mut rows: Vec<(String, Row, Vec<Duration>)> = Vec::new();
+    for (name, place) in &places {
+        let mut row = Row::default();
+        let mut times = Vec::new();
+        // Rank 0 hosts the first rendezvous: lose it once on purpose.
+        for (n, victim) in [
+            (4, 0),
+            (4, 1 + rng.below(3) as usize),
+            (8, rng.below(8) as usize),
+            (16, rng.below(16) as usize),
+        ] {
+            let label = format!("{name} {n} ranks, kill");
+            times.extend(elastic_case(
+                &mut row,
+                &label,
+                place,
+                n,
+                Fault::Kill,
+                victim,
+            ));
+        }
+        let v = rng.below(4) as usize;
+        let label = format!("{name} 4 ranks, stop");
+        elastic_case(&mut row, &label, place, 4, Fault::Stop, v);
+        rows.push((format!("{name} (kill 4, 4, 8, 16; stop 4)"), row, times));
+    }
+    println!();
+    println!(
+        "{:<36} {:>6} {:>9} {:>6} {:>6}  kill to recovered (ms)",
+        "transport", "cases", "expected", "hangs", "leaks"
+    );
+    let mut bad = Vec::new();
+    for (name, r, times) in &rows {
+        let ms: Vec<String> = times
+            .iter()
+            .map(|t| format!("{:.0}", t.as_secs_f64() * 1e3))
+            .collect();
+        println!(
+            "{name:<36} {:>6} {:>9} {:>6} {:>6}  {}",
+            r.cases,
+            r.expected,
+            r.hangs,
+            r.leaks,
+            ms.join(", ")
+        );
+        if r.expected != r.cases || r.hangs > 0 || r.leaks > 0 {
+            bad.extend(r.notes.iter().cloned());
+        }
+    }
+    assert!(
+        bad.is_empty(),
+        "elastic matrix (BRAID_FAULT_SEED={seed}):\n{}",
         bad.join("\n")
     );
 }

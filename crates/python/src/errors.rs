@@ -18,6 +18,7 @@ pub(crate) enum Kind {
     PeerFailed,
     Mismatch,
     Unusable,
+    Revoked,
     Bootstrap,
     Config,
     Cuda,
@@ -32,6 +33,7 @@ impl Kind {
             Kind::PeerFailed => "PeerFailedError",
             Kind::Mismatch => "MismatchError",
             Kind::Unusable => "UnusableError",
+            Kind::Revoked => "RevokedError",
             Kind::Bootstrap => "BootstrapError",
             Kind::Config => "ConfigError",
             Kind::Cuda => "CudaError",
@@ -78,6 +80,7 @@ impl ErrInfo {
             ErrorKind::PeerFailed => Kind::PeerFailed,
             ErrorKind::Mismatch => Kind::Mismatch,
             ErrorKind::Unusable => Kind::Unusable,
+            ErrorKind::Revoked => Kind::Revoked,
             ErrorKind::Cuda => Kind::Cuda,
             _ => Kind::Other,
         };

@@ -39,7 +39,7 @@ pub enum Error {
 
     /// A collective or point-to-point operation failed. The communicator is
     /// unusable afterwards (its peers may be anywhere in the operation).
-    #[error("rank {rank}: {op} #{seq} failed: {source}; this communicator is no longer usable: drop it and create a new one (or split the survivors off a healthy one)")]
+    #[error("rank {rank}: {op} #{seq} failed: {source}; this communicator is no longer usable: drop it and create a new one, or shrink it to the ranks that are left")]
     Operation {
         rank: u32,
         op: String,
@@ -88,6 +88,9 @@ pub enum ErrorKind {
     Mismatch,
     /// The communicator was aborted, or broken by an earlier error.
     Unusable,
+    /// The communicator was revoked ([`crate::Communicator::revoke`]), on
+    /// this rank or another: shrink it or drop it.
+    Revoked,
     /// A transport cannot run on this host (missing device or library).
     Unavailable,
     /// The CUDA layer failed, or CUDA is unavailable.
@@ -116,6 +119,7 @@ impl Error {
             Error::Bootstrap(_) | Error::BootstrapIo { .. } => ErrorKind::Bootstrap,
             Error::Operation { source, .. } | Error::Core(source) => core_kind(source),
             Error::Cuda(_) => ErrorKind::Cuda,
+            Error::Unusable(m) if m.contains(crate::comm::REVOKED) => ErrorKind::Revoked,
             Error::Unusable(_) => ErrorKind::Unusable,
         }
     }
@@ -133,6 +137,11 @@ impl Error {
 fn core_kind(c: &CoreError) -> ErrorKind {
     use crate::fingerprint::MISMATCH;
     match c {
+        CoreError::PeerAborted { reason: m, .. } | CoreError::Aborted(m)
+            if m.contains(crate::comm::REVOKED) =>
+        {
+            ErrorKind::Revoked
+        }
         CoreError::InvalidArgument(_) => ErrorKind::InvalidArgument,
         CoreError::Unavailable { .. } => ErrorKind::Unavailable,
         CoreError::Timeout { .. } => ErrorKind::Timeout,

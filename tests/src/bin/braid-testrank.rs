@@ -619,6 +619,13 @@ fn main() -> ExitCode {
                 return ExitCode::from(3);
             }
         }
+        "elastic" => {
+            // AllReduces until one fails (the harness kills or stops
+            // `victim`), then shrink to the survivors and go on.
+            let victim = extra.first().copied().unwrap_or(usize::MAX) as u32;
+            let stall = extra.get(1) == Some(&1);
+            return elastic(comm, victim, stall);
+        }
         "resources" => {
             // What this rank holds after the default collectives (8-byte
             // and 1 MiB AllReduce), then after an AllToAll (every link):
@@ -774,5 +781,98 @@ fn main() -> ExitCode {
         }
     }
     println!("rank {rank}: ok");
+    ExitCode::SUCCESS
+}
+
+/// The `elastic` suite: AllReduces of `rank + 1` (checked) until one fails;
+/// then the ranks to drop: the ones whose process is gone (a kill), or, for
+/// a stall, `victim` (a stalled process is alive: the job names it, as a
+/// training job's own health check would); a rank whose wait timed out
+/// revokes the communicator so that the others stop waiting at once. Then
+/// shrink, three checked AllReduces on the survivors, and
+/// `rank R recovered N after MS ms` (from the failure).
+fn elastic(comm: Communicator, victim: u32, stall: bool) -> ExitCode {
+    let (rank, n) = (comm.rank(), comm.nranks());
+    let sum = |ranks: &mut dyn Iterator<Item = u32>| ranks.map(|r| r as u64 + 1).sum::<u64>();
+    let mut done = 0u64;
+    let err = loop {
+        let mut v = vec![rank as u64 + 1; 4096];
+        match comm.all_reduce_in_place(&mut v, RedOp::Sum) {
+            Ok(()) => {
+                let want = sum(&mut (0..n));
+                if v.iter().any(|&x| x != want) {
+                    println!("error: AllReduce #{done} gave {} instead of {want}", v[0]);
+                    return ExitCode::from(5);
+                }
+                done += 1;
+                if done == 20 {
+                    println!("ready");
+                }
+            }
+            Err(e) => break e,
+        }
+    };
+    let t0 = Instant::now();
+    println!("rank {rank} failed ({:?}): {err}", err.kind());
+    let dropped = if stall {
+        if err.kind() == braid::ErrorKind::Timeout {
+            comm.revoke();
+        }
+        vec![victim]
+    } else {
+        // The victim's listener closes when the kernel reaps its sockets:
+        // look again for a moment if it is not gone yet.
+        let until = Instant::now() + std::time::Duration::from_secs(5);
+        loop {
+            match comm.gone_ranks() {
+                Ok(g) if !g.is_empty() => break g,
+                Ok(_) if Instant::now() < until => {
+                    std::thread::sleep(std::time::Duration::from_millis(5))
+                }
+                Ok(_) => {
+                    println!("error: no rank is gone after the failure");
+                    return ExitCode::from(3);
+                }
+                Err(e) => {
+                    println!("error: gone_ranks: {e}");
+                    return ExitCode::from(3);
+                }
+            }
+        }
+    };
+    let t1 = Instant::now();
+    let new = match comm.shrink(&dropped) {
+        Ok(c) => c,
+        Err(e) => {
+            println!("error: shrink: {e}");
+            return ExitCode::from(3);
+        }
+    };
+    let t2 = Instant::now();
+    let want = sum(&mut (0..n).filter(|r| !dropped.contains(r)));
+    for k in 0..3 {
+        let mut v = vec![rank as u64 + 1; 4096];
+        if let Err(e) = new.all_reduce_in_place(&mut v, RedOp::Sum) {
+            println!("error: AllReduce #{k} after the shrink: {e}");
+            return ExitCode::from(3);
+        }
+        if v.iter().any(|&x| x != want) {
+            println!(
+                "error: AllReduce #{k} after the shrink gave {} instead of {want}",
+                v[0]
+            );
+            return ExitCode::from(5);
+        }
+    }
+    let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
+    println!(
+        "rank {rank} recovered {} after {:.1} ms (finding the ranks {:.1}, shrink {:.1}, first AllReduces {:.1})",
+        new.nranks(),
+        ms(t0.elapsed()),
+        ms(t1 - t0),
+        ms(t2 - t1),
+        ms(t2.elapsed())
+    );
+    drop(comm);
     ExitCode::SUCCESS
 }

@@ -397,6 +397,84 @@ impl PyComm {
         Ok(c.map(PyComm::wrap))
     }
 
+    /// Drop the ranks ``exclude`` (a sequence of ranks) and go on with the
+    /// others (``ncclCommShrink``, ULFM's ``MPIX_Comm_shrink``): every rank
+    /// that stays calls it with the same list and gets a new communicator
+    /// of the ranks that stay, in their old order. Works after a peer died
+    /// or stalled in an operation, after ``abort()`` and ``revoke()``.
+    fn shrink(&self, py: Python<'_>, exclude: Vec<i64>) -> PyResult<PyComm> {
+        self.check_open(py)?;
+        let exclude = exclude
+            .iter()
+            .map(|&r| {
+                u32::try_from(r).map_err(|_| {
+                    invalid(py, format!("shrink: rank {r} is not a non-negative rank"))
+                })
+            })
+            .collect::<PyResult<Vec<u32>>>()?;
+        if self.pending.load(Ordering::Acquire) > 0 {
+            // The pending operations end (most with the failure that calls
+            // for the shrink); their errors are theirs, not shrink's.
+            let _ = self.synchronize(py);
+        }
+        let comm = &self.comm;
+        let c = py
+            .detach(|| comm.shrink(&exclude))
+            .map_err(|e| py_err(py, &e))?;
+        Ok(PyComm::wrap(c))
+    }
+
+    /// Revoke this communicator on every rank (``ncclCommRevoke``, ULFM's
+    /// ``MPIX_Comm_revoke``): every pending and later operation, here and
+    /// on the other ranks, raises ``RevokedError`` naming this rank. Any
+    /// thread, not collective.
+    fn revoke(&self, py: Python<'_>) {
+        let comm = &self.comm;
+        py.detach(|| comm.revoke());
+    }
+
+    /// Whether this communicator was revoked, here or by another rank.
+    fn is_revoked(&self) -> bool {
+        self.comm.is_revoked()
+    }
+
+    /// The ranks whose process is gone (ULFM's ``MPIX_Comm_get_failed``),
+    /// for ``shrink``. A stopped or stuck process is not gone.
+    fn gone_ranks(&self, py: Python<'_>) -> PyResult<Vec<u32>> {
+        let comm = &self.comm;
+        py.detach(|| comm.gone_ranks()).map_err(|e| py_err(py, &e))
+    }
+
+    /// On rank 0: the id new processes join with
+    /// (``Communicator.init(uid, rank, new_size)``, ranks ``size..``) while
+    /// every rank here calls ``grow(new_size)`` (``ncclCommGetUniqueId``).
+    fn grow_id(&self, py: Python<'_>) -> PyResult<PyUniqueId> {
+        self.check_open(py)?;
+        let comm = &self.comm;
+        let id = py.detach(|| comm.grow_id()).map_err(|e| py_err(py, &e))?;
+        Ok(PyUniqueId {
+            id,
+            root: std::sync::Mutex::new(None),
+        })
+    }
+
+    /// Add ranks (``ncclCommGrow``): every rank here calls it with the new
+    /// size, rank 0 after ``grow_id()``; the new processes join with that
+    /// id. The result has the ranks here first, with their ranks.
+    fn grow(&self, py: Python<'_>, nranks: i64) -> PyResult<PyComm> {
+        self.check_open(py)?;
+        let nranks = u32::try_from(nranks)
+            .map_err(|_| invalid(py, format!("grow: {nranks} is not a number of ranks")))?;
+        if self.pending.load(Ordering::Acquire) > 0 {
+            self.synchronize(py)?;
+        }
+        let comm = &self.comm;
+        let c = py
+            .detach(|| comm.grow(nranks))
+            .map_err(|e| py_err(py, &e))?;
+        Ok(PyComm::wrap(c))
+    }
+
     /// Make every pending and later operation fail promptly (callable from
     /// any thread); the peers see an error naming this rank.
     fn abort(&self) {

@@ -630,6 +630,36 @@ impl Bootstrap {
         st.peers.exchange(asks, deadline, self.abort.as_deref())
     }
 
+    /// [`Bootstrap::exchange`] that the communicator's abort flag does not
+    /// stop: repairs of an aborted or revoked communicator (shrink) still
+    /// talk to the survivors, within the bootstrap timeout.
+    pub(crate) fn exchange_past_abort(
+        &self,
+        asks: &[Ask],
+    ) -> std::result::Result<Vec<Vec<u8>>, ExchangeError> {
+        let mut st = self.state.lock().map_err(|_| {
+            ExchangeError::Local(Error::Unusable(
+                "a bootstrap round panicked on another thread".into(),
+            ))
+        })?;
+        let deadline = Instant::now() + self.timeout;
+        st.peers.exchange(asks, deadline, None)
+    }
+
+    /// The ranks whose process is gone: nothing listens at their bootstrap
+    /// address any more (a refused connection), or their host does not
+    /// answer within `wait`. A stopped (SIGSTOP) or stuck process still
+    /// counts as alive: its kernel accepts the connection.
+    pub(crate) fn gone_ranks(&self, wait: Duration) -> Result<Vec<u32>> {
+        let addrs = {
+            let st = self.state.lock().map_err(|_| {
+                Error::Unusable("a bootstrap round panicked on another thread".into())
+            })?;
+            st.peers.addrs.clone()
+        };
+        Ok(super::peer::gone(&addrs, self.rank, wait))
+    }
+
     /// Waits until every rank has called `barrier`.
     pub(crate) fn barrier(&self) -> Result<()> {
         self.allgather(&[]).map(|_| ())

@@ -114,6 +114,7 @@ pub use id::UniqueId;
 pub(crate) use peer::{Ask, ExchangeError};
 pub use root::RootServer;
 pub(crate) use root::{create_unique_id, create_unique_id_with_timeout};
+pub(crate) use wire::ct_eq;
 
 /// Timeouts are capped at a year so that deadlines never overflow.
 pub(crate) const MAX_TIMEOUT: Duration = Duration::from_secs(365 * 24 * 3600);

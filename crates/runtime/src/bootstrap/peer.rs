@@ -230,6 +230,38 @@ fn would_block(e: &io::Error) -> bool {
     )
 }
 
+/// The ranks of `addrs` (other than `me`) whose listener refuses
+/// connections, or does not answer within `wait`; several probed at once.
+pub(super) fn gone(addrs: &[SocketAddr], me: u32, wait: Duration) -> Vec<u32> {
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let out = std::sync::Mutex::new(Vec::new());
+    std::thread::scope(|s| {
+        for _ in 0..addrs.len().clamp(1, 16) {
+            s.spawn(|| loop {
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                let Some(addr) = addrs.get(i) else { break };
+                if i as u32 == me {
+                    continue;
+                }
+                match TcpStream::connect_timeout(addr, wait) {
+                    Ok(mut s) => {
+                        let _ = s.set_nonblocking(true);
+                        let _ = s.write(&super::wire::frame_header(K_PROBE, 0));
+                    }
+                    Err(_) => {
+                        if let Ok(mut o) = out.lock() {
+                            o.push(i as u32);
+                        }
+                    }
+                }
+            });
+        }
+    });
+    let mut v = out.into_inner().unwrap_or_default();
+    v.sort_unstable();
+    v
+}
+
 /// Writes what is left of `buf` from `*at` without blocking; `Ok(true)`
 /// once all of it is out.
 fn flush(sock: &mut TcpStream, buf: &[u8], at: &mut usize) -> io::Result<bool> {

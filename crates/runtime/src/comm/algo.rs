@@ -644,22 +644,8 @@ impl Communicator {
         // else touches them meanwhile.
         let res = unsafe { host::execute(prog, &mut st.chans, &ex, &mut st.header_flags) };
         res.map_err(|source| {
-            // As a failed collective: the peers hear why, and the
-            // communicator is unusable from now on.
-            let origin = match &source {
-                CoreError::PeerAborted { reason, .. } => reason.clone(),
-                other => format!("rank {}: {other}", sh.rank),
-            };
-            st.chans.abort_all(&origin);
-            let msg = format!("{op} #{seq} failed: {source}");
-            tracing::error!(rank = sh.rank, "{msg} (in the {})", run.name());
-            st.broken = Some(msg);
-            Error::Operation {
-                rank: sh.rank,
-                op: op.to_string(),
-                seq,
-                source,
-            }
+            tracing::debug!(rank = sh.rank, "{op} #{seq} failed in the {}", run.name());
+            self.fail_op(st, op, seq, source)
         })
     }
 

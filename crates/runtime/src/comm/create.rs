@@ -237,8 +237,9 @@ impl Communicator {
             .iter()
             .map(|c| c.map_or("self", |k| k.name()))
             .collect();
+        let door_ip = boot.local_ip().unwrap_or(IpAddr::V4(Ipv4Addr::LOCALHOST));
         let comm = Communicator {
-            shared: Arc::new(Shared {
+            shared: Arc::new_cyclic(|this| Shared {
                 rank,
                 nranks,
                 ring,
@@ -269,6 +270,21 @@ impl Communicator {
                     stall_warn: progress::stall_warn(settings.stall_warn, timeout),
                 },
                 abort,
+                abort_why: Default::default(),
+                secret: id.secret,
+                // Revocations from the other ranks (`revoke.rs`).
+                door: super::revoke::Door::open(door_ip, id.secret, this.clone())
+                    .map_err(|e| {
+                        warn!(
+                            rank,
+                            "braid: cannot listen for revocations on {door_ip} ({e}); \
+                             this rank learns of one only from its links"
+                        )
+                    })
+                    .ok(),
+                doors: Default::default(),
+                grow_root: Mutex::new(None),
+                repairs: Default::default(),
                 state: OpLock::new(State {
                     chans,
                     // Decided once the first links are connected (below).
@@ -326,7 +342,18 @@ impl Communicator {
                 .flatten()
                 .all(|c| c.direct().is_some())
         };
-        let all = comm.allgather_bytes(&[local_direct as u8])?;
+        // With whether its links pass references, each rank says where it
+        // hears revocations.
+        let mut mine = vec![local_direct as u8];
+        if let Some(d) = &comm.shared.door {
+            mine.extend(d.addr.to_string().bytes());
+        }
+        let all = comm.allgather_bytes(&mine)?;
+        let doors = all
+            .iter()
+            .map(|b| std::str::from_utf8(b.get(1..)?).ok()?.parse().ok())
+            .collect();
+        let _ = comm.shared.doors.set(doors);
         // Whether every link passes references: then pieces of pure data
         // movement can be much larger than a slot (fewer system calls;
         // pieces below `direct_min` still fit a slot). Links connected later

@@ -46,14 +46,17 @@ mod algo;
 mod config;
 mod connect;
 mod create;
+mod elastic;
 mod exchange;
 pub(crate) mod links;
 mod ops;
 mod p2p;
+mod revoke;
 mod tuning;
 
 pub use config::Config;
 pub(crate) use connect::{ConnectMode, ENV_CONNECT};
+pub(crate) use elastic::REVOKED;
 pub use exchange::Blocks;
 pub(crate) use links::LinkSetup;
 use links::*;
@@ -93,6 +96,18 @@ struct Shared {
     check_headers: bool,
     policy: WaitPolicy,
     abort: Arc<AtomicBool>,
+    /// Why `abort` was set (first reason wins): the caller, or a revocation.
+    abort_why: std::sync::OnceLock<String>,
+    /// The rendezvous secret: proves revocation notices.
+    secret: [u8; 16],
+    /// Where this rank hears revocations (`None` if it could not listen).
+    door: Option<revoke::Door>,
+    /// Every rank's door, once known (after creation's last round).
+    doors: std::sync::OnceLock<Vec<Option<SocketAddr>>>,
+    /// The rendezvous [`Communicator::grow_id`] made, until the grow.
+    grow_root: Mutex<Option<(UniqueId, RootServer)>>,
+    /// Shrinks and grows so far (their bootstrap tags).
+    repairs: std::sync::atomic::AtomicU64,
     state: OpLock<State>,
     bootstrap: Mutex<Bootstrap>,
     transports: Vec<&'static str>,
@@ -125,10 +140,43 @@ struct Moves {
 
 impl Shared {
     fn abort(&self, why: &str) {
+        let _ = self.abort_why.set(why.to_string());
         self.abort.store(true, Ordering::SeqCst);
         if let Some(Ok(mut st)) = self.state.try_lock() {
             st.broken.get_or_insert_with(|| why.into());
             st.chans.abort_all(why);
+        }
+    }
+}
+
+impl Shared {
+    /// Why this communicator was aborted, if it was.
+    fn aborted_why(&self) -> Option<String> {
+        if !self.abort.load(Ordering::SeqCst) {
+            return None;
+        }
+        Some(
+            self.abort_why
+                .get()
+                .cloned()
+                .unwrap_or_else(|| "aborted by the caller".into()),
+        )
+    }
+
+    /// A notice from rank `from` that it revoked this communicator.
+    fn revoked_by(&self, from: u32, reason: &str) {
+        if from < self.nranks && from != self.rank && reason.contains(elastic::REVOKED) {
+            info!(rank = self.rank, from, "braid: revoked by another rank");
+            self.abort(reason);
+        }
+    }
+
+    /// An operation's failure, with a local abort's reason in place of the
+    /// engine's generic "aborted": the caller's, or a revocation's.
+    fn failure_cause(&self, source: CoreError) -> CoreError {
+        match (&source, self.abort_why.get()) {
+            (CoreError::Aborted(_), Some(why)) => CoreError::Aborted(why.clone()),
+            _ => source,
         }
     }
 }
@@ -434,8 +482,8 @@ impl Communicator {
     /// The error that broke this communicator, if any (like
     /// `ncclCommGetAsyncError`).
     pub fn async_error(&self) -> Option<String> {
-        if self.shared.abort.load(Ordering::SeqCst) {
-            return Some("aborted by the caller".into());
+        if let Some(why) = self.shared.aborted_why() {
+            return Some(why);
         }
         self.lock().ok().and_then(|st| st.broken.clone())
     }
@@ -498,8 +546,8 @@ impl Communicator {
         if let Some(why) = &st.broken {
             return Err(Error::Unusable(why.clone()));
         }
-        if sh.abort.load(Ordering::SeqCst) {
-            return Err(Error::Unusable("aborted by the caller".into()));
+        if let Some(why) = sh.aborted_why() {
+            return Err(Error::Unusable(why));
         }
         let seq = st.seq;
         st.seq += 1;
@@ -585,25 +633,31 @@ impl Communicator {
             .finish(res.as_ref().err().map(|e| e.to_string()).as_deref());
         match res {
             Ok(()) => Ok(()),
-            Err(source) => {
-                let msg = format!("{name} #{seq} failed: {source}");
-                tracing::error!(rank = sh.rank, "{msg}");
-                // Tell the peers the original cause, not a chain of relays:
-                // a rank that failed because a peer aborted passes that
-                // peer's reason on unchanged.
-                let origin = match &source {
-                    CoreError::PeerAborted { reason, .. } => reason.clone(),
-                    other => format!("rank {}: {other}", sh.rank),
-                };
-                st.chans.abort_all(&origin);
-                st.broken = Some(msg);
-                Err(Error::Operation {
-                    rank: sh.rank,
-                    op: name.to_string(),
-                    seq,
-                    source,
-                })
-            }
+            Err(source) => Err(self.fail_op(st, name, seq, source)),
+        }
+    }
+
+    /// The one failure path of an operation: the peers hear the original
+    /// cause (a rank that failed because a peer aborted passes that peer's
+    /// reason on unchanged, a revocation its revoker's), and the
+    /// communicator is unusable from now on.
+    fn fail_op(&self, st: &mut State, op: &str, seq: u64, source: CoreError) -> Error {
+        let sh = &*self.shared;
+        let source = sh.failure_cause(source);
+        let msg = format!("{op} #{seq} failed: {source}");
+        tracing::error!(rank = sh.rank, "{msg}");
+        let origin = match &source {
+            CoreError::PeerAborted { reason, .. } => reason.clone(),
+            CoreError::Aborted(why) if why.contains(REVOKED) => why.clone(),
+            other => format!("rank {}: {other}", sh.rank),
+        };
+        st.chans.abort_all(&origin);
+        st.broken = Some(msg);
+        Error::Operation {
+            rank: sh.rank,
+            op: op.to_string(),
+            seq,
+            source,
         }
     }
 
@@ -629,18 +683,7 @@ impl Communicator {
         drop(boot);
         sh.progress
             .finish(res.as_ref().err().map(|e| e.to_string()).as_deref());
-        res.map_err(|source| {
-            let msg = format!("{name} #{seq} failed: {source}");
-            tracing::error!(rank = sh.rank, "{msg}");
-            st.chans.abort_all(&format!("rank {}: {source}", sh.rank));
-            st.broken = Some(msg);
-            Error::Operation {
-                rank: sh.rank,
-                op: name.to_string(),
-                seq,
-                source,
-            }
-        })
+        res.map_err(|source| self.fail_op(st, name, seq, source))
     }
 
     /// Whether this collective may move its data single-copy: groups

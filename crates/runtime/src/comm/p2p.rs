@@ -621,8 +621,8 @@ impl Communicator {
         if let Some(why) = &st.broken {
             return Err(Error::Unusable(why.clone()));
         }
-        if sh.abort.load(Ordering::SeqCst) {
-            return Err(Error::Unusable("aborted by the caller".into()));
+        if let Some(why) = sh.aborted_why() {
+            return Err(Error::Unusable(why));
         }
         // Checks: nothing is sent before they pass.
         for o in &outs {
@@ -679,22 +679,7 @@ impl Communicator {
                     _ => u32::MAX,
                 })
                 .collect()),
-            Err(source) => {
-                let msg = format!("{name} #{seq} failed: {source}");
-                tracing::error!(rank = me, "{msg}");
-                let origin = match &source {
-                    CoreError::PeerAborted { reason, .. } => reason.clone(),
-                    other => format!("rank {me}: {other}"),
-                };
-                st.chans.abort_all(&origin);
-                st.broken = Some(msg);
-                Err(Error::Operation {
-                    rank: me,
-                    op: name.to_string(),
-                    seq,
-                    source,
-                })
-            }
+            Err(source) => Err(self.fail_op(&mut st, name, seq, source)),
         }
     }
 
