@@ -88,6 +88,22 @@ def test_stopped_rank_times_out_naming_it():
     assert shm_left([x.pid for x in r.ranks]) == []
 
 
+def test_shrink_revoke_grow():
+    r = run("elastic", 4, allow_fail={3}, timeout=120)
+    assert r.ranks[3].returncode == -signal.SIGKILL
+    res = r.results()[:3]
+    for old, x in enumerate(res):
+        assert x["error"] == "PeerFailedError" and x["gone"] == [3], x
+        assert x["new_rank"] == old, x
+        assert x["grown"] == [old, 4], x
+        if old != 1:
+            rv = x["revoked"]
+            assert rv["unusable"] and "rank 1 revoked" in rv["msg"], rv
+            assert rv["after"] < 10, rv
+    assert res[0]["joined"] == {"rank": 3, "size": 4, "sum": 10}, res[0]
+    assert shm_left([x.pid for x in r.ranks]) == []
+
+
 def test_mismatched_calls_raise_mismatch():
     r = run("mismatch", 2)
     for res in r.results():

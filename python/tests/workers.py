@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -492,6 +493,79 @@ def stop(rank, p, spec):
     # Done: end the stopped rank (its pid is in the file it wrote).
     os.kill(int(open(os.path.join(spec["tmp"], "stopped")).read()), signal.SIGKILL)
     return res
+
+
+@scenario
+def elastic(rank, p, spec):
+    """The last rank dies mid-loop; the others find it gone, shrink it out
+    and go on; then rank 1 revokes while ranks 0 and 2 wait in an
+    all_reduce, and all shrink again; then they grow back to ``p`` with a
+    new process that rank 0 starts (``elastic_join``). Every result is
+    checked against numpy."""
+    comm = comm_of(rank, p, spec, timeout=20)
+    victim = p - 1
+    x = np.full(1 << 14, rank + 1, dtype=np.float32)
+    err = None
+    for i in range(1_000_000):
+        if rank == victim and i == 20:
+            os.kill(os.getpid(), signal.SIGKILL)
+        try:
+            comm.all_reduce(x.copy())
+        except braid.PeerFailedError as e:
+            err = type(e).__name__
+            break
+    gone = []
+    for _ in range(1000):
+        gone = comm.gone_ranks()
+        if gone:
+            break
+        time.sleep(0.005)
+    s = comm.shrink(gone)
+    y = np.full(1000, rank + 1, dtype=np.int64)
+    s.all_reduce(y)
+    assert (y == sum(r + 1 for r in range(p) if r != victim)).all(), y[:4]
+    # Revoke: ranks 0 and 2 wait for rank 1, which revokes instead.
+    revoked = None
+    if s.rank == 1:
+        time.sleep(0.3)
+        s.revoke()
+    else:
+        t0 = time.monotonic()
+        try:
+            s.all_reduce(np.ones(8))
+        except braid.RevokedError as e:
+            revoked = {"msg": str(e), "after": time.monotonic() - t0,
+                       "unusable": isinstance(e, braid.UnusableError)}
+    assert s.is_revoked()
+    s2 = s.shrink([])
+    # Grow back to p ranks with a new process.
+    child = None
+    if s2.rank == 0:
+        uid = s2.grow_id()
+        child = subprocess.Popen(
+            [sys.executable, __file__, "elastic_join", str(p - 1), str(p),
+             json.dumps({"uid": str(uid)})],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    g = s2.grow(p)
+    z = np.full(100, g.rank + 1, dtype=np.int64)
+    g.all_reduce(z)
+    assert (z == p * (p + 1) // 2).all(), z[:4]
+    joined = None
+    if child is not None:
+        so, se = child.communicate(timeout=60)
+        assert child.returncode == 0, se
+        joined = json.loads(so.split("RESULT:")[1])
+    return {"error": err, "gone": gone, "new_rank": s.rank, "revoked": revoked,
+            "grown": [g.rank, g.size], "joined": joined}
+
+
+@scenario
+def elastic_join(rank, p, spec):
+    """A process that joins a grown communicator (started by ``elastic``)."""
+    g = braid.Communicator.init(spec["uid"], rank, p, timeout=20)
+    z = np.full(100, g.rank + 1, dtype=np.int64)
+    g.all_reduce(z)
+    return {"rank": g.rank, "size": g.size, "sum": int(z[0])}
 
 
 @scenario
