@@ -31,6 +31,17 @@ def datatype_of(obj: BufferLike) -> str:
     ``"bfloat16"``, ``"int32"``, ...); raises ``InvalidArgumentError`` when it
     has none (int16, complex, bool, big-endian, ...)."""
 
+class RootSlot:
+    """A port reserved for a rendezvous root whose secret comes later
+    (torch's reconfigure)."""
+
+    def __init__(self, host: str = "127.0.0.1") -> None: ...
+    @property
+    def address(self) -> str:
+        """The reserved address, ``"ip:port"``."""
+    def start(self, secret: str, timeout: float | None = None) -> UniqueId:
+        """Start the root there with ``secret`` (32 hex digits)."""
+
 class UniqueId:
     """The rendezvous of one communicator: the root's address and a random
     secret every rank must prove (NCCL's ``ncclUniqueId``).

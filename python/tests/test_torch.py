@@ -1,6 +1,7 @@
 """The torch.distributed backend "braid" across real processes: every call
 against gloo on the same inputs, async Work, subgroups, DDP and FSDP2
-training against gloo, a killed rank."""
+training against gloo, a killed rank, shrink_group and the reconfigure
+API."""
 
 from __future__ import annotations
 
@@ -68,6 +69,28 @@ def test_killed_rank_ends_receives_from_it_and_from_any_rank():
         assert "rank 2" in res["msg"], res
         # Found dead, not timed out.
         assert res["t_err"] - t0 < 60 and "timed out" not in res["msg"], res
+    assert shm_left([x.pid for x in r.ranks]) == []
+
+
+def test_reconfigure_api_against_gloo():
+    # enable_reconfigure=True, handles through a store, _reconfigure on all
+    # three ranks, then on two: the same sums, sizes and ranks as gloo's.
+    r = run("torch_reconfigure", 3, uid=False, env=TORCH_ENV, timeout=300)
+    for rank, res in enumerate(r.results()):
+        assert res["braid"]["supports"] and res["gloo"]["supports"], res
+        assert res["braid"]["sums"] == res["gloo"]["sums"], res
+        want = [[6.0, 3, rank]] + ([[3.0, 2, rank]] if rank < 2 else [])
+        assert res["braid"]["sums"] == want, res
+
+
+def test_shrink_group_after_a_rank_died():
+    # torch.distributed.shrink_group on braid after the last rank was killed
+    # in the middle of all_reduces; the survivors' sums are checked.
+    r = run("torch_shrink_group", 4, uid=False, env=TORCH_ENV, allow_fail={3}, timeout=300)
+    assert r.ranks[3].returncode == -signal.SIGKILL
+    for rank, res in enumerate(r.results()[:3]):
+        assert res["error"] is not None and res["equal"], res
+        assert (res["size"], res["rank"], res["default"]) == (3, rank, 3), res
     assert shm_left([x.pid for x in r.ranks]) == []
 
 

@@ -714,3 +714,74 @@ def torch_p2p_kill(rank, p, spec):
     except braid.Error as e:
         return {"type": type(e).__name__, "msg": str(e), "t_err": time.monotonic()}
     raise AssertionError("no error")
+
+
+def _reconfigure_run(backend, rank, p, spec, tag):
+    """torch's reconfigure API on `backend`: a group created with
+    enable_reconfigure=True, handles exchanged through a store, all ranks
+    reconfigured, then the first p-1 ranks alone. Returns what each step saw."""
+    store = dist.FileStore(os.path.join(spec["tmp"], f"reconf-{tag}"), p)
+    dist.init_process_group(
+        backend,
+        store=store,
+        rank=rank,
+        world_size=p,
+        timeout=datetime.timedelta(seconds=30),
+        enable_reconfigure=True,
+    )
+    out = {"supports": dist._supports_reconfigure()}
+    sums = []
+    for step, members in enumerate([list(range(p)), list(range(p - 1))]):
+        if rank not in members:
+            break
+        store.set(f"{tag}/handle/{step}/{rank}", dist._get_reconfigure_handle())
+        keys = [f"{tag}/handle/{step}/{r}" for r in members]
+        store.wait(keys, datetime.timedelta(seconds=30))
+        handles = [store.get(k).decode() for k in keys]
+        dist._reconfigure(uuid=1000 + step, handles=handles).wait()
+        t = torch.full((1000,), float(rank + 1))
+        dist.all_reduce(t)
+        sums.append([t[0].item(), dist.get_world_size(), dist.get_rank()])
+    out["sums"] = sums
+    # Every rank leaves the store before any destroys it.
+    store.add(f"{tag}/done", 1)
+    store.wait([f"{tag}/done"], datetime.timedelta(seconds=30))
+    while int(store.add(f"{tag}/done", 0)) < p:
+        time.sleep(0.01)
+    dist.destroy_process_group()
+    return out
+
+
+@scenario
+def torch_reconfigure(rank, p, spec):
+    """The reconfigure API on braid and on gloo, side by side."""
+    import braid  # noqa: F401  (registers the backend; the entry point does too)
+
+    got = _reconfigure_run("braid", rank, p, spec, "braid")
+    want = _reconfigure_run("gloo", rank, p, spec, "gloo")
+    return {"braid": got, "gloo": want}
+
+
+@scenario
+def torch_shrink_group(rank, p, spec):
+    """The last rank dies; the others shrink it out with
+    torch.distributed.shrink_group and go on, checked against a gloo group
+    of the survivors."""
+    init(rank, p, spec, timeout=20)
+    victim = p - 1
+    t = torch.ones(1 << 12)
+    err = None
+    for i in range(1_000_000):
+        if rank == victim and i == 10:
+            os.kill(os.getpid(), signal.SIGKILL)
+        try:
+            dist.all_reduce(t.clone())
+        except Exception as e:  # noqa: BLE001 (torch wraps braid's errors)
+            err = type(e).__name__
+            break
+    pg = dist.shrink_group([victim])
+    x = torch.arange(100, dtype=torch.float32) * (rank + 1)
+    dist.all_reduce(x, group=pg)
+    want = torch.arange(100, dtype=torch.float32) * sum(r + 1 for r in range(p - 1))
+    return {"error": err, "size": pg.size(), "rank": pg.rank(), "equal": bool(torch.equal(x, want)),
+            "default": dist.get_world_size()}

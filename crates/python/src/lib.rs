@@ -54,6 +54,7 @@ fn _braid(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<comm::PyComm>()?;
     m.add_class::<comm::PyGroup>()?;
     m.add_class::<uid::PyUniqueId>()?;
+    m.add_class::<uid::PyRootSlot>()?;
     m.add_class::<work::Handle>()?;
     m.add_function(wrap_pyfunction!(datatypes, m)?)?;
     m.add_function(wrap_pyfunction!(datatype_of, m)?)?;

@@ -137,3 +137,79 @@ impl PyUniqueId {
         Ok((cls, (slf.get().id.to_string(),)))
     }
 }
+
+/// A port reserved for a rendezvous root whose secret is not known yet
+/// (torch's reconfigure: each process hands out where it would host, and
+/// the group's first process hosts once the group is chosen). The listener
+/// is bound now and kept, so the address stays this process's.
+#[pyclass(module = "braid._braid", name = "RootSlot", frozen)]
+pub(crate) struct PyRootSlot {
+    listener: Mutex<Option<std::net::TcpListener>>,
+    addr: SocketAddr,
+}
+
+#[pymethods]
+impl PyRootSlot {
+    /// Reserve a port on ``host`` (an IP address of this host the other
+    /// ranks reach).
+    #[new]
+    #[pyo3(signature = (host = "127.0.0.1"))]
+    fn new(py: Python<'_>, host: &str) -> PyResult<Self> {
+        let ip: IpAddr = host.parse().map_err(|_| {
+            invalid(
+                py,
+                format!("host {host:?} is not an IP address (e.g. 127.0.0.1 or 10.0.0.1)"),
+            )
+        })?;
+        let listener = std::net::TcpListener::bind(SocketAddr::new(ip, 0)).map_err(|e| {
+            invalid(
+                py,
+                format!("cannot listen on {ip} for a rendezvous root: {e}"),
+            )
+        })?;
+        let addr = listener
+            .local_addr()
+            .map_err(|e| invalid(py, format!("the reserved listener's address: {e}")))?;
+        Ok(PyRootSlot {
+            listener: Mutex::new(Some(listener)),
+            addr,
+        })
+    }
+
+    /// The reserved address, ``"ip:port"``.
+    #[getter]
+    fn address(&self) -> String {
+        self.addr.to_string()
+    }
+
+    /// Start the root on the reserved port with ``secret`` (32 hex digits):
+    /// the id to create the communicator with (``Communicator.init`` on
+    /// this process takes the root). A slot starts one root.
+    #[pyo3(signature = (secret, timeout = None))]
+    fn start(&self, py: Python<'_>, secret: &str, timeout: Option<f64>) -> PyResult<PyUniqueId> {
+        let id: UniqueId = format!("{}/{secret}", self.addr)
+            .parse()
+            .map_err(|e| py_err(py, &e))?;
+        let timeout = match timeout_arg(py, timeout)? {
+            Some(t) => t,
+            None => {
+                braid::Config::from_env()
+                    .map_err(|e| py_err(py, &e))?
+                    .timeout
+            }
+        };
+        let listener = self
+            .listener
+            .lock()
+            .ok()
+            .and_then(|mut l| l.take())
+            .ok_or_else(|| invalid(py, "this root slot already started its root"))?;
+        let root = py
+            .detach(move || RootServer::spawn(listener, id.secret, timeout))
+            .map_err(|e| py_err(py, &e))?;
+        Ok(PyUniqueId {
+            id,
+            root: Mutex::new(Some(root)),
+        })
+    }
+}

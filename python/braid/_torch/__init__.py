@@ -11,6 +11,8 @@
 - ``core``: the braid communicator behind a group, and the batching of
   point-to-point operations.
 - ``ops``: the collectives (the methods of torch's ProcessGroup and Backend).
+- ``elastic``: shrink_group and the reconfigure API (new communicators
+  among the ranks left, or the handles given).
 - ``backend``: the process group and backend classes, and registration.
 """
 

@@ -13,10 +13,11 @@ from torch._C._distributed_c10d import ProcessGroup as _ProcessGroup
 
 from . import NAME
 from .core import Core
+from .elastic import Elastic, shrunk_core
 from .ops import Ops
 
 
-class BraidBackend(Ops, _C10dBackend):
+class BraidBackend(Elastic, Ops, _C10dBackend):
     """The braid backend object (``pg._get_backend(torch.device("cpu"))``)."""
 
     def __init__(self, core: Core, timeout: datetime.timedelta | None = None) -> None:
@@ -39,8 +40,20 @@ class BraidBackend(Ops, _C10dBackend):
     def supports_tensor_alloc(self, device: Any) -> bool:
         return False
 
+    def shrink(
+        self, ranks_to_exclude: list[int], shrink_flags: int = 0, opts_override: Any = None
+    ) -> BraidBackend:
+        """``torch.distributed.shrink_group``: a backend on the ranks that
+        stay (braid's ``Communicator.shrink``, which also works after a rank
+        died in an operation); ``SHRINK_ABORT`` revokes this one first."""
+        from torch.distributed.distributed_c10d import SHRINK_ABORT
 
-class BraidProcessGroup(Ops, _ProcessGroup):
+        core = shrunk_core(self._core, ranks_to_exclude, shrink_flags == SHRINK_ABORT)
+        timeout = getattr(opts_override, "_timeout", None) or self._options._timeout
+        return BraidBackend(core, timeout)
+
+
+class BraidProcessGroup(Elastic, Ops, _ProcessGroup):
     """The process group ``init_process_group("braid")`` and ``new_group``
     return; its methods run braid's collectives."""
 
@@ -48,9 +61,20 @@ class BraidProcessGroup(Ops, _ProcessGroup):
         _ProcessGroup.__init__(self, store, core.rank, core.size)
         self._core = core
 
+    # After reconfigure the group's rank and size are its communicator's.
+    def rank(self) -> int:
+        return self._core.rank
+
+    def size(self) -> int:
+        return self._core.size
+
 
 def create(opts: Any, backend_options: Any = None) -> BraidProcessGroup:
-    core = Core.create(opts.store, opts.group_rank, opts.group_size, opts.timeout)
+    if getattr(opts, "enable_reconfigure", False):
+        # torch's reconfigure regime: no communicator until reconfigure().
+        core = Core.unconfigured(opts.store, opts.group_rank, opts.group_size, opts.timeout)
+    else:
+        core = Core.create(opts.store, opts.group_rank, opts.group_size, opts.timeout)
     pg = BraidProcessGroup(opts.store, core)
     be = BraidBackend(core, opts.timeout)
     kind = _ProcessGroup.BackendType.CUSTOM

@@ -13,10 +13,24 @@ import torch
 import torch.distributed as dist
 
 from .. import _braid
-from ..errors import InvalidArgumentError
+from ..errors import InvalidArgumentError, UnusableError
 from . import rendezvous
 from .tensors import host
 from .work import BraidWork, seconds
+
+
+class _Unconfigured:
+    """The communicator of a group created with ``enable_reconfigure=True``
+    until ``reconfigure()`` gives it one: every use says so."""
+
+    def refuse(self, *args: Any, **kwargs: Any) -> Any:
+        raise UnusableError(
+            "braid: this process group was created with enable_reconfigure=True and has "
+            "no communicator until reconfigure() is called (torch.distributed._reconfigure)"
+        )
+
+    def __getattr__(self, name: str) -> Any:
+        return self.refuse()
 
 
 class Core:
@@ -30,17 +44,13 @@ class Core:
         timeout: float | None,
         mbox: _braid.Communicator,
     ) -> None:
-        self.comm = comm
-        self.raw = comm._raw
-        self.raw_seq = comm._raw_seq
-        self.raw_blocks = comm._raw_blocks
-        # Point to point: the group's mailbox (tags, any source), on a
-        # communicator and worker of its own.
-        self.mbox = mbox
-        self.raw_tagged = mbox._raw_tagged
-        self.rank = rank
-        self.size = size
+        self.install(comm, mbox, rank, size)
         self.timeout = timeout
+        # Where this process would host a reconfigured group's rendezvous
+        # (its reconfigure handle names it); made on first use.
+        self.slot: _braid.RootSlot | None = None
+        self.handle_id = ""
+        self.store: dist.Store | None = None
         # Point-to-point operations not yet issued (see flush):
         # (is_send, peer or -1 for any source, tag, address, bytes).
         self.p2p_ops: list[tuple[bool, int, int, int, int]] = []
@@ -50,6 +60,34 @@ class Core:
         self.coalescing = False
         self.lock = threading.RLock()
 
+    def install(self, comm: Any, mbox: Any, rank: int, size: int) -> None:
+        """Run on `comm` (and its mailbox `mbox`) as `rank` of `size` from
+        now on (creation, reconfigure)."""
+        self.comm = comm
+        self.mbox = mbox
+        if isinstance(comm, _Unconfigured):
+            self.raw = self.raw_seq = self.raw_blocks = self.raw_tagged = comm.refuse
+        else:
+            self.raw = comm._raw
+            self.raw_seq = comm._raw_seq
+            self.raw_blocks = comm._raw_blocks
+            # Point to point: the group's mailbox (tags, any source), on a
+            # communicator and worker of its own.
+            self.raw_tagged = mbox._raw_tagged
+        self.rank = rank
+        self.size = size
+
+    @classmethod
+    def unconfigured(
+        cls, store: dist.Store, rank: int, size: int, timeout: datetime.timedelta | None
+    ) -> Core:
+        """The core of a group created with ``enable_reconfigure=True``:
+        no communicator until ``reconfigure()``."""
+        u = _Unconfigured()
+        core = cls(u, rank, size, seconds(timeout), u)
+        core.store = store
+        return core
+
     @classmethod
     def create(
         cls, store: dist.Store, rank: int, size: int, timeout: datetime.timedelta | None
@@ -57,7 +95,9 @@ class Core:
         secs = seconds(timeout)
         comm = rendezvous.join(store, rank, size, secs)
         # Every rank of the group creates the mailbox (a collective).
-        return cls(comm, rank, size, secs, comm._mailbox())
+        core = cls(comm, rank, size, secs, comm._mailbox())
+        core.store = store
+        return core
 
     # ---- point-to-point batching --------------------------------------
 

@@ -21,7 +21,7 @@ from torch._C._distributed_c10d import (
 )
 
 from .. import _braid
-from ..errors import InvalidArgumentError
+from ..errors import InvalidArgumentError, UnusableError
 from . import NAME
 from .core import Core
 from .tables import U8, datatype, op_name, reduction
@@ -669,8 +669,12 @@ class Ops:
         self.barrier(opts).wait()
 
     def abort(self) -> None:
-        self._core.comm.abort()
-        self._core.mbox.abort()
+        c = self._core
+        for comm in (c.comm, c.mbox):
+            try:
+                comm.abort()
+            except UnusableError:  # no communicator yet (enable_reconfigure)
+                pass
 
     def shutdown(self) -> None:
         c = self._core
