@@ -29,9 +29,10 @@ cargo test --workspace "$@"
 #    linked against nothing but libc (libibverbs, libcuda and NVML are
 #    loaded at run time when present). It lands in target/wheels.
 # 2. A fresh venv (BRAID_PY_VENV, default ~/.cache/braid/wheel-venv,
-#    removed and created anew each run) gets torch, numpy, pytest and
-#    expecttest from the default index (torch is about 3 GB with its CUDA
-#    wheels: about a minute here) and the wheel, and runs the tests with a
+#    removed and created anew each run) gets torch, numpy, pytest,
+#    expecttest and torchft from the default index (torch is about 3 GB
+#    with its CUDA wheels: about a minute here) and the wheel, and runs the
+#    tests with a
 #    PATH that holds no cargo or rustc: nothing in them can build braid.
 [ $# -eq 0 ] || exit 0
 python=""
@@ -61,11 +62,15 @@ rm -f target/wheels/braid-*.whl
     --out ../target/wheels)
 wheel=$(ls target/wheels/braid-*-abi3-manylinux2014_x86_64*.whl)
 echo "== python: $wheel, $(stat -c %s "$wheel") bytes"
-echo "== python: a fresh venv at $venv with torch, numpy, pytest, expecttest and the wheel"
+echo "== python: a fresh venv at $venv with torch, numpy, pytest, expecttest, torchft and the wheel"
 rm -rf "$venv"
 mkdir -p "$(dirname "$venv")"
 "$python" -m venv "$venv"
-"$venv/bin/python" "${pip_q[@]}" "torch>=2.15" numpy pytest expecttest "$wheel"
+# torchft (pinned: a nightly) and parameterized, which its test module
+# imports: python/tests/test_torchft.py runs torchft's own reconfigure test
+# and its DDP example on braid.
+"$venv/bin/python" "${pip_q[@]}" "torch>=2.15" numpy pytest expecttest \
+    torchft-nightly==2026.10.26 parameterized "$wheel"
 echo "== python: pytest python/tests against the wheel (no cargo or rustc on PATH)"
 # PATH: the venv first, then PATH without the folders that hold cargo or
 # rustc (~/.cargo/bin); where a system folder holds them, stubs in front say
