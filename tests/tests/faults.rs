@@ -23,6 +23,14 @@ use braid::{Communicator, RootServer, UniqueId};
 use braid_tests::netns::Hosts;
 use braid_tests::ranks::{braid_segments, read_stderr};
 
+/// The matrices run one at a time: each counts this build's rank processes
+/// left behind, and must not count the other's.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 /// Tiny deterministic generator (xorshift), seeded per run.
 struct Rng(u64);
 
@@ -368,6 +376,7 @@ fn case_with(
 
 #[test]
 fn fault_matrix() {
+    let _g = serial();
     let seed = std::env::var("BRAID_FAULT_SEED")
         .ok()
         .and_then(|s| s.parse().ok())
@@ -703,6 +712,7 @@ fn elastic_case(
 
 #[test]
 fn elastic_matrix() {
+    let _g = serial();
     let seed = std::env::var("BRAID_FAULT_SEED")
         .ok()
         .and_then(|s| s.parse().ok())

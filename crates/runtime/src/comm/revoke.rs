@@ -279,9 +279,15 @@ fn watch(rx: Receiver<Cmd>, mut woken: UnixStream) {
                 None => PollTimeout::NONE,
                 Some(w) => crate::bootstrap::poll_ms(w),
             };
-            if nix::poll::poll(&mut fds, timeout).is_err() {
-                // EINTR: go round again.
-                continue;
+            match nix::poll::poll(&mut fds, timeout) {
+                Ok(_) => {}
+                Err(nix::errno::Errno::EINTR) => continue,
+                Err(e) => {
+                    // Not expected (the descriptors are ours); never spin.
+                    tracing::warn!("braid: revoke watcher: poll failed ({e}); retrying in 100 ms");
+                    std::thread::sleep(Duration::from_millis(100));
+                    continue;
+                }
             }
             let ready = |f: &PollFd<'_>| f.revents().is_some_and(|r| !r.is_empty());
             for (i, f) in fds[1..1 + doors.len()].iter().enumerate() {

@@ -193,6 +193,11 @@ pub(crate) struct Waiter<'a> {
     /// words to sleep on: armed before the last poll, slept on if it found
     /// nothing, disarmed after the sleep or once something moved.
     armed: Vec<(Blocked, WakeWord)>,
+    /// A peer's failure seen by a liveness check, held back until the
+    /// caller has polled once more: the wait may have been met just before
+    /// the check (a peer that finished its part, then closed its end or
+    /// exited at once, is not a failure of this operation).
+    peer_error: Option<CoreError>,
     /// Sleeps on doorbells so far (for tests).
     pub(crate) sleeps: u64,
     /// On ends without a doorbell: yields and short sleeps so far (tests).
@@ -224,6 +229,7 @@ impl<'a> Waiter<'a> {
             published: false,
             warned: false,
             armed: Vec::new(),
+            peer_error: None,
             sleeps: 0,
             yields: 0,
             naps: 0,
@@ -232,6 +238,7 @@ impl<'a> Waiter<'a> {
 
     /// Something moved: the next wait starts afresh.
     pub(crate) fn progressed(&mut self, chans: &mut Channels) {
+        self.peer_error = None;
         self.iters = 0;
         self.spin_start = None;
         self.since = None;
@@ -351,8 +358,15 @@ impl<'a> Waiter<'a> {
                     chans.receiver(peer)?.check_peer()
                 };
                 if let Err(e) = r {
+                    if self.peer_error.is_none() {
+                        // Poll once more before failing (see `peer_error`),
+                        // and check again at the next call.
+                        self.peer_error = Some(e);
+                        self.last_check = None;
+                        return Ok(());
+                    }
                     self.disarm(chans);
-                    return Err(e);
+                    return Err(self.peer_error.take().unwrap_or(e));
                 }
             }
         }
