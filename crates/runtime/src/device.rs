@@ -308,7 +308,7 @@ fn add_links(
         let peer = peer_desc(q);
         let kind = links[q].transport();
         let t = table.get(kind).ok_or_else(|| {
-            Error::Env(format!(
+            crate::topology::planner_inconsistent(format!(
                 "{kind} is {}",
                 table.why_off(kind).unwrap_or_default()
             ))
