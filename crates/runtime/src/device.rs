@@ -53,6 +53,7 @@ use tracing::info;
 use crate::comm::{Communicator, LinkSetup};
 use crate::engine::proxy::{Job, Proxy};
 use crate::engine::stream::{self as cuda_stream, DevBuf, Rings, Shared, Watchdog};
+use crate::engine::Channels;
 use crate::error::{Error, Result};
 use crate::progress::Progress;
 use crate::transports::TransportTable;
@@ -67,8 +68,10 @@ struct Inner {
     rank: u32,
     nranks: u32,
     ring: Vec<u32>,
-    piece: usize,
-    small_allreduce: usize,
+    /// The size pieces are cut to: the smallest slot of any rank's links.
+    piece_bytes: usize,
+    /// Up to this many bytes an AllReduce runs recursive doubling.
+    small_allreduce_bytes: usize,
     dev: Arc<Device>,
     flag: Arc<HostFlag>,
     state: Mutex<Issue>,
@@ -203,6 +206,224 @@ fn device_links(
         .collect()
 }
 
+/// Two rounds over `comm`: first who has CUDA and the host of each rank
+/// (an error naming the first rank without CUDA), then, with this rank's
+/// GPU opened (`BRAID_CUDA_DEVICE`, else its place among the ranks of its
+/// host), every rank's GPU; every rank must be on this host.
+fn open_gpu(comm: &Communicator, host: &str) -> Result<OpenedGpu> {
+    let rank = comm.rank();
+    // Round 1: who has CUDA, and the host of each rank (local ranks).
+    let probe = braid_cuda::probe();
+    let why = match &probe {
+        Err(braid_cuda::CudaError::Unavailable(why)) => why.clone(),
+        Err(e) => e.to_string(),
+        Ok(_) => String::new(),
+    };
+    let facts = gather_gpu_facts(comm, &encode_gpu(host, "", probe.is_ok(), &why))?;
+    if let Some((r, f)) = facts.iter().enumerate().find(|(_, f)| !f.usable) {
+        return Err(Error::Cuda(braid_cuda::CudaError::Unavailable(format!(
+            "rank {r} cannot use CUDA: {}",
+            f.why
+        ))));
+    }
+    let info = probe?;
+    let local = facts[..rank as usize]
+        .iter()
+        .filter(|f| f.host == host)
+        .count() as u32;
+    let ordinal = braid_cuda::device_for_rank(local, info.devices)?;
+    let dev = Device::open(ordinal)?;
+    let kernels = Kernels::get(&dev)?;
+    // Round 2: every rank's GPU.
+    let gpus = gather_gpu_facts(comm, &encode_gpu(host, dev.bus_id(), true, ""))?;
+    for (q, g) in gpus.iter().enumerate() {
+        let qhost = &g.host;
+        if *qhost != host {
+            return Err(Error::InvalidArgument(format!(
+                "rank {q} runs on another host ({qhost}): device collectives across hosts need a GPU network transport, which this build lacks"
+            )));
+        }
+    }
+    Ok(OpenedGpu { dev, kernels, gpus })
+}
+
+/// Every rank's [`GpuFacts`], from this rank's `mine` ([`encode_gpu`]).
+fn gather_gpu_facts(comm: &Communicator, mine: &[u8]) -> Result<Vec<GpuFacts>> {
+    let all = comm.allgather_bytes(mine)?;
+    all.iter()
+        .enumerate()
+        .map(|(r, b)| decode_gpu(b, r as u32))
+        .collect()
+}
+
+/// The device link to every rank ([`device_links`] on the host
+/// communicator's topology and policy), each logged.
+fn plan_links(comm: &Communicator, dev: &Device, busids: &[&str]) -> Result<Vec<GpuLink>> {
+    let rank = comm.rank();
+    let (cluster, policy) = comm.topology_inputs();
+    let links = device_links(cluster, policy, busids, rank)?;
+    for (q, link) in links.iter().enumerate() {
+        if q as u32 != rank {
+            info!(
+                rank,
+                peer = q,
+                gpu = dev.bus_id(),
+                peer_gpu = busids[q],
+                link = link.describe(),
+                "braid: device link selected (topology plan)"
+            );
+        }
+    }
+    Ok(links)
+}
+
+/// The set-up of a link to every peer over the transport of its device
+/// link, and the transport's name per rank (`"self"` for this one).
+fn add_links(
+    rank: u32,
+    host: &str,
+    gpus: &[GpuFacts],
+    links: &[GpuLink],
+    table: &TransportTable,
+) -> Result<(LinkSetup, Vec<&'static str>)> {
+    let me = PeerDesc {
+        rank,
+        host_id: host.to_string(),
+        pid: std::process::id(),
+        fabrics: Vec::new(),
+    };
+    let peer_desc = |q: usize| PeerDesc {
+        rank: q as u32,
+        host_id: gpus[q].host.clone(),
+        pid: 0,
+        fabrics: Vec::new(),
+    };
+    let p = gpus.len();
+    let mut setup = LinkSetup::new(rank, p);
+    let mut transports = vec!["self"; p];
+    for q in 0..p {
+        if q as u32 == rank {
+            continue;
+        }
+        let peer = peer_desc(q);
+        let kind = links[q].transport();
+        let t = table.get(kind).ok_or_else(|| {
+            crate::topology::planner_inconsistent(format!(
+                "{kind} is {}",
+                table.why_off(kind).unwrap_or_default()
+            ))
+        })?;
+        if !t.can_connect(&me, &peer) {
+            return Err(Error::Core(CoreError::Unavailable {
+                transport: t.name(),
+                reason: format!("cannot connect rank {rank} to rank {q}"),
+            }));
+        }
+        setup.add(q, t, &me, &peer)?;
+        transports[q] = t.name();
+    }
+    Ok((setup, transports))
+}
+
+/// The piece size every rank cuts collectives into: the smallest slot of
+/// any rank's links (`default_bytes` where no rank has a link).
+fn agree_piece(comm: &Communicator, chans: &Channels, default_bytes: usize) -> Result<usize> {
+    let mine = chans.min_slot_bytes().unwrap_or(usize::MAX) as u64;
+    let all = comm.allgather_bytes(&mine.to_le_bytes())?;
+    let mut piece = u64::MAX;
+    for (r, b) in all.iter().enumerate() {
+        let a: [u8; 8] = b
+            .as_slice()
+            .try_into()
+            .map_err(|_| Error::Bootstrap(format!("rank {r} sent a malformed slot size")))?;
+        piece = piece.min(u64::from_le_bytes(a));
+    }
+    Ok(if piece == u64::MAX {
+        default_bytes
+    } else {
+        piece as usize
+    })
+}
+
+/// The engine every rank uses: the device rings of `chans` for the stream
+/// engine when every rank can use it (every link of every rank a device
+/// ring, and no rank forced to proxy), else None (the proxy engine).
+/// `BRAID_CUDA_ENGINE=stream` (from the host communicator's settings)
+/// where some rank cannot is an error.
+fn choose_engine(comm: &Communicator, chans: &Channels) -> Result<Option<Rings>> {
+    let forced = parse_engine(comm.settings().cuda_engine.clone())?;
+    let rings = Rings::of(chans, comm.rank(), comm.nranks());
+    let can = forced != Some(false) && rings.is_some();
+    let all = comm.allgather_bytes(&[can as u8])?;
+    let unable = all.iter().position(|b| b.first() != Some(&1));
+    if forced == Some(true) {
+        if let Some(q) = unable {
+            return Err(Error::InvalidArgument(format!(
+                "BRAID_CUDA_ENGINE=stream, but rank {q} has a device link that is not a ring in GPU memory (staged through host memory) or chose the proxy engine"
+            )));
+        }
+    }
+    Ok(if unable.is_none() { rings } else { None })
+}
+
+/// Start the stream engine: its watchdog's thread.
+fn start_stream(dog: Watchdog, rings: Rings, kernels: Arc<Kernels>) -> Result<Engine> {
+    let shared = dog.shared.clone();
+    let worker = std::thread::Builder::new()
+        .name(format!("braid-cuda-watchdog-{}", dog.rank))
+        .spawn(move || dog.run());
+    Ok(Engine {
+        worker: spawned(worker, "stream")?,
+        stream_mode: Some(StreamMode {
+            rings,
+            kernels,
+            shared,
+        }),
+        tx: None,
+        name: "stream",
+    })
+}
+
+/// Start the proxy engine: its thread, fed through a queue.
+fn start_proxy(mut proxy: Proxy) -> Result<Engine> {
+    let (tx, rx) = mpsc::channel::<Job>();
+    let worker = std::thread::Builder::new()
+        .name(format!("braid-cuda-proxy-{}", proxy.rank))
+        .spawn(move || proxy.run(rx));
+    Ok(Engine {
+        worker: spawned(worker, "proxy")?,
+        stream_mode: None,
+        tx: Some(tx),
+        name: "proxy",
+    })
+}
+
+/// The engine thread `worker` (of the `engine` engine), or why it did not start.
+fn spawned(worker: std::io::Result<JoinHandle<()>>, engine: &str) -> Result<JoinHandle<()>> {
+    worker.map_err(|e| {
+        Error::InvalidArgument(format!("cannot start the {engine} engine's thread: {e}"))
+    })
+}
+
+/// This rank's GPU, opened: the device, its kernels, and every rank's
+/// facts (host and GPU bus id).
+struct OpenedGpu {
+    dev: Arc<Device>,
+    kernels: Arc<Kernels>,
+    gpus: Vec<GpuFacts>,
+}
+
+/// The engine's thread and what the caller's side keeps of it.
+struct Engine {
+    worker: JoinHandle<()>,
+    /// `Some` in stream mode.
+    stream_mode: Option<StreamMode>,
+    /// The queue to the proxy (proxy mode).
+    tx: Option<mpsc::Sender<Job>>,
+    /// `"stream"` or `"proxy"`.
+    name: &'static str,
+}
+
 impl CudaComm {
     /// Open this rank's GPU and connect device links to every peer. Every
     /// rank of `comm` must call it (a collective). On a machine without
@@ -212,195 +433,64 @@ impl CudaComm {
         let rank = comm.rank();
         let nranks = comm.nranks();
         let host = crate::topology::host_id(comm.settings().host_id.as_deref());
-        // Round 1: who has CUDA, and the host of each rank (local ranks).
-        let probe = braid_cuda::probe();
-        let why = match &probe {
-            Err(braid_cuda::CudaError::Unavailable(why)) => why.clone(),
-            Err(e) => e.to_string(),
-            Ok(_) => String::new(),
-        };
-        let all = comm.allgather_bytes(&encode_gpu(&host, "", probe.is_ok(), &why))?;
-        let facts: Vec<_> = all
-            .iter()
-            .enumerate()
-            .map(|(r, b)| decode_gpu(b, r as u32))
-            .collect::<Result<_>>()?;
-        if let Some((r, f)) = facts.iter().enumerate().find(|(_, f)| !f.usable) {
-            return Err(Error::Cuda(braid_cuda::CudaError::Unavailable(format!(
-                "rank {r} cannot use CUDA: {}",
-                f.why
-            ))));
-        }
-        let info = probe?;
-        let local = facts[..rank as usize]
-            .iter()
-            .filter(|f| f.host == host)
-            .count() as u32;
-        let ordinal = braid_cuda::device_for_rank(local, info.devices)?;
-        let dev = Device::open(ordinal)?;
-        let kernels = Kernels::get(&dev)?;
-        // Round 2: every rank's GPU.
-        let all = comm.allgather_bytes(&encode_gpu(&host, dev.bus_id(), true, ""))?;
-        let gpus: Vec<_> = all
-            .iter()
-            .enumerate()
-            .map(|(r, b)| decode_gpu(b, r as u32))
-            .collect::<Result<_>>()?;
-        for (q, g) in gpus.iter().enumerate() {
-            let qhost = &g.host;
-            if *qhost != host {
-                return Err(Error::InvalidArgument(format!(
-                    "rank {q} runs on another host ({qhost}): device collectives across hosts need a GPU network transport, which this build lacks"
-                )));
-            }
-        }
+        let OpenedGpu { dev, kernels, gpus } = open_gpu(comm, &host)?;
         let busids: Vec<&str> = gpus.iter().map(|g| g.bus.as_str()).collect();
-        let (cluster, policy) = comm.topology_inputs();
-        let links = device_links(cluster, policy, &busids, rank)?;
-        for (q, link) in links.iter().enumerate() {
-            if q as u32 != rank {
-                info!(
-                    rank,
-                    peer = q,
-                    gpu = dev.bus_id(),
-                    peer_gpu = busids[q],
-                    link = link.describe(),
-                    "braid: device link selected (topology plan)"
-                );
-            }
-        }
+        let links = plan_links(comm, &dev, &busids)?;
         let geo = Geometry::from_env()?;
+        let (_, policy) = comm.topology_inputs();
         let table = TransportTable::device(
             NvlinkTransport::new(Some(dev.clone()), geo, links.clone()),
             PcieTransport::new(Some(dev.clone()), geo, links.clone())?,
             policy,
         )?;
-        let me = PeerDesc {
-            rank,
-            host_id: host.clone(),
-            pid: std::process::id(),
-            fabrics: Vec::new(),
-        };
-        let peer_desc = |q: usize| PeerDesc {
-            rank: q as u32,
-            host_id: gpus[q].host.clone(),
-            pid: 0,
-            fabrics: Vec::new(),
-        };
-        let p = nranks as usize;
-        let mut setup = LinkSetup::new(rank, p);
-        let mut transports = vec!["self"; p];
-        for q in 0..p {
-            if q as u32 == rank {
-                continue;
-            }
-            let peer = peer_desc(q);
-            let kind = links[q].transport();
-            let t = table.get(kind).ok_or_else(|| {
-                Error::Env(format!(
-                    "{kind} is {}",
-                    table.why_off(kind).unwrap_or_default()
-                ))
-            })?;
-            if !t.can_connect(&me, &peer) {
-                return Err(Error::Core(CoreError::Unavailable {
-                    transport: t.name(),
-                    reason: format!("cannot connect rank {rank} to rank {q}"),
-                }));
-            }
-            setup.add(q, t, &me, &peer)?;
-            transports[q] = t.name();
-        }
         let knobs = comm.plan_knobs();
-        let (policy_wait, small_allreduce) = (knobs.wait, knobs.small_allreduce_bytes);
+        let (policy_wait, small_allreduce_bytes) = (knobs.wait, knobs.small_allreduce_bytes);
+        let (setup, transports) = add_links(rank, &host, &gpus, &links, &table)?;
         let chans = setup.connect(|b| comm.allgather_bytes(b), policy_wait.timeout)?;
-        // Every rank cuts pieces the same way: the smallest slot anywhere.
-        let mine = chans.min_slot_bytes().unwrap_or(usize::MAX) as u64;
-        let all = comm.allgather_bytes(&mine.to_le_bytes())?;
-        let mut piece = u64::MAX;
-        for (r, b) in all.iter().enumerate() {
-            let a: [u8; 8] = b
-                .as_slice()
-                .try_into()
-                .map_err(|_| Error::Bootstrap(format!("rank {r} sent a malformed slot size")))?;
-            piece = piece.min(u64::from_le_bytes(a));
-        }
-        let piece = if piece == u64::MAX {
-            geo.slot_bytes
-        } else {
-            piece as usize
-        };
-
-        // Stream mode needs every link of every rank to be a device ring.
-        // Which engine: `BRAID_CUDA_ENGINE` (`stream`, `proxy`, or unset:
-        // auto), from the host communicator's settings.
-        let forced = parse_engine(comm.settings().cuda_engine.clone())?;
-        let rings = Rings::of(&chans, rank, nranks);
-        let can = forced != Some(false) && rings.is_some();
-        let all = comm.allgather_bytes(&[can as u8])?;
-        let unable = all.iter().position(|b| b.first() != Some(&1));
-        if forced == Some(true) {
-            if let Some(q) = unable {
-                return Err(Error::InvalidArgument(format!(
-                    "BRAID_CUDA_ENGINE=stream, but rank {q} has a device link that is not a ring in GPU memory (staged through host memory) or chose the proxy engine"
-                )));
-            }
-        }
+        let piece_bytes = agree_piece(comm, &chans, geo.slot_bytes)?;
+        let rings = choose_engine(comm, &chans)?;
         let flag = Arc::new(HostFlag::new(&dev)?);
         let broken: Arc<Mutex<Option<String>>> = Arc::new(Mutex::new(None));
         let abort = Arc::new(AtomicBool::new(false));
         // The engine's thread: the watchdog (stream) or the proxy.
-        let (worker, stream_mode, tx, engine) = if let (None, Some(rings)) = (unable, rings) {
-            let shared = Arc::new(Shared::new(nranks));
-            let dog = Watchdog {
-                rank,
-                dev: dev.clone(),
-                rings: rings.clone(),
-                chans,
-                flag: flag.clone(),
-                shared: shared.clone(),
-                policy: policy_wait,
-                abort: abort.clone(),
-                broken: broken.clone(),
-            };
-            let worker = std::thread::Builder::new()
-                .name(format!("braid-cuda-watchdog-{rank}"))
-                .spawn(move || dog.run());
-            let mode = StreamMode {
-                rings,
-                kernels,
-                shared,
-            };
-            (worker, Some(mode), None, "stream")
-        } else {
-            let (tx, rx) = mpsc::channel::<Job>();
-            let mut proxy = Proxy {
-                rank,
-                dev: dev.clone(),
-                kernels,
-                stream: CudaStream::new(&dev)?,
-                scratch_in: DeviceBuffer::alloc(&dev, piece)?,
-                scratch_out: DeviceBuffer::alloc(&dev, piece)?,
-                chans,
-                policy: policy_wait,
-                abort: abort.clone(),
-                broken: broken.clone(),
-                flag: flag.clone(),
-                progress: Progress::register(rank, nranks, format!("cuda@{}", dev.bus_id())),
-            };
-            let worker = std::thread::Builder::new()
-                .name(format!("braid-cuda-proxy-{rank}"))
-                .spawn(move || proxy.run(rx));
-            (worker, None, Some(tx), "proxy")
+        let engine = match rings {
+            Some(rings) => {
+                let dog = Watchdog {
+                    rank,
+                    dev: dev.clone(),
+                    rings: rings.clone(),
+                    chans,
+                    flag: flag.clone(),
+                    shared: Arc::new(Shared::new(nranks)),
+                    policy: policy_wait,
+                    abort: abort.clone(),
+                    broken: broken.clone(),
+                };
+                start_stream(dog, rings, kernels)?
+            }
+            None => {
+                let proxy = Proxy {
+                    rank,
+                    dev: dev.clone(),
+                    kernels,
+                    stream: CudaStream::new(&dev)?,
+                    scratch_in: DeviceBuffer::alloc(&dev, piece_bytes)?,
+                    scratch_out: DeviceBuffer::alloc(&dev, piece_bytes)?,
+                    chans,
+                    policy: policy_wait,
+                    abort: abort.clone(),
+                    broken: broken.clone(),
+                    flag: flag.clone(),
+                    progress: Progress::register(rank, nranks, format!("cuda@{}", dev.bus_id())),
+                };
+                start_proxy(proxy)?
+            }
         };
-        let worker = worker.map_err(|e| {
-            Error::InvalidArgument(format!("cannot start the {engine} engine's thread: {e}"))
-        })?;
         info!(
             rank,
             device = dev.bus_id(),
-            piece,
-            engine,
+            piece = piece_bytes,
+            engine = engine.name,
             "braid: device communicator ready"
         );
         Ok(CudaComm {
@@ -408,20 +498,20 @@ impl CudaComm {
                 rank,
                 nranks,
                 ring: comm.ring().to_vec(),
-                piece,
-                small_allreduce,
+                piece_bytes,
+                small_allreduce_bytes,
                 dev,
                 flag,
                 state: Mutex::new(Issue {
-                    tx,
+                    tx: engine.tx,
                     cursor: Cursor::new(nranks),
                     last: None,
                     seq: 0,
                 }),
-                stream_mode,
+                stream_mode: engine.stream_mode,
                 broken,
                 abort,
-                worker: Mutex::new(Some(worker)),
+                worker: Mutex::new(Some(engine.worker)),
                 transports,
             }),
         })
@@ -627,9 +717,9 @@ impl CudaComm {
         let params = PlanParams {
             rank: self.inner.rank,
             ring: self.inner.ring.clone(),
-            piece_bytes: self.inner.piece,
-            move_piece_bytes: self.inner.piece,
-            small_allreduce_bytes: self.inner.small_allreduce,
+            piece_bytes: self.inner.piece_bytes,
+            move_piece_bytes: self.inner.piece_bytes,
+            small_allreduce_bytes: self.inner.small_allreduce_bytes,
             direct_moves: false,
         };
         let prog = Arc::new(plan::plan(coll, dt, &params)?);

@@ -246,6 +246,13 @@ fn fuse(
     Ok((Cluster { hosts, ranks }, policy))
 }
 
+/// A plan this rank cannot carry out (a transport it chose is off here, or
+/// cannot connect the pair): a topology error, not one of the launch
+/// environment's.
+pub(crate) fn planner_inconsistent(msg: String) -> Error {
+    Error::Topology(topo::TopoError::Invalid(msg))
+}
+
 /// Plan this communicator: one bootstrap round, then the pure planner.
 /// `allowed`: the CPUs this rank may run on (its NUMA node is the one
 /// holding most of them).
@@ -290,7 +297,7 @@ pub(crate) fn place(
             continue;
         };
         if table.get(*t).is_none() {
-            return Err(Error::Env(format!(
+            return Err(planner_inconsistent(format!(
                 "the planner chose {t} between ranks {rank} and {q} but this rank's {t} is {}",
                 table.why_off(*t).unwrap_or_default()
             )));
@@ -316,7 +323,7 @@ pub(crate) fn place(
             }
         }
         if !connects(t) {
-            return Err(Error::Env(format!(
+            return Err(planner_inconsistent(format!(
                 "the planner chose {t} between ranks {rank} (host {}) and {q} (host {}), but {t} cannot connect them",
                 me.host_id, peers[q].host_id
             )));

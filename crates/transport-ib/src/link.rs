@@ -29,7 +29,7 @@ pub(crate) const LENS_AT: usize = 2 * REASON_BYTES;
 pub(crate) const CTRL_BYTES: usize = LENS_AT + 8 * crate::info::MAX_SLOTS;
 /// Pieces of a message are at least this long (smaller messages travel
 /// whole on one QP; consecutive ones rotate over the QPs).
-pub(crate) const STRIPE_MIN: usize = 64 * 1024;
+pub(crate) const STRIPE_MIN_BYTES: usize = 64 * 1024;
 /// How often an idle end that is being waited on checks that its peer is
 /// alive (a zero-length RDMA WRITE that the peer's HCA must acknowledge).
 pub(crate) const KEEPALIVE_EVERY: Duration = Duration::from_millis(500);
@@ -678,10 +678,10 @@ impl IbSend {
 
     fn pieces(&self, len: usize) -> (usize, usize) {
         let nqps = self.sh.qps.len();
-        let want = if len < 2 * STRIPE_MIN {
+        let want = if len < 2 * STRIPE_MIN_BYTES {
             1
         } else {
-            nqps.min(len.div_ceil(STRIPE_MIN))
+            nqps.min(len.div_ceil(STRIPE_MIN_BYTES))
         };
         let piece = len.div_ceil(want).div_ceil(4096) * 4096;
         let n = if len == 0 { 1 } else { len.div_ceil(piece) };

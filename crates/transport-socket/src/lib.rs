@@ -178,7 +178,7 @@ pub mod probe;
 mod sys;
 mod transport;
 
-pub use link::{SocketRecv, SocketSend, STRIPE_MIN};
+pub use link::{SocketRecv, SocketSend, STRIPE_MIN_BYTES};
 pub use probe::{Family, IfAddr};
 pub use transport::SocketTransport;
 

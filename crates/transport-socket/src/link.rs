@@ -24,14 +24,14 @@ pub use send::SocketSend;
 /// Messages are striped over the data sockets in pieces of at least this
 /// many bytes (NCCL's `NCCL_SOCKET_MIN_TASKSIZE`); smaller ones travel whole
 /// on one socket.
-pub const STRIPE_MIN: usize = 64 * 1024;
+pub const STRIPE_MIN_BYTES: usize = 64 * 1024;
 
 /// Piece size for a message of `total` bytes over `nsocks` sockets.
 pub fn piece_size(total: usize, nsocks: usize) -> usize {
     total
         .div_ceil(nsocks.max(1))
         .next_multiple_of(4096)
-        .max(STRIPE_MIN)
+        .max(STRIPE_MIN_BYTES)
 }
 
 /// Number of pieces of a message of `total` bytes (at least 1).
@@ -112,7 +112,7 @@ mod tests {
                 3 * 65536 + 5,
             ] {
                 let piece = piece_size(total, n);
-                assert!(piece >= STRIPE_MIN);
+                assert!(piece >= STRIPE_MIN_BYTES);
                 let k = npieces(total, n);
                 assert!(k <= n, "{total} over {n}: {k} pieces");
                 let mut covered = 0;

@@ -176,41 +176,85 @@ pub fn run(machine: &Machine, mut program: impl FnMut(u32) -> Result<Program>) -
             ins: Vec::new(),
         });
     }
-    // Links, created as first used; per host the interfaces' free times.
-    let mut links: Vec<LinkQ> = Vec::new();
-    let nhosts = machine.hosts.iter().max().map_or(0, |&h| h as usize + 1);
-    let mut egress = vec![0.0f64; nhosts];
-    let mut ingress = vec![0.0f64; nhosts];
-    let mut queue: BinaryHeap<Reverse<(u64, u32)>> =
-        (0..p as u32).map(|r| Reverse((0, r))).collect();
-    // Each rank's one pending wake-up (earlier ones replace later ones; a
-    // rank that finds nothing to do schedules its next arrival itself).
-    let mut scheduled: Vec<Option<u64>> = vec![Some(0); p];
-    fn wake(
-        queue: &mut BinaryHeap<Reverse<(u64, u32)>>,
-        scheduled: &mut [Option<u64>],
-        r: u32,
-        at: u64,
-    ) {
-        let s = &mut scheduled[r as usize];
-        if s.is_none_or(|s| at < s) {
-            *s = Some(at);
-            queue.push(Reverse((at, r)));
-        }
-    }
-    let (mut messages, mut bytes) = (0u64, 0u64);
-    let host = |r: u32| machine.hosts[r as usize];
-    let cost = |bytes: u32, gbps: f64| bytes as f64 / (gbps * 1e3);
-    let mut used: Vec<(u32, u32)> = Vec::new();
-    while let Some(Reverse((t_ps, r))) = queue.pop() {
+    let mut clock = Clock::new(machine, ranks);
+    while let Some(Reverse((t_ps, r))) = clock.queue.pop() {
         let ri = r as usize;
-        if scheduled[ri] != Some(t_ps) {
+        if clock.scheduled[ri] != Some(t_ps) {
             continue;
         }
-        scheduled[ri] = None;
+        clock.scheduled[ri] = None;
+        clock.advance(r, t_ps);
+    }
+    clock.finish()
+}
+
+/// The state of a timed run: the ranks, the links between them, the hosts'
+/// network interfaces and the event queue of wake-ups.
+struct Clock<'m> {
+    machine: &'m Machine,
+    ranks: Vec<RankRun>,
+    /// Links, created as first used.
+    links: Vec<LinkQ>,
+    /// Per host: when its network interface is free to send / to receive.
+    egress: Vec<f64>,
+    ingress: Vec<f64>,
+    /// Wake-ups: (picoseconds, rank), earliest first.
+    queue: BinaryHeap<Reverse<(u64, u32)>>,
+    /// Each rank's one pending wake-up (earlier ones replace later ones; a
+    /// rank that finds nothing to do schedules its next arrival itself).
+    scheduled: Vec<Option<u64>>,
+    messages: u64,
+    bytes: u64,
+    /// Scratch for [`Clock::pick`]: the links of the pending ops passed over.
+    used: Vec<(u32, u32)>,
+}
+
+/// Microseconds that `bytes` take at `gbps`.
+fn cost(bytes: u32, gbps: f64) -> f64 {
+    bytes as f64 / (gbps * 1e3)
+}
+
+impl<'m> Clock<'m> {
+    /// A run of `ranks` on `machine`, every rank due at time 0.
+    fn new(machine: &'m Machine, ranks: Vec<RankRun>) -> Clock<'m> {
+        let p = ranks.len();
+        let nhosts = machine.hosts.iter().max().map_or(0, |&h| h as usize + 1);
+        Clock {
+            machine,
+            ranks,
+            links: Vec::new(),
+            egress: vec![0.0f64; nhosts],
+            ingress: vec![0.0f64; nhosts],
+            queue: (0..p as u32).map(|r| Reverse((0, r))).collect(),
+            scheduled: vec![Some(0); p],
+            messages: 0,
+            bytes: 0,
+            used: Vec::new(),
+        }
+    }
+
+    /// The host of rank `r`.
+    fn host(&self, r: u32) -> u32 {
+        self.machine.hosts[r as usize]
+    }
+
+    /// Schedule rank `r` at `at` ps, unless it is due earlier already.
+    fn wake(&mut self, r: u32, at: u64) {
+        let s = &mut self.scheduled[r as usize];
+        if s.is_none_or(|s| at < s) {
+            *s = Some(at);
+            self.queue.push(Reverse((at, r)));
+        }
+    }
+
+    /// Rank `r`, woken at `t_ps`: moves past finished stages, then runs the
+    /// first ready op of its stage, or waits (for its CPU, or for the next
+    /// message to arrive).
+    fn advance(&mut self, r: u32, t_ps: u64) {
+        let ri = r as usize;
         let t = t_ps as f64 / 1e6;
         loop {
-            let rk = &mut ranks[ri];
+            let rk = &mut self.ranks[ri];
             if rk.stage >= rk.stage_ends.len() {
                 break;
             }
@@ -234,130 +278,158 @@ pub fn run(machine: &Machine, mut program: impl FnMut(u32) -> Result<Program>) -
             }
             if ps(rk.busy_until) > t_ps {
                 let at = ps(rk.busy_until);
-                wake(&mut queue, &mut scheduled, r, at);
+                self.wake(r, at);
                 break;
             }
-            // The first ready op; an op waits behind an earlier pending op
-            // of its stage on the same link.
-            let mut pick = None;
-            used.clear();
-            for i in start..end {
-                if rk.done[i - start] {
-                    continue;
-                }
-                let s = rk.steps[i];
-                let blocked_link = used
-                    .iter()
-                    .any(|&(f, o)| (s.from != NONE && f == s.from) || (s.to != NONE && o == s.to));
-                let ready_in = s.from == NONE
-                    || find(&rk.ins, s.from)
-                        .and_then(|l| links[l].arrivals.front())
-                        .is_some_and(|&a| ps(a) <= t_ps);
-                let ready_out = s.to == NONE
-                    || find(&rk.outs, s.to)
-                        .is_none_or(|l| links[l].arrivals.len() < machine.fifo_depth);
-                if !blocked_link && ready_in && ready_out {
-                    pick = Some(i);
-                    break;
-                }
-                used.push((s.from, s.to));
-            }
-            let Some(i) = pick else {
+            let Some(i) = self.pick(ri, start, end, t_ps) else {
                 // Nothing ready: look again when the next message arrives
                 // (a slot freed by a receiver wakes this rank itself).
-                let next = rk
+                let next = self.ranks[ri]
                     .ins
                     .iter()
-                    .filter_map(|&(_, l)| links[l].arrivals.front())
+                    .filter_map(|&(_, l)| self.links[l].arrivals.front())
                     .map(|&a| ps(a))
                     .filter(|&a| a > t_ps)
                     .min();
                 if let Some(at) = next {
-                    wake(&mut queue, &mut scheduled, r, at);
+                    self.wake(r, at);
                 }
                 break;
             };
-            let s = rk.steps[i];
-            rk.done[i - start] = true;
-            let mut cpu = 0.0;
-            if s.from != NONE {
-                let l = find(&rk.ins, s.from).unwrap_or(0);
-                links[l].arrivals.pop_front();
-                let lk = if host(s.from) == host(r) {
-                    machine.shm
-                } else {
-                    machine.net
-                };
-                cpu += lk.overhead_us + cost(s.bytes, machine.copy_gbps);
-                // The sender may have waited for this slot.
-                wake(&mut queue, &mut scheduled, s.from, t_ps);
-            }
-            if s.reduce {
-                cpu += cost(s.bytes, machine.reduce_gbps);
-            }
-            if s.copy {
-                cpu += cost(s.bytes, machine.copy_gbps);
-            }
-            let to = s.to;
-            if to != NONE {
-                let same = host(to) == host(r);
-                let lk = if same { machine.shm } else { machine.net };
-                cpu += lk.overhead_us + cost(s.bytes, machine.copy_gbps);
-            }
-            let done_at = t + cpu;
-            ranks[ri].busy_until = done_at;
-            if to != NONE {
-                let l = match find(&ranks[ri].outs, to) {
-                    Some(l) => l,
-                    None => {
-                        links.push(LinkQ::default());
-                        let l = links.len() - 1;
-                        ranks[ri].outs.push((to, l));
-                        ranks[to as usize].ins.push((r, l));
-                        l
-                    }
-                };
-                let wire = |g: f64| cost(s.bytes, g);
-                let arrive = if host(to) == host(r) {
-                    let st = done_at.max(links[l].free_at);
-                    links[l].free_at = st + wire(machine.shm.gbps);
-                    links[l].free_at + machine.shm.latency_us
-                } else {
-                    let (h1, h2) = (host(r) as usize, host(to) as usize);
-                    let st = done_at.max(egress[h1]);
-                    egress[h1] = st + wire(machine.net.gbps);
-                    let a = (egress[h1] + machine.net.latency_us)
-                        .max(ingress[h2] + wire(machine.net.gbps));
-                    ingress[h2] = a;
-                    a
-                };
-                let arrive = links[l].arrivals.back().map_or(arrive, |&b| arrive.max(b));
-                links[l].arrivals.push_back(arrive);
-                wake(&mut queue, &mut scheduled, to, ps(arrive));
-                messages += 1;
-                bytes += s.bytes as u64;
-            }
-            wake(&mut queue, &mut scheduled, r, ps(done_at));
+            self.ranks[ri].done[i - start] = true;
+            self.execute(r, self.ranks[ri].steps[i], t, t_ps);
             break;
         }
     }
-    if let Some((r, rk)) = ranks
-        .iter()
-        .enumerate()
-        .find(|(_, rk)| rk.stage < rk.stage_ends.len())
-    {
-        return Err(CoreError::Protocol {
-            peer: r as u32,
-            detail: format!(
-                "timed run stuck: rank {r} at stage {} of {}",
-                rk.stage,
-                rk.stage_ends.len()
-            ),
-        });
+
+    /// The first ready op of rank `ri`'s stage (ops `start..end`) at
+    /// `t_ps`: its message has arrived and its link has room; an op waits
+    /// behind an earlier pending op of its stage on the same link.
+    fn pick(&mut self, ri: usize, start: usize, end: usize, t_ps: u64) -> Option<usize> {
+        let rk = &self.ranks[ri];
+        self.used.clear();
+        for i in start..end {
+            if rk.done[i - start] {
+                continue;
+            }
+            let s = rk.steps[i];
+            let blocked_link = self
+                .used
+                .iter()
+                .any(|&(f, o)| (s.from != NONE && f == s.from) || (s.to != NONE && o == s.to));
+            let ready_in = s.from == NONE
+                || find(&rk.ins, s.from)
+                    .and_then(|l| self.links[l].arrivals.front())
+                    .is_some_and(|&a| ps(a) <= t_ps);
+            let ready_out = s.to == NONE
+                || find(&rk.outs, s.to)
+                    .is_none_or(|l| self.links[l].arrivals.len() < self.machine.fifo_depth);
+            if !blocked_link && ready_in && ready_out {
+                return Some(i);
+            }
+            self.used.push((s.from, s.to));
+        }
+        None
     }
-    Ok(Timing {
-        time_us: ranks.iter().map(|r| r.end).fold(0.0, f64::max),
-        messages,
-        bytes,
-    })
+
+    /// Rank `r` runs step `s` at `t` µs (`t_ps`): takes its message, costs
+    /// its CPU time, sends its message, and wakes itself when done.
+    fn execute(&mut self, r: u32, s: Step, t: f64, t_ps: u64) {
+        let ri = r as usize;
+        let machine = self.machine;
+        let mut cpu = 0.0;
+        if s.from != NONE {
+            let l = find(&self.ranks[ri].ins, s.from).unwrap_or(0);
+            self.links[l].arrivals.pop_front();
+            let lk = if self.host(s.from) == self.host(r) {
+                machine.shm
+            } else {
+                machine.net
+            };
+            cpu += lk.overhead_us + cost(s.bytes, machine.copy_gbps);
+            // The sender may have waited for this slot.
+            self.wake(s.from, t_ps);
+        }
+        if s.reduce {
+            cpu += cost(s.bytes, machine.reduce_gbps);
+        }
+        if s.copy {
+            cpu += cost(s.bytes, machine.copy_gbps);
+        }
+        let to = s.to;
+        if to != NONE {
+            let same = self.host(to) == self.host(r);
+            let lk = if same { machine.shm } else { machine.net };
+            cpu += lk.overhead_us + cost(s.bytes, machine.copy_gbps);
+        }
+        let done_at = t + cpu;
+        self.ranks[ri].busy_until = done_at;
+        if to != NONE {
+            self.send(r, to, s.bytes, done_at);
+        }
+        self.wake(r, ps(done_at));
+    }
+
+    /// A message of `bytes` from rank `r` to rank `to`, leaving at
+    /// `done_at` µs: inside a host over the pair's own stream, between
+    /// hosts through both hosts' interfaces; it arrives after the link's
+    /// earlier messages and wakes the receiver.
+    fn send(&mut self, r: u32, to: u32, bytes: u32, done_at: f64) {
+        let ri = r as usize;
+        let machine = self.machine;
+        let l = match find(&self.ranks[ri].outs, to) {
+            Some(l) => l,
+            None => {
+                self.links.push(LinkQ::default());
+                let l = self.links.len() - 1;
+                self.ranks[ri].outs.push((to, l));
+                self.ranks[to as usize].ins.push((r, l));
+                l
+            }
+        };
+        let wire = |g: f64| cost(bytes, g);
+        let arrive = if self.host(to) == self.host(r) {
+            let st = done_at.max(self.links[l].free_at);
+            self.links[l].free_at = st + wire(machine.shm.gbps);
+            self.links[l].free_at + machine.shm.latency_us
+        } else {
+            let (h1, h2) = (self.host(r) as usize, self.host(to) as usize);
+            let st = done_at.max(self.egress[h1]);
+            self.egress[h1] = st + wire(machine.net.gbps);
+            let a = (self.egress[h1] + machine.net.latency_us)
+                .max(self.ingress[h2] + wire(machine.net.gbps));
+            self.ingress[h2] = a;
+            a
+        };
+        let arrivals = &mut self.links[l].arrivals;
+        let arrive = arrivals.back().map_or(arrive, |&b| arrive.max(b));
+        arrivals.push_back(arrive);
+        self.wake(to, ps(arrive));
+        self.messages += 1;
+        self.bytes += bytes as u64;
+    }
+
+    /// The timing, or an error naming a rank that never finished.
+    fn finish(self) -> Result<Timing> {
+        if let Some((r, rk)) = self
+            .ranks
+            .iter()
+            .enumerate()
+            .find(|(_, rk)| rk.stage < rk.stage_ends.len())
+        {
+            return Err(CoreError::Protocol {
+                peer: r as u32,
+                detail: format!(
+                    "timed run stuck: rank {r} at stage {} of {}",
+                    rk.stage,
+                    rk.stage_ends.len()
+                ),
+            });
+        }
+        Ok(Timing {
+            time_us: self.ranks.iter().map(|r| r.end).fold(0.0, f64::max),
+            messages: self.messages,
+            bytes: self.bytes,
+        })
+    }
 }

@@ -480,17 +480,35 @@ pub fn detect(reader: &SysfsReader, gpus: &dyn GpuProvider) -> Result<Detected, 
         name: reader.read("proc/sys/kernel/hostname"),
         ..Default::default()
     };
-    // NUMA nodes, as hwloc reads them: the node's cpumap (its cpulist
-    // when there is none), restricted to the online CPUs; a node whose CPUs
-    // overlap an earlier node's is a firmware error and is dropped; nodes
-    // without CPUs are memory-only (kept, but no rank goes there); NVIDIA
-    // GPU memory shown as NUMA nodes (POWER9 with NVLink to the CPU) is
-    // dropped on POWER, as hwloc hides it there.
-    let (arch, vendor, family, model) = cpuinfo(reader);
+    sys.cpus = numa_nodes(reader, &mut notes);
+    if reader.list("sys/bus/pci/devices").is_empty() {
+        notes.push(
+            "no PCI devices (sys/bus/pci/devices is empty or absent): no GPU or NIC can be placed"
+                .into(),
+        );
+    }
+    add_gpus(reader, gpus, &mut sys, &mut notes)?;
+    add_rdma_devices(reader, &mut sys, &mut notes);
+    add_interfaces(reader, &mut sys, &mut notes);
+    reader.complete()?;
+    Ok(Detected { system: sys, notes })
+}
+
+/// The NUMA nodes, as hwloc reads them: the node's cpumap (its cpulist
+/// when there is none), restricted to the online CPUs; a node whose CPUs
+/// overlap an earlier node's is a firmware error and is dropped; nodes
+/// without CPUs are memory-only (kept, but no rank goes there); NVIDIA
+/// GPU memory shown as NUMA nodes (POWER9 with NVLink to the CPU) is
+/// dropped on POWER, as hwloc hides it there. Online CPUs in no node
+/// become node -1 ([`loose_cpus`]); with no node at all, one node 0 holds
+/// every online CPU.
+fn numa_nodes(reader: &SysfsReader, notes: &mut Vec<String>) -> Vec<Cpu> {
+    let info = cpuinfo(reader);
     let online = reader
         .read("sys/devices/system/cpu/online")
         .and_then(|l| CpuSet::from_list(&l));
     let gpu_nodes = nvidia_gpu_numa_nodes(reader);
+    let mut cpus = Vec::new();
     let mut seen: Vec<u32> = Vec::new();
     for n in reader.list("sys/devices/system/node") {
         let Some(id) = n.strip_prefix("node").and_then(|i| i.parse::<i32>().ok()) else {
@@ -520,7 +538,7 @@ pub fn detect(reader: &SysfsReader, gpus: &dyn GpuProvider) -> Result<Detected, 
         }
         let mut attrs = super::model::Attrs::new();
         if let Some(gpu) = gpu_nodes.iter().find(|(node, _)| *node == id).map(|x| &x.1) {
-            if arch.as_deref().is_some_and(|a| a.starts_with("ppc")) {
+            if info.arch.as_deref().is_some_and(|a| a.starts_with("ppc")) {
                 notes.push(format!(
                     "NUMA node {id} is the memory of GPU {gpu}: ignored on POWER, as hwloc does"
                 ));
@@ -533,62 +551,55 @@ pub fn detect(reader: &SysfsReader, gpus: &dyn GpuProvider) -> Result<Detected, 
                 "NUMA node {id} has no CPUs (memory only): no ranks are placed there"
             ));
         }
-        sys.cpus.push(Cpu {
-            numaid: id,
-            affinity: aff,
-            arch: arch.clone(),
-            vendor: vendor.clone(),
-            familyid: family,
-            modelid: model,
-            attrs,
-            ..Default::default()
-        });
+        cpus.push(info.node(id, aff, attrs));
     }
-    // Online CPUs that no node lists (their node is offline): hwloc keeps
-    // them, outside any NUMA node; braid puts them in NCCL's "unknown"
-    // node, -1.
-    if let (Some(on), false) = (&online, sys.cpus.is_empty()) {
-        let loose: Vec<u32> = on.0.iter().copied().filter(|c| !seen.contains(c)).collect();
-        if !loose.is_empty() {
-            let loose = CpuSet(loose);
-            notes.push(format!(
-                "CPUs {} are online but in no NUMA node (their node is offline): kept as node -1",
-                loose.to_list()
-            ));
-            let mut attrs = super::model::Attrs::new();
-            attrs.insert("no_numa_node".into(), "1".into());
-            sys.cpus.push(Cpu {
-                numaid: -1,
-                affinity: Some(loose),
-                arch: arch.clone(),
-                vendor: vendor.clone(),
-                familyid: family,
-                modelid: model,
-                attrs,
-                ..Default::default()
-            });
-        }
+    if let (Some(on), false) = (&online, cpus.is_empty()) {
+        cpus.extend(loose_cpus(&info, on, &seen, notes));
     }
-    if sys.cpus.is_empty() {
+    if cpus.is_empty() {
         notes.push("no NUMA nodes under sys/devices/system/node: assuming one node".into());
-        sys.cpus.push(Cpu {
-            numaid: 0,
-            affinity: online.clone(),
-            arch,
-            vendor,
-            familyid: family,
-            modelid: model,
-            ..Default::default()
-        });
+        cpus.push(info.node(0, online, super::model::Attrs::new()));
     }
-    if reader.list("sys/bus/pci/devices").is_empty() {
-        notes.push(
-            "no PCI devices (sys/bus/pci/devices is empty or absent): no GPU or NIC can be placed"
-                .into(),
-        );
-    }
+    cpus
+}
 
-    // GPUs.
+/// Online CPUs that no node lists (`seen` holds those the nodes list; their
+/// node is offline): hwloc keeps them, outside any NUMA node; braid puts
+/// them in NCCL's "unknown" node, -1. None when there are none.
+fn loose_cpus(
+    info: &CpuInfo,
+    online: &CpuSet,
+    seen: &[u32],
+    notes: &mut Vec<String>,
+) -> Option<Cpu> {
+    let loose: Vec<u32> = online
+        .0
+        .iter()
+        .copied()
+        .filter(|c| !seen.contains(c))
+        .collect();
+    if loose.is_empty() {
+        return None;
+    }
+    let loose = CpuSet(loose);
+    notes.push(format!(
+        "CPUs {} are online but in no NUMA node (their node is offline): kept as node -1",
+        loose.to_list()
+    ));
+    let mut attrs = super::model::Attrs::new();
+    attrs.insert("no_numa_node".into(), "1".into());
+    Some(info.node(-1, Some(loose), attrs))
+}
+
+/// The GPUs `gpus` reports, placed in the PCI tree; NVLinks whose far end
+/// is unknown lead to the class of the peer's PCI function, or to an
+/// NVSwitch where the peer is not visible (VMs), as NCCL does.
+fn add_gpus(
+    reader: &SysfsReader,
+    gpus: &dyn GpuProvider,
+    sys: &mut System,
+    notes: &mut Vec<String>,
+) -> Result<(), TopoError> {
     let provided = gpus.gpus()?;
     if provided.is_empty() {
         notes.push(format!("GPU provider {}: no GPUs", gpus.name()));
@@ -600,19 +611,22 @@ pub fn detect(reader: &SysfsReader, gpus: &dyn GpuProvider) -> Result<Detected, 
         ));
     }
     for mut g in provided {
-        // What an NVLink leads to: the class of the peer's PCI function, or
-        // an NVSwitch where the peer is not visible (VMs), as NCCL does.
         for l in g.gpu.nvlinks.iter_mut().filter(|l| l.tclass.is_none()) {
             let class = reader
                 .read(format!("sys/bus/pci/devices/{}/class", l.target))
                 .and_then(|c| hex_u32(&c));
             l.tclass = Some(class.unwrap_or(0x068000));
         }
-        let pci = insert_pci(reader, &mut sys, &g.busid, &mut notes);
+        let pci = insert_pci(reader, sys, &g.busid, notes);
         pci.gpu = Some(g.gpu);
     }
+    Ok(())
+}
 
-    // RDMA devices.
+/// The RDMA devices under `sys/class/infiniband`: one net per port
+/// (`mlx5_0`, then `mlx5_0:2`, ...), numbered in order of discovery,
+/// attached to the device's PCI function.
+fn add_rdma_devices(reader: &SysfsReader, sys: &mut System, notes: &mut Vec<String>) {
     let gdr = reader.exists("sys/module/nvidia_peermem")
         || reader.exists("sys/kernel/mm/memory_peers/nv_mem/version");
     let ib = reader.list("sys/class/infiniband");
@@ -620,7 +634,6 @@ pub fn detect(reader: &SysfsReader, gpus: &dyn GpuProvider) -> Result<Detected, 
         notes.push("no RDMA devices (sys/class/infiniband is empty or absent)".into());
     }
     let mut rdma_dev = 0u32;
-    let mut rdma_pci: Vec<String> = Vec::new();
     for dev in &ib {
         let base = format!("sys/class/infiniband/{dev}");
         let guid = reader.read(format!("{base}/node_guid")).map(|g| {
@@ -632,46 +645,49 @@ pub fn detect(reader: &SysfsReader, gpus: &dyn GpuProvider) -> Result<Detected, 
             let Ok(pn) = port.parse::<u32>() else {
                 continue;
             };
-            let pb = format!("{base}/ports/{port}");
-            let state = reader
-                .read(format!("{pb}/state"))
-                .map(|s| s.split(':').next_back().unwrap_or("").trim().to_string());
-            let speed = reader.read(format!("{pb}/rate")).and_then(|r| {
-                let num: String = r
-                    .chars()
-                    .take_while(|c| c.is_ascii_digit() || *c == '.')
-                    .collect();
-                num.parse::<f64>().ok().map(|g| (g * 1000.0) as u64)
-            });
-            nets.push(Net {
-                name: if pn == 1 {
-                    dev.clone()
-                } else {
-                    format!("{dev}:{pn}")
-                },
-                dev: Some(rdma_dev),
-                speed,
-                port: Some(pn),
-                guid: guid.clone(),
-                gdr: Some(gdr),
-                link_layer: reader.read(format!("{pb}/link_layer")),
-                state,
-                rdma: Some(true),
-                ..Default::default()
-            });
+            let mut net = rdma_port(reader, dev, &format!("{base}/ports/{port}"), pn);
+            net.dev = Some(rdma_dev);
+            net.guid = guid.clone();
+            net.gdr = Some(gdr);
+            nets.push(net);
             rdma_dev += 1;
         }
-        attach_nets(
-            reader,
-            &mut sys,
-            &format!("{base}/device"),
-            nets,
-            &mut notes,
-            &mut rdma_pci,
-        );
+        attach_nets(reader, sys, &format!("{base}/device"), nets, notes);
     }
+}
 
-    // Kernel network interfaces backed by a device.
+/// Port `pn` of RDMA device `dev`, read from its directory `pb`: name,
+/// state, rate and link layer (the device's own facts are the caller's).
+fn rdma_port(reader: &SysfsReader, dev: &str, pb: &str, pn: u32) -> Net {
+    let state = reader
+        .read(format!("{pb}/state"))
+        .map(|s| s.split(':').next_back().unwrap_or("").trim().to_string());
+    let speed = reader.read(format!("{pb}/rate")).and_then(|r| {
+        let num: String = r
+            .chars()
+            .take_while(|c| c.is_ascii_digit() || *c == '.')
+            .collect();
+        num.parse::<f64>().ok().map(|g| (g * 1000.0) as u64)
+    });
+    Net {
+        name: if pn == 1 {
+            dev.to_string()
+        } else {
+            format!("{dev}:{pn}")
+        },
+        speed,
+        port: Some(pn),
+        link_layer: reader.read(format!("{pb}/link_layer")),
+        state,
+        rdma: Some(true),
+        ..Default::default()
+    }
+}
+
+/// The kernel network interfaces under `sys/class/net` that are backed by
+/// a device (not virtual ones), numbered in order, attached to their PCI
+/// function.
+fn add_interfaces(reader: &SysfsReader, sys: &mut System, notes: &mut Vec<String>) {
     let mut sock_dev = 0u32;
     for ifname in reader.list("sys/class/net") {
         let base = format!("sys/class/net/{ifname}");
@@ -697,22 +713,45 @@ pub fn detect(reader: &SysfsReader, gpus: &dyn GpuProvider) -> Result<Detected, 
             ..Default::default()
         };
         sock_dev += 1;
-        attach_nets(
-            reader,
-            &mut sys,
-            &format!("{base}/device"),
-            vec![net],
-            &mut notes,
-            &mut rdma_pci,
-        );
+        attach_nets(reader, sys, &format!("{base}/device"), vec![net], notes);
     }
-    reader.complete()?;
-    Ok(Detected { system: sys, notes })
 }
 
-fn cpuinfo(r: &SysfsReader) -> (Option<String>, Option<String>, Option<u32>, Option<u32>) {
+/// What `/proc/cpuinfo` says of the CPUs (None where it says nothing).
+struct CpuInfo {
+    /// `x86_64`, `arm64` or `ppc64`.
+    arch: Option<String>,
+    vendor: Option<String>,
+    family: Option<u32>,
+    model: Option<u32>,
+}
+
+impl CpuInfo {
+    /// NUMA node `numaid` with these CPUs' facts.
+    fn node(&self, numaid: i32, affinity: Option<CpuSet>, attrs: super::model::Attrs) -> Cpu {
+        Cpu {
+            numaid,
+            affinity,
+            arch: self.arch.clone(),
+            vendor: self.vendor.clone(),
+            familyid: self.family,
+            modelid: self.model,
+            attrs,
+            ..Default::default()
+        }
+    }
+}
+
+/// The first CPU's vendor, family and model in `/proc/cpuinfo`, and the
+/// architecture its fields reveal.
+fn cpuinfo(r: &SysfsReader) -> CpuInfo {
     let Some(text) = r.read("proc/cpuinfo") else {
-        return (None, None, None, None);
+        return CpuInfo {
+            arch: None,
+            vendor: None,
+            family: None,
+            model: None,
+        };
     };
     let mut vendor = None;
     let mut family = None;
@@ -738,7 +777,12 @@ fn cpuinfo(r: &SysfsReader) -> (Option<String>, Option<String>, Option<u32>, Opt
     if vendor.is_some() && arch.is_none() {
         arch = Some("x86_64".into());
     }
-    (arch, vendor, family, model)
+    CpuInfo {
+        arch,
+        vendor,
+        family,
+        model,
+    }
 }
 
 /// Put the nets of one device (found through `device_link`) into the model,
@@ -749,7 +793,6 @@ fn attach_nets(
     device_link: &str,
     nets: Vec<Net>,
     notes: &mut Vec<String>,
-    _seen: &mut Vec<String>,
 ) {
     if nets.is_empty() {
         return;

@@ -99,7 +99,7 @@ pub struct Shape {
     /// algorithms that allow it ([`Choice::single_copy_safe`]): the sender's
     /// copy into a slot goes (sockets: the progress thread writes from the
     /// caller's buffer). `usize::MAX`: never.
-    pub net_ref_min: usize,
+    pub net_ref_min_bytes: usize,
 }
 
 impl Shape {
@@ -111,7 +111,7 @@ impl Shape {
             per_host,
             piece,
             move_piece: piece,
-            net_ref_min: usize::MAX,
+            net_ref_min_bytes: usize::MAX,
         }
     }
 }
@@ -140,7 +140,7 @@ enum Via {
 struct Model<'a> {
     c: &'a Costs,
     s: &'a Shape,
-    /// The algorithm may send by reference ([`Shape::net_ref_min`]).
+    /// The algorithm may send by reference ([`Shape::net_ref_min_bytes`]).
     by_ref: bool,
 }
 
@@ -165,7 +165,8 @@ impl Model<'_> {
     /// CPU time of one message of `b` bytes at both ends: without the
     /// sender's copy where it goes by reference.
     fn pair(&self, v: Via, b: f64) -> f64 {
-        let by_ref = self.by_ref && matches!(v, Via::Net(_)) && b >= self.s.net_ref_min as f64;
+        let by_ref =
+            self.by_ref && matches!(v, Via::Net(_)) && b >= self.s.net_ref_min_bytes as f64;
         2.0 * self.cpu(v, b) - if by_ref { at(b, self.c.copy_gbps) } else { 0.0 }
     }
 
@@ -794,7 +795,7 @@ mod tests {
         };
         let slots = Shape::uniform(2, 1, 1 << 19);
         let refs = Shape {
-            net_ref_min: 64 << 10,
+            net_ref_min_bytes: 64 << 10,
             ..slots
         };
         let (ring, rd) = (Choice::of(Algo::Ring), Choice::of(Algo::Rd));

@@ -157,7 +157,7 @@ impl Algos {
             per_host: per.into_iter().max().unwrap_or(1),
             piece,
             move_piece,
-            net_ref_min: if net == Some(TransportKind::Socket)
+            net_ref_min_bytes: if net == Some(TransportKind::Socket)
                 && braid_transport_socket::SocketConfig::from_env(env)?.direct()
             {
                 direct_min
@@ -193,7 +193,7 @@ impl Algos {
         let rules = format!("{:?}", self.rules);
         fnv(format!(
             "{}|{rules}|{}|{}",
-            self.forced_text, self.measure, self.shape.net_ref_min
+            self.forced_text, self.measure, self.shape.net_ref_min_bytes
         )
         .as_bytes())
     }

@@ -15,6 +15,7 @@
 //! completion word that the caller's stream waits for, so the GPU never
 //! hangs; a failure marks the communicator broken and tells the peers.
 
+use std::ops::ControlFlow;
 use std::sync::atomic::AtomicBool;
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
@@ -141,52 +142,32 @@ impl OpRunner for DevExec<'_> {
     }
 }
 
-/// Try one op: `Ok(None)` when it ran, `Ok(Some((peer, what)))` when it
-/// must wait. Everything it enqueues has completed when it returns `None`
-/// (the stream is synchronised before slots are published or released).
+/// A slot an op holds for the piece it receives or sends.
+#[derive(Clone, Copy)]
+struct Held {
+    /// The peer at the other end of the link.
+    peer: u32,
+    slot: SlotBuf,
+    /// Where the slot lives.
+    mem: MemKind,
+}
+
+/// Try one op: `Ok(None)` when it ran, `Ok(Some(blocked))` when it must
+/// wait. Everything it enqueues has completed when it returns `None` (the
+/// stream is synchronised before slots are published or released).
 fn try_op(
     ex: &mut DevExec<'_>,
     op: &Op,
     chans: &mut Channels,
 ) -> Result<Option<Blocked>, CoreError> {
     let len = op.wire_len();
-    let input: Option<(u32, SlotBuf, MemKind)> = match op.recv_peer() {
-        Some(from) => {
-            let ch = chans.receiver(from)?;
-            match ch.poll_peek()? {
-                None => return Ok(Some((from, Wait::Data))),
-                Some((slot, got)) => {
-                    if got != len {
-                        return Err(CoreError::Protocol {
-                            peer: from,
-                            detail: format!(
-                                "rank {from} sent a piece of {got} bytes where {len} were expected: the ranks called different device operations, counts or datatypes"
-                            ),
-                        });
-                    }
-                    Some((from, slot, ch.mem_kind()))
-                }
-            }
-        }
-        None => None,
+    let input = match peek_input(op, chans, len)? {
+        ControlFlow::Break(b) => return Ok(Some(b)),
+        ControlFlow::Continue(i) => i,
     };
-    let output: Option<(u32, SlotBuf, MemKind)> = match op.send_peer() {
-        Some(to) => {
-            let ch = chans.sender(to)?;
-            match ch.poll_acquire()? {
-                None => return Ok(Some((to, Wait::Slot))),
-                Some(slot) => {
-                    if slot.cap < len {
-                        return Err(CoreError::InvalidArgument(format!(
-                            "piece of {len} bytes does not fit the {}-byte slots of the link to rank {to}",
-                            slot.cap
-                        )));
-                    }
-                    Some((to, slot, ch.mem_kind()))
-                }
-            }
-        }
-        None => None,
+    let output = match acquire_output(op, chans, len)? {
+        ControlFlow::Break(b) => return Ok(Some(b)),
+        ControlFlow::Continue(o) => o,
     };
     if len > ex.scratch_len && (input.is_some() || output.is_some()) {
         return Err(CoreError::InvalidArgument(format!(
@@ -194,163 +175,298 @@ fn try_op(
             ex.scratch_len
         )));
     }
-    let cuda = |e: braid_cuda::CudaError| CoreError::from(e);
-    let st = ex.stream;
-    let k = ex.kernels;
-    // Where the incoming piece is readable by a kernel (device address).
-    let in_dev = |ex: &DevExec<'_>| -> Result<u64, CoreError> {
-        match input {
-            Some((_, slot, MemKind::Device(_))) => Ok(slot.ptr as usize as u64),
-            Some((_, slot, MemKind::Host)) => {
+    let piece = Piece {
+        ex,
+        input,
+        output,
+        len,
+    };
+    piece.enqueue(op)?;
+    // The piece must have landed (and the input been read) before the peer
+    // learns about it or gets its slot back.
+    ex.stream.synchronize().map_err(CoreError::from)?;
+    if let Some(i) = input {
+        chans.receiver(i.peer)?.release()?;
+    }
+    if let Some(o) = output {
+        chans.sender(o.peer)?.commit(len)?;
+    }
+    Ok(None)
+}
+
+/// The incoming piece of `op` (of `len` bytes), if it receives one:
+/// `Break` when it has not arrived; an error when its size is not `len`.
+fn peek_input(
+    op: &Op,
+    chans: &mut Channels,
+    len: usize,
+) -> Result<ControlFlow<Blocked, Option<Held>>, CoreError> {
+    let Some(from) = op.recv_peer() else {
+        return Ok(ControlFlow::Continue(None));
+    };
+    let ch = chans.receiver(from)?;
+    let Some((slot, got)) = ch.poll_peek()? else {
+        return Ok(ControlFlow::Break((from, Wait::Data)));
+    };
+    if got != len {
+        return Err(CoreError::Protocol {
+            peer: from,
+            detail: format!(
+                "rank {from} sent a piece of {got} bytes where {len} were expected: the ranks called different device operations, counts or datatypes"
+            ),
+        });
+    }
+    Ok(ControlFlow::Continue(Some(Held {
+        peer: from,
+        slot,
+        mem: ch.mem_kind(),
+    })))
+}
+
+/// A free slot for the outgoing piece of `op` (of `len` bytes), if it sends
+/// one: `Break` when the link has none; an error when `len` does not fit.
+fn acquire_output(
+    op: &Op,
+    chans: &mut Channels,
+    len: usize,
+) -> Result<ControlFlow<Blocked, Option<Held>>, CoreError> {
+    let Some(to) = op.send_peer() else {
+        return Ok(ControlFlow::Continue(None));
+    };
+    let ch = chans.sender(to)?;
+    let Some(slot) = ch.poll_acquire()? else {
+        return Ok(ControlFlow::Break((to, Wait::Slot)));
+    };
+    if slot.cap < len {
+        return Err(CoreError::InvalidArgument(format!(
+            "piece of {len} bytes does not fit the {}-byte slots of the link to rank {to}",
+            slot.cap
+        )));
+    }
+    Ok(ControlFlow::Continue(Some(Held {
+        peer: to,
+        slot,
+        mem: ch.mem_kind(),
+    })))
+}
+
+/// One op's piece of `len` bytes with the slots it holds: enqueues its
+/// copies and kernels on the job's stream.
+struct Piece<'e, 'a> {
+    ex: &'e DevExec<'a>,
+    input: Option<Held>,
+    output: Option<Held>,
+    len: usize,
+}
+
+/// A CUDA error as the engines report it.
+fn cuda(e: braid_cuda::CudaError) -> CoreError {
+    CoreError::from(e)
+}
+
+impl Piece<'_, '_> {
+    /// Enqueue `op`'s copies and reductions (nothing is synchronised).
+    fn enqueue(&self, op: &Op) -> Result<(), CoreError> {
+        let (ex, st, k, len) = (self.ex, self.ex.stream, self.ex.kernels, self.len);
+        // SAFETY (for the kernel launches below): every address is a checked
+        // region of a live caller buffer, a slot of `len` bytes we hold, or a
+        // scratch buffer of at least `len` bytes; all are aligned for the
+        // datatype (allocations are 256-byte aligned, offsets are whole
+        // elements); `dst` equals an input or is disjoint from it.
+        match *op {
+            Op::Copy {
+                src,
+                dst,
+                finalize: fin,
+            } => {
+                let (s, d) = (region(ex, src)?, region(ex, dst)?);
+                // SAFETY: checked regions; the plans never partly overlap them.
+                unsafe { st.copy_dtod(d, s, src.len) }.map_err(cuda)?;
+                if fin {
+                    self.finalize(d)?;
+                }
+            }
+            Op::Send { src, .. } => self.emit(region(ex, src)?)?,
+            Op::Recv { dst, .. } => self.fetch_into(region(ex, dst)?)?,
+            Op::RecvReduceSend { src, .. } => {
+                let (dt, rop) = self.dt_op()?;
+                let i = self.in_dev()?;
+                let s = region(ex, src)?;
+                match self.output {
+                    Some(Held {
+                        slot,
+                        mem: MemKind::Device(_),
+                        ..
+                    }) => {
+                        // SAFETY: see above.
+                        unsafe {
+                            k.reduce(st, dt, rop, slot.ptr as usize as u64, i, s, len / dt.size())
+                        }
+                        .map_err(cuda)?
+                    }
+                    Some(Held {
+                        slot,
+                        mem: MemKind::Host,
+                        ..
+                    }) => {
+                        // SAFETY: see above.
+                        unsafe { k.reduce(st, dt, rop, ex.scratch_out, i, s, len / dt.size()) }
+                            .map_err(cuda)?;
+                        // SAFETY: the host slot holds `len` bytes and is ours.
+                        unsafe { st.copy_dtoh(slot.ptr, ex.scratch_out, len) }.map_err(cuda)?;
+                    }
+                    None => {
+                        return Err(CoreError::InvalidArgument(
+                            "reduce-send without a slot".into(),
+                        ))
+                    }
+                }
+            }
+            Op::RecvReduceCopy {
+                src,
+                dst,
+                finalize: fin,
+                ..
+            } => {
+                let (dt, rop) = self.dt_op()?;
+                let i = self.in_dev()?;
+                let d = region(ex, dst)?;
+                // SAFETY: see above.
+                unsafe { k.reduce(st, dt, rop, d, i, region(ex, src)?, len / dt.size()) }
+                    .map_err(cuda)?;
+                if fin {
+                    self.finalize(d)?;
+                }
+            }
+            Op::RecvCopySend { dst, .. } => {
+                let d = region(ex, dst)?;
+                self.fetch_into(d)?;
+                self.emit(d)?;
+            }
+            Op::RecvReduceCopySend {
+                src,
+                dst,
+                finalize: fin,
+                ..
+            } => {
+                let (dt, rop) = self.dt_op()?;
+                let i = self.in_dev()?;
+                let d = region(ex, dst)?;
+                // SAFETY: see above.
+                unsafe { k.reduce(st, dt, rop, d, i, region(ex, src)?, len / dt.size()) }
+                    .map_err(cuda)?;
+                if fin {
+                    self.finalize(d)?;
+                }
+                self.emit(d)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Where the incoming piece is readable by a kernel (device address):
+    /// its slot, or the input scratch it is copied to from a host slot.
+    fn in_dev(&self) -> Result<u64, CoreError> {
+        let (ex, len) = (self.ex, self.len);
+        match self.input {
+            Some(Held {
+                slot,
+                mem: MemKind::Device(_),
+                ..
+            }) => Ok(slot.ptr as usize as u64),
+            Some(Held {
+                slot,
+                mem: MemKind::Host,
+                ..
+            }) => {
                 // SAFETY: the host slot holds `len` committed bytes until we
                 // release it (after the stream is synchronised); the scratch
-                // holds at least `len` bytes (checked above).
-                unsafe { st.copy_htod(ex.scratch_in, slot.ptr as *const u8, len) }.map_err(cuda)?;
+                // holds at least `len` bytes (checked by `try_op`).
+                unsafe {
+                    ex.stream
+                        .copy_htod(ex.scratch_in, slot.ptr as *const u8, len)
+                }
+                .map_err(cuda)?;
                 Ok(ex.scratch_in)
             }
             None => Err(CoreError::InvalidArgument("op without input".into())),
         }
-    };
-    // Copy the incoming piece to device address `d`.
-    let fetch_into = |d: u64| -> Result<(), CoreError> {
-        match input {
-            Some((_, slot, MemKind::Device(_))) => {
+    }
+
+    /// Copy the incoming piece to device address `d`.
+    fn fetch_into(&self, d: u64) -> Result<(), CoreError> {
+        let (st, len) = (self.ex.stream, self.len);
+        match self.input {
+            Some(Held {
+                slot,
+                mem: MemKind::Device(_),
+                ..
+            }) => {
                 // SAFETY: the slot holds `len` bytes; `d` is a checked region
                 // of a live caller buffer; slots and user buffers never overlap.
                 unsafe { st.copy_dtod(d, slot.ptr as usize as u64, len) }.map_err(cuda)
             }
-            Some((_, slot, MemKind::Host)) => {
+            Some(Held {
+                slot,
+                mem: MemKind::Host,
+                ..
+            }) => {
                 // SAFETY: as above, from a host slot.
                 unsafe { st.copy_htod(d, slot.ptr as *const u8, len) }.map_err(cuda)
             }
             None => Err(CoreError::InvalidArgument("op without input".into())),
         }
-    };
-    // Send the `len` bytes at device address `s`.
-    let emit = |s: u64| -> Result<(), CoreError> {
-        match output {
-            Some((_, slot, MemKind::Device(_))) => {
+    }
+
+    /// Send the `len` bytes at device address `s`.
+    fn emit(&self, s: u64) -> Result<(), CoreError> {
+        let (st, len) = (self.ex.stream, self.len);
+        match self.output {
+            Some(Held {
+                slot,
+                mem: MemKind::Device(_),
+                ..
+            }) => {
                 // SAFETY: the acquired slot holds at least `len` bytes
                 // (checked) and is ours until commit; `s` is a checked region.
                 unsafe { st.copy_dtod(slot.ptr as usize as u64, s, len) }.map_err(cuda)
             }
-            Some((_, slot, MemKind::Host)) => {
+            Some(Held {
+                slot,
+                mem: MemKind::Host,
+                ..
+            }) => {
                 // SAFETY: as above, into a host slot.
                 unsafe { st.copy_dtoh(slot.ptr, s, len) }.map_err(cuda)
             }
             None => Err(CoreError::InvalidArgument("op without output".into())),
         }
-    };
-    let dt_op = || -> Result<(DataType, RedOp), CoreError> {
-        match (ex.prog.dtype, ex.prog.red_op) {
+    }
+
+    /// The program's datatype and operator, which a reducing op needs.
+    fn dt_op(&self) -> Result<(DataType, RedOp), CoreError> {
+        match (self.ex.prog.dtype, self.ex.prog.red_op) {
             (Some(d), Some(o)) => Ok((d, o)),
             _ => Err(CoreError::InvalidArgument(
                 "a reducing op in a program without datatype and operator".into(),
             )),
         }
-    };
-    let finalize = |d: u64| -> Result<(), CoreError> {
+    }
+
+    /// The last step of an average: divide the `len` bytes at `d` by the
+    /// program's divisor (nothing for other operators).
+    fn finalize(&self, d: u64) -> Result<(), CoreError> {
+        let (ex, len) = (self.ex, self.len);
         match ex.prog.dtype {
             Some(dt) if ex.prog.divisor > 1 => {
                 // SAFETY: `d` is a checked region of `len` bytes of `dt`.
-                unsafe { k.divide(st, dt, d, len / dt.size(), ex.prog.divisor) }.map_err(cuda)
+                unsafe {
+                    ex.kernels
+                        .divide(ex.stream, dt, d, len / dt.size(), ex.prog.divisor)
+                }
+                .map_err(cuda)
             }
             _ => Ok(()),
         }
-    };
-    // SAFETY (for the kernel launches below): every address is a checked
-    // region of a live caller buffer, a slot of `len` bytes we hold, or a
-    // scratch buffer of at least `len` bytes; all are aligned for the
-    // datatype (allocations are 256-byte aligned, offsets are whole
-    // elements); `dst` equals an input or is disjoint from it.
-    match *op {
-        Op::Copy {
-            src,
-            dst,
-            finalize: fin,
-        } => {
-            let (s, d) = (region(ex, src)?, region(ex, dst)?);
-            // SAFETY: checked regions; the plans never partly overlap them.
-            unsafe { st.copy_dtod(d, s, src.len) }.map_err(cuda)?;
-            if fin {
-                finalize(d)?;
-            }
-        }
-        Op::Send { src, .. } => emit(region(ex, src)?)?,
-        Op::Recv { dst, .. } => fetch_into(region(ex, dst)?)?,
-        Op::RecvReduceSend { src, .. } => {
-            let (dt, rop) = dt_op()?;
-            let i = in_dev(ex)?;
-            let s = region(ex, src)?;
-            match output {
-                Some((_, slot, MemKind::Device(_))) => {
-                    // SAFETY: see above.
-                    unsafe {
-                        k.reduce(st, dt, rop, slot.ptr as usize as u64, i, s, len / dt.size())
-                    }
-                    .map_err(cuda)?
-                }
-                Some((_, slot, MemKind::Host)) => {
-                    // SAFETY: see above.
-                    unsafe { k.reduce(st, dt, rop, ex.scratch_out, i, s, len / dt.size()) }
-                        .map_err(cuda)?;
-                    // SAFETY: the host slot holds `len` bytes and is ours.
-                    unsafe { st.copy_dtoh(slot.ptr, ex.scratch_out, len) }.map_err(cuda)?;
-                }
-                None => {
-                    return Err(CoreError::InvalidArgument(
-                        "reduce-send without a slot".into(),
-                    ))
-                }
-            }
-        }
-        Op::RecvReduceCopy {
-            src,
-            dst,
-            finalize: fin,
-            ..
-        } => {
-            let (dt, rop) = dt_op()?;
-            let i = in_dev(ex)?;
-            let d = region(ex, dst)?;
-            // SAFETY: see above.
-            unsafe { k.reduce(st, dt, rop, d, i, region(ex, src)?, len / dt.size()) }
-                .map_err(cuda)?;
-            if fin {
-                finalize(d)?;
-            }
-        }
-        Op::RecvCopySend { dst, .. } => {
-            let d = region(ex, dst)?;
-            fetch_into(d)?;
-            emit(d)?;
-        }
-        Op::RecvReduceCopySend {
-            src,
-            dst,
-            finalize: fin,
-            ..
-        } => {
-            let (dt, rop) = dt_op()?;
-            let i = in_dev(ex)?;
-            let d = region(ex, dst)?;
-            // SAFETY: see above.
-            unsafe { k.reduce(st, dt, rop, d, i, region(ex, src)?, len / dt.size()) }
-                .map_err(cuda)?;
-            if fin {
-                finalize(d)?;
-            }
-            emit(d)?;
-        }
     }
-    // The piece must have landed (and the input been read) before the peer
-    // learns about it or gets its slot back.
-    st.synchronize().map_err(cuda)?;
-    if let Some((from, _, _)) = input {
-        chans.receiver(from)?.release()?;
-    }
-    if let Some((to, _, _)) = output {
-        chans.sender(to)?.commit(len)?;
-    }
-    Ok(None)
 }

@@ -31,7 +31,7 @@ const READ_BUF: usize = 8 * 1024;
 
 /// Payload bytes still missing below which they are read through the
 /// buffer (with the next header) rather than straight into the slot.
-const SMALL_READ: usize = 4 * 1024;
+const SMALL_READ_BYTES: usize = 4 * 1024;
 
 /// How long a blocking `read_remote` waits without a byte arriving.
 const REMOTE_STALL: Duration = Duration::from_secs(60);
@@ -457,7 +457,7 @@ impl Rx {
                         got += k;
                     }
                     if got < len {
-                        let res = if len - got < SMALL_READ {
+                        let res = if len - got < SMALL_READ_BYTES {
                             self.st = RxState::Payload {
                                 slot,
                                 seq,

@@ -28,7 +28,7 @@ use crate::NAME;
 const DROP_FLUSH: Duration = Duration::from_secs(1);
 
 /// Longest direct message (the frame header's lengths are 32-bit).
-const MAX_DIRECT: usize = u32::MAX as usize;
+const MAX_DIRECT_BYTES: usize = u32::MAX as usize;
 
 #[derive(Debug)]
 struct Piece {
@@ -574,9 +574,9 @@ impl DirectSend for SocketSend {
                 reason: format!("direct sends are switched off ({})", crate::ENV_DIRECT),
             });
         }
-        if len > MAX_DIRECT {
+        if len > MAX_DIRECT_BYTES {
             return Err(CoreError::InvalidArgument(format!(
-                "direct commit of {len} bytes: at most {MAX_DIRECT} per message"
+                "direct commit of {len} bytes: at most {MAX_DIRECT_BYTES} per message"
             )));
         }
         self.publish(len, Some(ptr))
