@@ -7,9 +7,10 @@
 //! hang, leak or unexpected outcome.
 //!
 //! The elastic matrix (`elastic_matrix`): the same faults on 4, 8 and 16
-//! ranks, after which the survivors shrink the victim out (revoking first
-//! when it stalled) and run checked AllReduces; it prints how long each case
-//! took from the fault to the last survivor's recovery.
+//! ranks (shm, forced sockets) and on 2 emulated hosts x 2, after which the
+//! survivors shrink the victim out (revoking first when it stalled) and run
+//! checked AllReduces; it prints how long each case took from the fault to
+//! the last survivor's recovery.
 //!
 //! Random choices come from `BRAID_FAULT_SEED` (default: the clock), printed
 //! so that a failing case can be replayed.
@@ -177,6 +178,34 @@ fn segments(place: &Place, host: Option<usize>) -> Vec<String> {
     }
 }
 
+/// What a case left behind: its segments on every host (on this host only
+/// those its ranks created: other jobs may hold segments of their own),
+/// and this build's rank processes.
+fn leftovers(place: &Place, pids: &[u32]) -> Vec<String> {
+    let mut leaked: Vec<String> = match place {
+        Place::Local(_) => segments(place, None)
+            .into_iter()
+            .filter(|name| {
+                pids.iter()
+                    .any(|p| name.starts_with(&format!("braid-{p}-")))
+            })
+            .collect(),
+        Place::Hosts(_, hosts) => {
+            let mut v = Vec::new();
+            let mut seen = Vec::new();
+            for &x in hosts.iter() {
+                if !seen.contains(&x) {
+                    seen.push(x);
+                    v.extend(segments(place, Some(x)));
+                }
+            }
+            v
+        }
+    };
+    leaked.extend(stray_ranks().into_iter().map(|p| format!("process {p}")));
+    leaked
+}
+
 /// One case: start `n` ranks, wait until all run collectives, apply the
 /// fault to `victim` after `delay`, then check every other rank.
 fn case(
@@ -336,29 +365,7 @@ fn case_with(
     }
     // Leaks: segments on every host, processes.
     std::thread::sleep(Duration::from_millis(100));
-    let mut leaked: Vec<String> = match place {
-        // Only this case's segments: other jobs on the machine (another
-        // test binary, a benchmark) may hold segments of their own.
-        Place::Local(_) => segments(place, None)
-            .into_iter()
-            .filter(|name| {
-                pids.iter()
-                    .any(|p| name.starts_with(&format!("braid-{p}-")))
-            })
-            .collect(),
-        Place::Hosts(_, hosts) => {
-            let mut v = Vec::new();
-            let mut seen = Vec::new();
-            for &x in hosts.iter() {
-                if !seen.contains(&x) {
-                    seen.push(x);
-                    v.extend(segments(place, Some(x)));
-                }
-            }
-            v
-        }
-    };
-    leaked.extend(stray_ranks().into_iter().map(|p| format!("process {p}")));
+    let leaked = leftovers(place, &pids);
     if !leaked.is_empty() {
         row.leaks += 1;
         ok = false;
@@ -560,8 +567,11 @@ fn elastic_case(
     victim: usize,
 ) -> Option<Duration> {
     row.cases += 1;
-    let (id, _root) =
-        Communicator::unique_id(SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 0)).expect("root");
+    let root_ip = match place {
+        Place::Local(_) => IpAddr::V4(Ipv4Addr::LOCALHOST),
+        Place::Hosts(h, _) => h.root_addr(),
+    };
+    let (id, _root) = Communicator::unique_id(SocketAddr::new(root_ip, 0)).expect("root");
     let work = Work::Elastic {
         victim,
         stall: fault == Fault::Stop,
@@ -680,14 +690,7 @@ fn elastic_case(
         }
     }
     std::thread::sleep(Duration::from_millis(100));
-    let mut leaked: Vec<String> = segments(place, None)
-        .into_iter()
-        .filter(|name| {
-            pids.iter()
-                .any(|p| name.starts_with(&format!("braid-{p}-")))
-        })
-        .collect();
-    leaked.extend(stray_ranks().into_iter().map(|p| format!("process {p}")));
+    let leaked = leftovers(place, &pids);
     if !leaked.is_empty() {
         row.leaks += 1;
         ok = false;
@@ -756,9 +759,41 @@ fn elastic_matrix() {
         elastic_case(&mut row, &label, place, 4, Fault::Stop, v);
         rows.push((format!("{name} (kill 4, 4, 8, 16; stop 4)"), row, times));
     }
+    // Across emulated hosts (shm inside, sockets across): the agreement
+    // and the new rendezvous cross hosts.
+    match Hosts::available() {
+        Err(why) => println!("emulated hosts unavailable ({why}): the netns row is skipped"),
+        Ok(()) => {
+            let h = Hosts::new(2).expect("emulated hosts");
+            let placement = [0, 0, 1, 1];
+            let place = Place::Hosts(&h, &placement);
+            let mut row = Row::default();
+            let mut times = Vec::new();
+            for i in 0..2 {
+                let v = rng.below(4) as usize;
+                let label = format!("netns 2 hosts x 2, kill #{i}");
+                times.extend(elastic_case(&mut row, &label, &place, 4, Fault::Kill, v));
+            }
+            // The revocation crosses hosts too.
+            let v = rng.below(4) as usize;
+            elastic_case(
+                &mut row,
+                "netns 2 hosts x 2, stop",
+                &place,
+                4,
+                Fault::Stop,
+                v,
+            );
+            rows.push((
+                "shm+socket (2 netns hosts x 2, kill x2, stop)".into(),
+                row,
+                times,
+            ));
+        }
+    }
     println!();
     println!(
-        "{:<36} {:>6} {:>9} {:>6} {:>6}  kill to recovered (ms)",
+        "{:<46} {:>6} {:>9} {:>6} {:>6}  kill to recovered (ms)",
         "transport", "cases", "expected", "hangs", "leaks"
     );
     let mut bad = Vec::new();
@@ -768,7 +803,7 @@ fn elastic_matrix() {
             .map(|t| format!("{:.0}", t.as_secs_f64() * 1e3))
             .collect();
         println!(
-            "{name:<36} {:>6} {:>9} {:>6} {:>6}  {}",
+            "{name:<46} {:>6} {:>9} {:>6} {:>6}  {}",
             r.cases,
             r.expected,
             r.hangs,
