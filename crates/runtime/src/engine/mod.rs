@@ -193,10 +193,13 @@ pub(crate) struct Waiter<'a> {
     /// words to sleep on: armed before the last poll, slept on if it found
     /// nothing, disarmed after the sleep or once something moved.
     armed: Vec<(Blocked, WakeWord)>,
-    /// A peer's failure seen by a liveness check, held back until the
-    /// caller has polled once more: the wait may have been met just before
-    /// the check (a peer that finished its part, then closed its end or
-    /// exited at once, is not a failure of this operation).
+    /// A receiver's failure seen by a liveness check of a sending end,
+    /// held back until the caller has polled once more: the wait may have
+    /// been met just before the check (a receiver that released everything,
+    /// then closed its end or exited at once, is not a failure of this
+    /// operation). Only for sending ends: a receiving end must not go on
+    /// after its sender failed (a direct message lives in the sender's
+    /// memory, which it may reuse once its operation returned the error).
     peer_error: Option<CoreError>,
     /// Sleeps on doorbells so far (for tests).
     pub(crate) sleeps: u64,
@@ -358,7 +361,7 @@ impl<'a> Waiter<'a> {
                     chans.receiver(peer)?.check_peer()
                 };
                 if let Err(e) = r {
-                    if self.peer_error.is_none() {
+                    if what != Wait::Data && self.peer_error.is_none() {
                         // Poll once more before failing (see `peer_error`),
                         // and check again at the next call.
                         self.peer_error = Some(e);

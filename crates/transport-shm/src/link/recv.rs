@@ -537,6 +537,24 @@ impl RecvChannel for ShmRecv {
     }
 }
 
+impl ShmRecv {
+    /// After reading a direct message from the sender's memory: the read
+    /// stands only if the sender had not aborted. A sender whose operation
+    /// failed (because of a third rank) publishes its abort, returns the
+    /// error and may reuse or free the buffer we were reading; its abort,
+    /// published before that, is visible here after the read (Acquire).
+    fn read_stands(&self) -> Result<()> {
+        match abort_reason(&self.seg.header().sender.0) {
+            None => Ok(()),
+            Some(reason) => Err(CoreError::PeerAborted {
+                transport: NAME,
+                peer: self.peer,
+                reason,
+            }),
+        }
+    }
+}
+
 impl DirectRecv for ShmRecv {
     fn stream_hint(&mut self, streaming: bool) {
         self.stream = streaming;
@@ -546,11 +564,12 @@ impl DirectRecv for ShmRecv {
         let addr = self.direct_slot(len)?;
         // SAFETY: forwarded from this function's contract.
         if unsafe { self.read_mapped(addr, dst, len) } {
-            return Ok(());
+            return self.read_stands();
         }
         // SAFETY: `dst` is valid for `len` bytes (this method's contract).
         unsafe { segment::read_process(self.peer_pid, addr, dst, len) }
-            .map_err(|e| self.read_error(e))
+            .map_err(|e| self.read_error(e))?;
+        self.read_stands()
     }
 
     /// Like `read_remote`, but a transfer of at least [`HELP_CHUNKS_MIN`]
@@ -564,7 +583,7 @@ impl DirectRecv for ShmRecv {
         if self.sharing.is_none() {
             // SAFETY: forwarded from this function's contract.
             if unsafe { self.read_mapped(addr, dst, len) } {
-                return Ok(true);
+                return self.read_stands().map(|()| true);
             }
             let split = self.help_chunk.map(|min| help_split(len, min));
             let Some((chunk, chunks)) = split.filter(|&(_, n)| n >= HELP_CHUNKS_MIN) else {
@@ -583,7 +602,9 @@ impl DirectRecv for ShmRecv {
                     .into(),
             ));
         }
-        let res = self.step_shared(addr);
+        let res = self
+            .step_shared(addr)
+            .and_then(|done| self.read_stands().map(|()| done));
         if res.is_err() {
             self.withdraw();
         }
