@@ -32,6 +32,21 @@ fn serial() -> std::sync::MutexGuard<'static, ()> {
     SERIAL.lock().unwrap_or_else(|e| e.into_inner())
 }
 
+/// `BRAID_FAULT_SEED`, or one from the clock (printed by each matrix, so
+/// that a failing run can be replayed).
+fn fault_seed() -> u64 {
+    std::env::var("BRAID_FAULT_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_nanos() as u64)
+                .unwrap_or(1)
+                | 1
+        })
+}
+
 /// Tiny deterministic generator (xorshift), seeded per run.
 struct Rng(u64);
 
@@ -66,6 +81,22 @@ struct Row {
     hangs: u32,
     leaks: u32,
     notes: Vec<String>,
+}
+
+impl Row {
+    /// Ends a case: what it `leaked` counts against it; returns whether it
+    /// went as expected.
+    fn close(&mut self, label: &str, ok: bool, leaked: &[String]) -> bool {
+        if !leaked.is_empty() {
+            self.leaks += 1;
+            self.notes.push(format!("{label}: left behind {leaked:?}"));
+        }
+        let ok = ok && leaked.is_empty();
+        if ok {
+            self.expected += 1;
+        }
+        ok
+    }
 }
 
 const TIMEOUT_S: u64 = 4;
@@ -366,14 +397,7 @@ fn case_with(
     // Leaks: segments on every host, processes.
     std::thread::sleep(Duration::from_millis(100));
     let leaked = leftovers(place, &pids);
-    if !leaked.is_empty() {
-        row.leaks += 1;
-        ok = false;
-        row.notes.push(format!("{label}: left behind {leaked:?}"));
-    }
-    if ok {
-        row.expected += 1;
-    }
+    let ok = row.close(label, ok, &leaked);
     println!(
         "  {label}: victim rank {victim}, fault after {delay:?}, survivors done in {:.2} s: {}",
         elapsed.as_secs_f64(),
@@ -384,16 +408,7 @@ fn case_with(
 #[test]
 fn fault_matrix() {
     let _g = serial();
-    let seed = std::env::var("BRAID_FAULT_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(|| {
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map(|d| d.as_nanos() as u64)
-                .unwrap_or(1)
-                | 1
-        });
+    let seed = fault_seed();
     println!("fault matrix, BRAID_FAULT_SEED={seed}");
     let mut rng = Rng(seed);
     let mut rows: Vec<(String, Row)> = Vec::new();
@@ -691,24 +706,15 @@ fn elastic_case(
     }
     std::thread::sleep(Duration::from_millis(100));
     let leaked = leftovers(place, &pids);
-    if !leaked.is_empty() {
-        row.leaks += 1;
-        ok = false;
-        row.notes.push(format!("{label}: left behind {leaked:?}"));
-    }
-    if ok {
-        row.expected += 1;
-    }
-    let summary: Vec<&str> = outs
+    let ok = row.close(label, ok, &leaked);
+    let first = outs
         .iter()
-        .filter_map(|o| o.lines().find(|l| l.contains(" recovered ")))
-        .take(1)
-        .collect();
+        .find_map(|o| o.lines().find(|l| l.contains(" recovered ")));
     println!(
         "  {label}: victim rank {victim}, last survivor recovered {:.0} ms after the fault: {} ({})",
         worst.as_secs_f64() * 1e3,
         if ok { "ok" } else { "UNEXPECTED" },
-        summary.first().copied().unwrap_or("-")
+        first.unwrap_or("-")
     );
     ok.then_some(worst)
 }
@@ -716,16 +722,7 @@ fn elastic_case(
 #[test]
 fn elastic_matrix() {
     let _g = serial();
-    let seed = std::env::var("BRAID_FAULT_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(|| {
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map(|d| d.as_nanos() as u64)
-                .unwrap_or(1)
-                | 1
-        });
+    let seed = fault_seed();
     println!("elastic matrix, BRAID_FAULT_SEED={seed}");
     let mut rng = Rng(seed);
     let sock_env = [("BRAID_TRANSPORT", "socket")];

@@ -41,6 +41,16 @@ pub(crate) fn timeout_arg(py: Python<'_>, timeout: Option<f64>) -> PyResult<Opti
     }
 }
 
+/// `timeout` (seconds), or `BRAID_TIMEOUT`'s (default 120 s) when None.
+fn timeout_or_env(py: Python<'_>, timeout: Option<f64>) -> PyResult<Duration> {
+    match timeout_arg(py, timeout)? {
+        Some(t) => Ok(t),
+        None => Ok(braid::Config::from_env()
+            .map_err(|e| py_err(py, &e))?
+            .timeout),
+    }
+}
+
 #[pymethods]
 impl PyUniqueId {
     /// Parse the text form ``<ip>:<port>/<32 hex digits>`` (``str(uid)``).
@@ -67,14 +77,7 @@ impl PyUniqueId {
                 format!("host {host:?} is not an IP address (e.g. 127.0.0.1 or 10.0.0.1)"),
             )
         })?;
-        let timeout = match timeout_arg(py, timeout)? {
-            Some(t) => t,
-            None => {
-                braid::Config::from_env()
-                    .map_err(|e| py_err(py, &e))?
-                    .timeout
-            }
-        };
+        let timeout = timeout_or_env(py, timeout)?;
         let (id, root) = py
             .detach(move || -> braid::Result<(UniqueId, RootServer)> {
                 // The secret comes from the OS; the address from the bound
@@ -190,14 +193,7 @@ impl PyRootSlot {
         let id: UniqueId = format!("{}/{secret}", self.addr)
             .parse()
             .map_err(|e| py_err(py, &e))?;
-        let timeout = match timeout_arg(py, timeout)? {
-            Some(t) => t,
-            None => {
-                braid::Config::from_env()
-                    .map_err(|e| py_err(py, &e))?
-                    .timeout
-            }
-        };
+        let timeout = timeout_or_env(py, timeout)?;
         let listener = self
             .listener
             .lock()

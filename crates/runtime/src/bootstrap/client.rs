@@ -621,13 +621,7 @@ impl Bootstrap {
         &self,
         asks: &[Ask],
     ) -> std::result::Result<Vec<Vec<u8>>, ExchangeError> {
-        let mut st = self.state.lock().map_err(|_| {
-            ExchangeError::Local(Error::Unusable(
-                "a bootstrap round panicked on another thread".into(),
-            ))
-        })?;
-        let deadline = Instant::now() + self.timeout;
-        st.peers.exchange(asks, deadline, self.abort.as_deref())
+        self.exchange_until_aborted(asks, self.abort.as_deref())
     }
 
     /// [`Bootstrap::exchange`] that the communicator's abort flag does not
@@ -637,13 +631,21 @@ impl Bootstrap {
         &self,
         asks: &[Ask],
     ) -> std::result::Result<Vec<Vec<u8>>, ExchangeError> {
+        self.exchange_until_aborted(asks, None)
+    }
+
+    fn exchange_until_aborted(
+        &self,
+        asks: &[Ask],
+        abort: Option<&AtomicBool>,
+    ) -> std::result::Result<Vec<Vec<u8>>, ExchangeError> {
         let mut st = self.state.lock().map_err(|_| {
             ExchangeError::Local(Error::Unusable(
                 "a bootstrap round panicked on another thread".into(),
             ))
         })?;
         let deadline = Instant::now() + self.timeout;
-        st.peers.exchange(asks, deadline, None)
+        st.peers.exchange(asks, deadline, abort)
     }
 
     /// The ranks whose process is gone: nothing listens at their bootstrap

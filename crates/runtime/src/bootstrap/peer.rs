@@ -243,15 +243,9 @@ pub(super) fn gone(addrs: &[SocketAddr], me: u32, wait: Duration) -> Vec<u32> {
                 if i as u32 == me {
                     continue;
                 }
-                match TcpStream::connect_timeout(addr, wait) {
-                    Ok(mut s) => {
-                        let _ = s.set_nonblocking(true);
-                        let _ = s.write(&super::wire::frame_header(K_PROBE, 0));
-                    }
-                    Err(_) => {
-                        if let Ok(mut o) = out.lock() {
-                            o.push(i as u32);
-                        }
+                if knock(addr, wait).is_err() {
+                    if let Ok(mut o) = out.lock() {
+                        o.push(i as u32);
                     }
                 }
             });
@@ -260,6 +254,16 @@ pub(super) fn gone(addrs: &[SocketAddr], me: u32, wait: Duration) -> Vec<u32> {
     let mut v = out.into_inner().unwrap_or_default();
     v.sort_unstable();
     v
+}
+
+/// Connects to a rank's listener within `wait` and says it is a probe (the
+/// listener drops it): an error if nothing listens there any more
+/// (refused) or the host does not answer in time.
+fn knock(addr: &SocketAddr, wait: Duration) -> io::Result<()> {
+    let mut s = TcpStream::connect_timeout(addr, wait)?;
+    let _ = s.set_nonblocking(true);
+    let _ = s.write(&super::wire::frame_header(K_PROBE, 0));
+    Ok(())
 }
 
 /// Writes what is left of `buf` from `*at` without blocking; `Ok(true)`
@@ -1088,12 +1092,8 @@ impl Peers {
         let Some(&addr) = self.addrs.get(peer as usize) else {
             return Ok(());
         };
-        match TcpStream::connect_timeout(&addr, Duration::from_millis(100)) {
-            Ok(mut s) => {
-                let _ = s.set_nonblocking(true);
-                let _ = s.write(&super::wire::frame_header(K_PROBE, 0));
-                Ok(())
-            }
+        match knock(&addr, Duration::from_millis(100)) {
+            Ok(()) => Ok(()),
             Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => Err(ExchangeError::Peer {
                 peer,
                 what: format!(

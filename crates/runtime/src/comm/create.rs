@@ -329,11 +329,7 @@ impl Communicator {
         // then a barrier: after it every receiver has run its single-copy
         // probe, so the senders know whether their links pass references.
         comm.connect_initial()?;
-        comm.shared
-            .bootstrap
-            .lock()
-            .map_err(|_| Error::Unusable("a thread panicked while holding the bootstrap".into()))?
-            .barrier()?;
+        comm.boot()?.barrier()?;
         let local_direct = {
             let mut st = comm.lock()?;
             st.chans
@@ -413,10 +409,7 @@ impl Communicator {
                 need
             }
         };
-        let boot = sh
-            .bootstrap
-            .lock()
-            .map_err(|_| Error::Unusable("a thread panicked while holding the bootstrap".into()))?;
+        let boot = self.boot()?;
         let st = &mut *st;
         st.links
             .ensure(&mut st.chans, &need, &boot, sh.policy.timeout)

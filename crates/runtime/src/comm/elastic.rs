@@ -219,13 +219,6 @@ impl Communicator {
         self.boot()?.gone_ranks(Duration::from_secs(1))
     }
 
-    fn boot(&self) -> Result<std::sync::MutexGuard<'_, Bootstrap>> {
-        self.shared
-            .bootstrap
-            .lock()
-            .map_err(|_| Error::Unusable("a thread panicked while holding the bootstrap".into()))
-    }
-
     /// The tag of this rank's next repair of `kind`: every member calls the
     /// same repairs in the same order, so the counts agree.
     fn repair_tag(&self, kind: u64) -> u64 {

@@ -390,10 +390,7 @@ impl Communicator {
                 "cannot split a communicator broken by an earlier error ({why}); create a new one from a fresh unique id"
             )));
         }
-        let boot = sh
-            .bootstrap
-            .lock()
-            .map_err(|_| Error::Unusable("a thread panicked while holding the bootstrap".into()))?;
+        let boot = self.boot()?;
         let mut mine = vec![color.is_some() as u8];
         mine.extend_from_slice(&color.unwrap_or(0).to_le_bytes());
         mine.extend_from_slice(&key.to_le_bytes());
@@ -491,11 +488,7 @@ impl Communicator {
     /// Every rank contributes `data` through the bootstrap; all get all
     /// contributions in rank order (set-up of device communicators).
     pub(crate) fn allgather_bytes(&self, data: &[u8]) -> Result<Vec<Vec<u8>>> {
-        self.shared
-            .bootstrap
-            .lock()
-            .map_err(|_| Error::Unusable("a thread panicked while holding the bootstrap".into()))?
-            .allgather(data)
+        self.boot()?.allgather(data)
     }
 
     /// Plan parameters other than the piece size.
@@ -516,6 +509,14 @@ impl Communicator {
     pub fn barrier(&self) -> Result<()> {
         let (send, mut recv) = ([0u8], [0u8]);
         self.run_coll_bytes(&Collective::Barrier, DataType::U8, &send, &mut recv)
+    }
+
+    /// The bootstrap (its rounds and point-to-point exchanges).
+    fn boot(&self) -> Result<std::sync::MutexGuard<'_, Bootstrap>> {
+        self.shared
+            .bootstrap
+            .lock()
+            .map_err(|_| Error::Unusable("a thread panicked while holding the bootstrap".into()))
     }
 
     fn lock(&self) -> Result<OpGuard<'_, State>> {
@@ -672,10 +673,7 @@ impl Communicator {
         seq: u64,
     ) -> Result<()> {
         let sh = &*self.shared;
-        let boot = sh
-            .bootstrap
-            .lock()
-            .map_err(|_| Error::Unusable("a thread panicked while holding the bootstrap".into()))?;
+        let boot = self.boot()?;
         sh.progress.start(name, seq, 0, true);
         let res = st
             .links
