@@ -43,8 +43,8 @@ use std::time::{Duration, Instant};
 
 use braid_core::error::CoreError;
 use braid_core::transport::{
-    sleep_any, PeerDesc, PendingRecv, PendingSend, RecvChannel, SendChannel, SlotBuf, Transport,
-    WakeWord, Woken,
+    sleep_any, PeerDesc, PendingRecv, PendingSend, RecvChannel, Resume, SendChannel, SlotBuf,
+    Transport, WakeWord, Woken,
 };
 use braid_core::types::MemKind;
 
@@ -768,6 +768,133 @@ pub fn abort_is_seen_by_peer(factory: &Factory) {
     );
 }
 
+/// Sends messages `from..to` (pattern from rank 0, lengths cycling through
+/// small, mid and full slots) as far as credits allow; returns the next.
+fn send_upto(tx: &mut dyn SendChannel, from: u64, to: u64) -> u64 {
+    let sb = tx.slot_bytes();
+    let mut seq = from;
+    while seq < to {
+        let Some(buf) = tx.poll_acquire().expect("conformance: poll_acquire") else {
+            break;
+        };
+        put(tx, buf, 0, seq, [3, sb / 2, sb][seq as usize % 3]);
+        seq += 1;
+    }
+    seq
+}
+
+/// Case 5b: keeping a link for a new communicator
+/// ([`SendChannel::resume_point`] / [`SendChannel::resume`]). A transport
+/// that cannot keep links returns `None` from both ends and its `resume`
+/// fails. One that can: an idle link resumes where it is; a link whose
+/// ends aborted with messages committed and not received resumes too where
+/// the receiver can drop them ([`Resume::fits`]); after `resume` both ends
+/// name their new peers, no abort is reported, the dropped messages never
+/// arrive and new ones arrive intact, in order, with full credits.
+pub fn kept_links_resume(factory: &Factory) {
+    // An idle link: everything sent was received.
+    let (mut tx, mut rx) = fresh_pair(factory);
+    let sent = send_upto(&mut *tx, 0, 2);
+    let mut got = 0;
+    while got < sent {
+        let (buf, len) = wait_peek(&mut *rx, "a message before the link is kept");
+        check_msg(
+            &*rx,
+            buf,
+            len,
+            0,
+            got,
+            [3, rx.slot_bytes() / 2, rx.slot_bytes()][got as usize % 3],
+        );
+        rx.release().expect("conformance: release");
+        got += 1;
+    }
+    wait_drained(&mut *tx);
+    let (ps, pr) = (tx.resume_point(), rx.resume_point());
+    match (ps, pr) {
+        (None, None) => {
+            assert!(
+                tx.resume(5, sent).is_err() && rx.resume(4, sent).is_err(),
+                "conformance: resume must fail on a transport whose ends give no resume point"
+            );
+            return;
+        }
+        (Some(s), Some(r)) => {
+            assert!(
+                Resume::fits(s, r),
+                "conformance: an idle link's ends must fit: sender {s:?}, receiver {r:?}"
+            );
+            assert_eq!(
+                s.count, r.count,
+                "conformance: an idle link's counts differ"
+            );
+            tx.resume(5, s.count).expect("conformance: sender resume");
+            rx.resume(4, s.count).expect("conformance: receiver resume");
+        }
+        other => panic!(
+            "conformance: one end of a link gives a resume point and the other not: {other:?}"
+        ),
+    }
+    assert_eq!(
+        (tx.peer(), rx.peer()),
+        (5, 4),
+        "conformance: resumed ends name their new peers"
+    );
+    resumed_link_carries(&mut *tx, &mut *rx, 100);
+
+    // Both ends aborted with messages committed and not received.
+    let (mut tx, mut rx) = fresh_pair(factory);
+    let slots = tx.slots() as u64;
+    let sent = send_upto(&mut *tx, 0, slots);
+    assert!(sent >= 1, "conformance: no credit on a fresh link");
+    tx.abort("conformance: the operation failed here");
+    rx.abort("conformance: the operation failed there");
+    let (Some(s), Some(r)) = (tx.resume_point(), rx.resume_point()) else {
+        // A transport may keep only idle links.
+        return;
+    };
+    if !Resume::fits(s, r) {
+        return;
+    }
+    tx.resume(2, s.count)
+        .expect("conformance: sender resume after abort");
+    rx.resume(3, s.count)
+        .expect("conformance: receiver resume after abort");
+    tx.check_peer()
+        .expect("conformance: a resumed sender still sees the old abort");
+    rx.check_peer()
+        .expect("conformance: a resumed receiver still sees the old abort");
+    resumed_link_carries(&mut *tx, &mut *rx, 200);
+}
+
+/// After a resume: no old message arrives, and `slots` + 3 new ones
+/// (numbered from `base`) arrive intact and in order.
+fn resumed_link_carries(tx: &mut dyn SendChannel, rx: &mut dyn RecvChannel, base: u64) {
+    assert!(
+        rx.poll_peek()
+            .expect("conformance: poll_peek after resume")
+            .is_none(),
+        "conformance: a message committed before the resume arrived after it"
+    );
+    let n = tx.slots() as u64 + 3;
+    let sb = rx.slot_bytes();
+    let (mut next, mut got) = (base, base);
+    let deadline = Instant::now() + WAIT;
+    while got < base + n {
+        assert!(
+            Instant::now() < deadline,
+            "conformance: a resumed link is stuck at {got}"
+        );
+        next = send_upto(tx, next, base + n);
+        if let Some((buf, len)) = rx.poll_peek().expect("conformance: poll_peek") {
+            check_msg(rx, buf, len, 0, got, [3, sb / 2, sb][got as usize % 3]);
+            rx.release().expect("conformance: release");
+            got += 1;
+        }
+    }
+    wait_drained(tx);
+}
+
 /// Case 6: dropping one end makes the other end's `check_peer` fail.
 pub fn drop_is_seen_by_peer(factory: &Factory) {
     let (tx, mut rx) = fresh_pair(factory);
@@ -1417,6 +1544,7 @@ macro_rules! transport_conformance_tests {
             conformance_repeated_polls_return_same_slot => repeated_polls_return_same_slot,
             conformance_concurrent_stress => concurrent_stress,
             conformance_abort_is_seen_by_peer => abort_is_seen_by_peer,
+            conformance_kept_links_resume => kept_links_resume,
             conformance_drop_is_seen_by_peer => drop_is_seen_by_peer,
             conformance_recv_connect_times_out => recv_connect_times_out,
             conformance_bad_connect_info_rejected => bad_connect_info_rejected,

@@ -165,6 +165,20 @@ fn publish_abort(side: &Side, reason: &str) {
     side.abort.store(segment::ABORT_SET, Ordering::Release);
 }
 
+/// Takes back this side's abort when the link goes on in a new
+/// communicator (both ends are between operations).
+fn clear_abort(side: &Side) {
+    side.reason_len.store(0, Ordering::Relaxed);
+    // Release: pairs with the peer's Acquire load in `abort_reason`.
+    side.abort.store(segment::ABORT_NONE, Ordering::Release);
+}
+
+/// Whether the process at the other end can still take part in a kept
+/// link: alive, and its end not closed.
+fn peer_stays(peer_side: &Side, peer_pid: u32) -> bool {
+    peer_side.closed.load(Ordering::Acquire) == 0 && process_alive(peer_pid).is_ok()
+}
+
 /// The checks both ends share: peer abort, then peer process liveness.
 pub(crate) fn check_abort_and_process(peer_side: &Side, peer: u32, peer_pid: u32) -> Result<()> {
     if let Some(reason) = abort_reason(peer_side) {

@@ -266,6 +266,47 @@ pub trait SendChannel: Send {
     fn direct(&mut self) -> Option<&mut dyn DirectSend> {
         None
     }
+    /// Keeping the link for a new communicator of the same processes (a
+    /// shrink): where this end stands, or `None` (the default) where it
+    /// cannot go on and a fresh link must replace it. Called only while no
+    /// operation uses the link. See [`Resume`].
+    fn resume_point(&mut self) -> Option<Resume> {
+        None
+    }
+    /// Go on as the link to rank `peer` of the new communicator, after both
+    /// ends' [`resume_point`](SendChannel::resume_point)s were found to fit
+    /// ([`Resume::fits`]): `at` is the sender's own count. Whatever an
+    /// earlier operation left (its abort, an unfinished message) is
+    /// forgotten; both ends must resume before either uses the link.
+    fn resume(&mut self, peer: u32, at: u64) -> Result<()> {
+        let _ = (peer, at);
+        Err(crate::error::CoreError::Unavailable {
+            transport: self.transport(),
+            reason: "this transport's links cannot be kept".into(),
+        })
+    }
+}
+
+/// Where one end of a link stands, for keeping the link in a new
+/// communicator ([`SendChannel::resume_point`],
+/// [`RecvChannel::resume_point`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Resume {
+    /// Messages committed (sending end) or released (receiving end).
+    pub count: u64,
+    /// Receiving end: how many committed messages it can still drop on
+    /// [`RecvChannel::resume`] (the ones it has not released: 0 where the
+    /// end can only go on from where it is). Sending end: 0.
+    pub drop_max: u64,
+}
+
+impl Resume {
+    /// Whether a sending end at `send` and a receiving end at `recv` of the
+    /// same link can go on together: the receiver released no more than
+    /// was committed and can drop the rest.
+    pub fn fits(send: Resume, recv: Resume) -> bool {
+        recv.count <= send.count && send.count - recv.count <= recv.drop_max
+    }
 }
 
 /// The receiving end of a connected FIFO.
@@ -318,6 +359,21 @@ pub trait RecvChannel: Send {
     /// [`Incoming::Remote`] must return it. `None` by default.
     fn direct(&mut self) -> Option<&mut dyn DirectRecv> {
         None
+    }
+    /// Keeping the link for a new communicator: like
+    /// [`SendChannel::resume_point`].
+    fn resume_point(&mut self) -> Option<Resume> {
+        None
+    }
+    /// Go on as the link from rank `peer` of the new communicator, like
+    /// [`SendChannel::resume`]: `at` is the sender's count, and the
+    /// messages between this end's count and `at` are dropped unread.
+    fn resume(&mut self, peer: u32, at: u64) -> Result<()> {
+        let _ = (peer, at);
+        Err(crate::error::CoreError::Unavailable {
+            transport: self.transport(),
+            reason: "this transport's links cannot be kept".into(),
+        })
     }
 }
 

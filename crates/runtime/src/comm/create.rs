@@ -7,7 +7,7 @@ impl Communicator {
     /// Join the communicator named by `id` as `rank` of `nranks`. Some process
     /// must host the id's root ([`Communicator::unique_id`] does).
     pub fn init(id: &UniqueId, rank: u32, nranks: u32, config: &Config) -> Result<Communicator> {
-        Self::init_inner(id, rank, nranks, config, None, Settings::from_env()?)
+        Self::init_inner(id, rank, nranks, config, None, Settings::from_env()?, None)
     }
 
     /// Create a unique id whose rendezvous root runs in this process, on
@@ -27,7 +27,15 @@ impl Communicator {
         nranks: u32,
         config: &Config,
     ) -> Result<Communicator> {
-        Self::init_inner(id, rank, nranks, config, Some(root), Settings::from_env()?)
+        Self::init_inner(
+            id,
+            rank,
+            nranks,
+            config,
+            Some(root),
+            Settings::from_env()?,
+            None,
+        )
     }
 
     /// Create the communicator from the launcher's environment: `braid-run`
@@ -44,7 +52,15 @@ impl Communicator {
             "braid: joining communicator"
         );
         let settings = Settings::from_env()?;
-        Self::init_inner(&info.id, info.rank, info.nranks, &config, root, settings)
+        Self::init_inner(
+            &info.id,
+            info.rank,
+            info.nranks,
+            &config,
+            root,
+            settings,
+            None,
+        )
     }
 
     /// Create all `nranks` ranks as threads of this process (tests, and
@@ -69,7 +85,7 @@ impl Communicator {
                         } else {
                             None
                         };
-                        Self::init_inner(&id, r, nranks, &config, root, settings)
+                        Self::init_inner(&id, r, nranks, &config, root, settings, None)
                     })
             })
             .collect();
@@ -100,7 +116,9 @@ impl Communicator {
     }
 
     /// `settings`: the `BRAID_*` settings, read from the environment by
-    /// the public constructors, a split's from its parent.
+    /// the public constructors, a split's from its parent; `kept`: links
+    /// a shrink kept, already resumed under this communicator's ranks (the
+    /// ranks at their other ends have them too).
     pub(super) fn init_inner(
         id: &UniqueId,
         rank: u32,
@@ -108,6 +126,7 @@ impl Communicator {
         config: &Config,
         root: Option<RootServer>,
         settings: Settings,
+        kept: Option<Channels>,
     ) -> Result<Communicator> {
         crate::init_logging();
         progress::install_dump_signal().map_err(Error::Env)?;
@@ -176,10 +195,13 @@ impl Communicator {
         let mode = settings.connect;
         let direct_min = settings.direct_min;
         let slot_mode = settings.slot_stores;
-        let chans = Channels {
-            send: (0..p).map(|_| None).collect(),
-            recv: (0..p).map(|_| None).collect(),
-            scratch: Vec::new(),
+        let chans = match kept {
+            Some(kept) => planned_links(kept, &choice),
+            None => Channels {
+                send: (0..p).map(|_| None).collect(),
+                recv: (0..p).map(|_| None).collect(),
+                scratch: Vec::new(),
+            },
         };
         let local_piece =
             connect::min_slot_bytes(&table, &choice, &chans).unwrap_or(usize::MAX) as u64;
@@ -415,4 +437,28 @@ impl Communicator {
             .ensure(&mut st.chans, &need, &boot, sh.policy.timeout)
             .map_err(Error::Core)
     }
+}
+
+/// The kept links whose transport is the one this communicator chose for
+/// their peer (both ends decide alike: the choice is the same on both
+/// ranks); the others are dropped, and made afresh when used.
+fn planned_links(
+    mut kept: Channels,
+    choice: &[Option<braid_core::transport::TransportKind>],
+) -> Channels {
+    let p = choice.len();
+    kept.send.resize_with(p, || None);
+    kept.recv.resize_with(p, || None);
+    let name = |q: usize| choice.get(q).copied().flatten().map(|k| k.name());
+    for (q, c) in kept.send.iter_mut().enumerate() {
+        if c.as_ref().is_some_and(|c| Some(c.transport()) != name(q)) {
+            *c = None;
+        }
+    }
+    for (q, c) in kept.recv.iter_mut().enumerate() {
+        if c.as_ref().is_some_and(|c| Some(c.transport()) != name(q)) {
+            *c = None;
+        }
+    }
+    kept
 }

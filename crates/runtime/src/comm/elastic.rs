@@ -11,14 +11,26 @@
 //! ring (a failed round breaks it): the lowest member collects every
 //! member's view (round 1), checks they agree, and answers each with the
 //! new communicator's id or the reason there is none (round 2). The new
-//! communicator then has a rendezvous of its own, hosted by that member,
-//! and fresh links: links of the old one may be in the middle of a failed
-//! operation, so none of their state is trusted.
+//! communicator then has a rendezvous of its own, hosted by that member.
+//!
+//! A shrink keeps the links the survivors have between them, also after an
+//! operation failed in the middle: in round 1 each survivor also says where
+//! each end of its links to other survivors stands
+//! ([`SendChannel::resume_point`]), the lowest member keeps a link when its
+//! two ends fit ([`Resume::fits`]: the receiver can drop what the sender
+//! committed and it did not read) and tells each member which of its links
+//! go on and from which message (round 2); each member then resumes those
+//! ends under their new ranks and hands them to the new communicator, which
+//! connects only the links it lacks. Links a transport cannot keep (one
+//! with a socket shut by an abort, say) are made afresh.
+//!
+//! [`SendChannel::resume_point`]: braid_core::transport::SendChannel::resume_point
 
 use sha2::{Digest, Sha256};
 
 use super::*;
 use crate::bootstrap::{fmt_ranks, Ask};
+use braid_core::transport::Resume;
 
 /// The bootstrap tags of repairs: far above those of link set-up (which
 /// count exchanges with each peer from 0).
@@ -41,9 +53,15 @@ impl Communicator {
     ///
     /// Works on a healthy communicator, after a failed operation (a peer
     /// died or stalled in the middle of it), after [`Communicator::abort`]
-    /// and after [`Communicator::revoke`]. Operations still pending on this
-    /// communicator in other threads are not waited for: revoke or abort it
-    /// first. This communicator itself is left as it is (drop it).
+    /// and after [`Communicator::revoke`]. The links between the ranks that
+    /// stay move to the new communicator, which makes only the links it
+    /// lacks (what an operation that failed left in a link is dropped; a
+    /// transport that cannot keep a link after a failure gets a fresh one).
+    /// Operations still pending on this communicator in other threads are
+    /// not waited for (revoke or abort it first); a shrink that finds one
+    /// running keeps no links of this rank. This communicator stays as it
+    /// was otherwise: after a failure, drop it; a healthy one still works
+    /// and connects links again when an operation needs them.
     ///
     /// Every wait has the communicator's timeout: a rank that stays but
     /// does not call `shrink`, or dies during it, is an error naming it; a
@@ -79,7 +97,13 @@ impl Communicator {
         let view: Vec<u8> = Sha256::digest(&view)[..16].to_vec();
         let what = format!("shrink to {} of {n} ranks", keep.len());
         let tag = self.repair_tag(KIND_SHRINK);
-        let (id, root) = self.agree(tag, &keep, &view, &what, |disagree| {
+        // The links stay still while the members agree on which to keep.
+        let mut links = self.hold_links();
+        let offer = links
+            .as_mut()
+            .map(|st| encode_offers(&offers(&mut st.chans, &keep, sh.rank)))
+            .unwrap_or_default();
+        let (id, root, kept) = self.agree(tag, &keep, &view, &offer, |all| kept_links(&keep, all), &what, |disagree| {
             format!(
                 "{} {} a different list of ranks to drop than {}: every rank that stays must pass the same list",
                 fmt_ranks(disagree),
@@ -94,14 +118,48 @@ impl Communicator {
             let ip = boot.local_ip().unwrap_or(IpAddr::V4(Ipv4Addr::LOCALHOST));
             create_unique_id_with_timeout(SocketAddr::new(ip, 0), sh.policy.timeout)
         })?;
+        let kept = decode_kept(&kept).ok_or_else(|| {
+            Error::Bootstrap(format!(
+                "{what}: rank {} sent a malformed list of links to keep",
+                keep[0]
+            ))
+        })?;
+        let chans = match links.as_mut() {
+            Some(st) => resume_kept(&mut st.chans, &kept, &keep)?,
+            None => empty_channels(keep.len()),
+        };
+        drop(links);
         info!(
             rank = sh.rank,
             new_rank,
             size = keep.len(),
             dropped = %fmt_ranks(&dropped),
+            kept_links = kept.len(),
             "braid: shrink"
         );
-        self.rebuild(&id, new_rank, keep.len() as u32, root)
+        self.rebuild(&id, new_rank, keep.len() as u32, root, Some(chans))
+    }
+
+    /// The op lock, so that no operation moves the links while a shrink
+    /// decides which to keep: `None` if an operation in another thread
+    /// holds it for longer than a second (it was not aborted; the shrink
+    /// then keeps none of this rank's links).
+    fn hold_links(&self) -> Option<OpGuard<'_, State>> {
+        let until = Instant::now() + Duration::from_secs(1).min(self.shared.policy.timeout);
+        loop {
+            match self.shared.state.try_lock() {
+                Some(Ok(g)) => return Some(g),
+                Some(Err(_)) => return None,
+                None if Instant::now() >= until => {
+                    warn!(
+                        rank = self.shared.rank,
+                        "braid: shrink: an operation is still running on the old communicator; its links are not kept"
+                    );
+                    return None;
+                }
+                None => std::thread::sleep(Duration::from_millis(1)),
+            }
+        }
     }
 
     /// An id for ranks that join this communicator with
@@ -147,7 +205,7 @@ impl Communicator {
         let keep: Vec<u32> = (0..sh.nranks).collect();
         let what = format!("grow from {} to {nranks} ranks", sh.nranks);
         let tag = self.repair_tag(KIND_GROW);
-        let (id, root) = self.agree(tag, &keep, &nranks.to_le_bytes(), &what, |disagree| {
+        let (id, root, _) = self.agree(tag, &keep, &nranks.to_le_bytes(), &[], |all| vec![Vec::new(); all.len()], &what, |disagree| {
             format!(
                 "{} {} a different new size than rank 0's {nranks}",
                 fmt_ranks(disagree),
@@ -165,7 +223,7 @@ impl Communicator {
                 })
         })?;
         info!(rank = sh.rank, from = sh.nranks, to = nranks, "braid: grow");
-        self.rebuild(&id, sh.rank, nranks, root)
+        self.rebuild(&id, sh.rank, nranks, root, None)
     }
 
     /// Revoke this communicator on every rank, like `ncclCommRevoke` and
@@ -227,45 +285,52 @@ impl Communicator {
     }
 
     /// The two rounds of a repair among `members` (old ranks, ascending):
-    /// each sends `view` to the lowest member, which checks that all agree
-    /// (`disagree` words the error, from the ranks that do not), gets the
-    /// new rendezvous from `host` and answers every member with its id.
-    /// Returns the id, and the root on the member that hosts it.
+    /// each sends `view` and `offer` to the lowest member, which checks
+    /// that the views agree (`disagree` words the error, from the ranks
+    /// that do not), gets the new rendezvous from `host`, computes an
+    /// answer for each member from all offers (`answers`, in member order)
+    /// and tells every member the id and its answer. Returns the id, the
+    /// root on the member that hosts it, and this member's answer.
+    #[allow(clippy::too_many_arguments)]
     fn agree(
         &self,
         tag: u64,
         members: &[u32],
         view: &[u8],
+        offer: &[u8],
+        answers: impl FnOnce(&[&[u8]]) -> Vec<Vec<u8>>,
         what: &str,
         disagree: impl FnOnce(&[u32]) -> String,
         host: impl FnOnce(&Bootstrap) -> Result<(UniqueId, RootServer)>,
-    ) -> Result<(UniqueId, Option<RootServer>)> {
+    ) -> Result<(UniqueId, Option<RootServer>, Vec<u8>)> {
         let sh = &*self.shared;
         let leader = members[0];
         let boot = self.boot()?;
         let fail = |e: crate::bootstrap::ExchangeError| {
             Error::Bootstrap(format!("rank {}: {what}: {e}", sh.rank))
         };
+        let mut mine = (view.len() as u32).to_le_bytes().to_vec();
+        mine.extend_from_slice(view);
+        mine.extend_from_slice(offer);
         if leader != sh.rank {
             let ask = |tag, msg: &[u8]| Ask {
                 peer: leader,
                 tag,
                 msg: msg.to_vec(),
             };
-            boot.exchange_past_abort(&[ask(tag, view)]).map_err(fail)?;
+            boot.exchange_past_abort(&[ask(tag, &mine)]).map_err(fail)?;
             let verdict = boot
                 .exchange_past_abort(&[ask(tag + 1, &[])])
                 .map_err(fail)?
                 .pop()
                 .unwrap_or_default();
+            let malformed =
+                || Error::Bootstrap(format!("{what}: rank {leader} sent a malformed answer"));
             return match verdict.split_first() {
-                Some((1, id)) => {
-                    let id = std::str::from_utf8(id)
-                        .map_err(|_| {
-                            Error::Bootstrap(format!("{what}: rank {leader} sent a malformed id"))
-                        })?
-                        .parse()?;
-                    Ok((id, None))
+                Some((1, rest)) => {
+                    let (id, answer) = split_field(rest).ok_or_else(malformed)?;
+                    let id = std::str::from_utf8(id).map_err(|_| malformed())?.parse()?;
+                    Ok((id, None, answer.to_vec()))
                 }
                 Some((_, why)) => Err(Error::Bootstrap(format!(
                     "{what}: {}",
@@ -277,43 +342,73 @@ impl Communicator {
             };
         }
         let others = &members[1..];
-        let asks = |tag, msg: &[u8]| -> Vec<Ask> {
-            others
-                .iter()
-                .map(|&peer| Ask {
-                    peer,
-                    tag,
-                    msg: msg.to_vec(),
-                })
-                .collect()
-        };
-        let views = boot.exchange_past_abort(&asks(tag, view)).map_err(fail)?;
-        let odd: Vec<u32> = others
-            .iter()
-            .zip(&views)
-            .filter(|(_, v)| v.as_slice() != view)
-            .map(|(&r, _)| r)
-            .collect();
-        let (verdict, result) = if !odd.is_empty() {
+        let views = boot
+            .exchange_past_abort(
+                &others
+                    .iter()
+                    .map(|&peer| Ask {
+                        peer,
+                        tag,
+                        msg: mine.clone(),
+                    })
+                    .collect::<Vec<_>>(),
+            )
+            .map_err(fail)?;
+        let mut offers: Vec<&[u8]> = vec![offer];
+        let mut odd: Vec<u32> = Vec::new();
+        for (&r, v) in others.iter().zip(&views) {
+            match split_field(v) {
+                Some((theirs, off)) if theirs == view => offers.push(off),
+                _ => {
+                    odd.push(r);
+                    offers.push(&[]);
+                }
+            }
+        }
+        let (verdicts, result) = if !odd.is_empty() {
             let why = disagree(&odd);
             (
-                [&[0u8][..], why.as_bytes()].concat(),
+                vec![[&[0u8][..], why.as_bytes()].concat(); members.len()],
                 Err(Error::Bootstrap(format!("{what}: {why}"))),
             )
         } else {
             match host(&boot) {
-                Ok((id, root)) => (
-                    [&[1u8][..], id.to_string().as_bytes()].concat(),
-                    Ok((id, Some(root))),
-                ),
+                Ok((id, root)) => {
+                    let text = id.to_string();
+                    let mut answers = answers(&offers);
+                    answers.resize(members.len(), Vec::new());
+                    let verdicts = answers
+                        .iter()
+                        .map(|a| {
+                            let mut v = vec![1u8];
+                            v.extend((text.len() as u32).to_le_bytes());
+                            v.extend(text.as_bytes());
+                            v.extend_from_slice(a);
+                            v
+                        })
+                        .collect();
+                    let own = std::mem::take(&mut answers[0]);
+                    (verdicts, Ok((id, Some(root), own)))
+                }
                 Err(e) => (
-                    [&[0u8][..], format!("rank {leader}: {e}").as_bytes()].concat(),
+                    vec![
+                        [&[0u8][..], format!("rank {leader}: {e}").as_bytes()].concat();
+                        members.len()
+                    ],
                     Err(e),
                 ),
             }
         };
-        boot.exchange_past_abort(&asks(tag + 1, &verdict))
-            .map_err(fail)?;
+        let asks: Vec<Ask> = others
+            .iter()
+            .zip(&verdicts[1..])
+            .map(|(&peer, msg)| Ask {
+                peer,
+                tag: tag + 1,
+                msg: msg.clone(),
+            })
+            .collect();
+        boot.exchange_past_abort(&asks).map_err(fail)?;
         result
     }
 
@@ -326,12 +421,379 @@ impl Communicator {
         rank: u32,
         nranks: u32,
         root: Option<RootServer>,
+        kept: Option<Channels>,
     ) -> Result<Communicator> {
         let sh = &*self.shared;
         let config = Config {
             timeout: sh.policy.timeout,
             abort: None,
         };
-        Self::init_inner(id, rank, nranks, &config, root, sh.settings.clone())
+        Self::init_inner(id, rank, nranks, &config, root, sh.settings.clone(), kept)
+    }
+}
+
+/// A length-prefixed field and what follows it.
+fn split_field(b: &[u8]) -> Option<(&[u8], &[u8])> {
+    let n = u32::from_le_bytes(b.get(..4)?.try_into().ok()?) as usize;
+    let field = b.get(4..4usize.checked_add(n)?)?;
+    Some((field, &b[4 + n..]))
+}
+
+/// One end of a link between two members of a shrink, as its rank offers
+/// to keep it (old ranks).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Offer {
+    peer: u32,
+    /// The sending end (else the receiving end).
+    sends: bool,
+    at: Resume,
+}
+
+const OFFER_BYTES: usize = 4 + 1 + 8 + 8;
+
+/// The ends of this rank's links with the other `members` that can go on.
+fn offers(chans: &mut Channels, members: &[u32], me: u32) -> Vec<Offer> {
+    let mut out = Vec::new();
+    for &q in members.iter().filter(|&&q| q != me) {
+        if let Some(at) = chans
+            .send
+            .get_mut(q as usize)
+            .and_then(|c| c.as_mut()?.resume_point())
+        {
+            out.push(Offer {
+                peer: q,
+                sends: true,
+                at,
+            });
+        }
+        if let Some(at) = chans
+            .recv
+            .get_mut(q as usize)
+            .and_then(|c| c.as_mut()?.resume_point())
+        {
+            out.push(Offer {
+                peer: q,
+                sends: false,
+                at,
+            });
+        }
+    }
+    out
+}
+
+fn encode_offers(offers: &[Offer]) -> Vec<u8> {
+    let mut v = Vec::with_capacity(offers.len() * OFFER_BYTES);
+    for o in offers {
+        v.extend(o.peer.to_le_bytes());
+        v.push(o.sends as u8);
+        v.extend(o.at.count.to_le_bytes());
+        v.extend(o.at.drop_max.to_le_bytes());
+    }
+    v
+}
+
+fn decode_offers(b: &[u8]) -> Option<Vec<Offer>> {
+    if !b.len().is_multiple_of(OFFER_BYTES) {
+        return None;
+    }
+    b.chunks_exact(OFFER_BYTES)
+        .map(|c| {
+            let u64_at = |i: usize| u64::from_le_bytes(c[i..i + 8].try_into().unwrap_or_default());
+            Some(Offer {
+                peer: u32::from_le_bytes(c[..4].try_into().ok()?),
+                sends: match c[4] {
+                    0 => false,
+                    1 => true,
+                    _ => return None,
+                },
+                at: Resume {
+                    count: u64_at(5),
+                    drop_max: u64_at(13),
+                },
+            })
+        })
+        .collect()
+}
+
+/// A link end a member keeps: the peer (old rank), which end, and the
+/// sender's count to go on from.
+type Kept = (u32, bool, u64);
+
+const KEPT_BYTES: usize = 4 + 1 + 8;
+
+/// The leader's decision: a link `a → b` goes on when `a` offers its
+/// sending end, `b` its receiving end, and the two fit; each member's
+/// answer lists its ends that go on. A malformed offer keeps nothing of
+/// its member's.
+fn kept_links(members: &[u32], all: &[&[u8]]) -> Vec<Vec<u8>> {
+    let offers: Vec<Vec<Offer>> = all
+        .iter()
+        .map(|b| decode_offers(b).unwrap_or_default())
+        .collect();
+    let index = |r: u32| members.iter().position(|&m| m == r);
+    let mut answers = vec![Vec::new(); members.len()];
+    for (i, mine) in offers.iter().enumerate() {
+        let a = members[i];
+        for s in mine.iter().filter(|o| o.sends) {
+            let Some(j) = index(s.peer).filter(|&j| j != i) else {
+                continue;
+            };
+            let fits = offers[j]
+                .iter()
+                .any(|r| !r.sends && r.peer == a && Resume::fits(s.at, r.at));
+            if fits {
+                for (k, q, sends) in [(i, s.peer, true), (j, a, false)] {
+                    answers[k].extend(q.to_le_bytes());
+                    answers[k].push(sends as u8);
+                    answers[k].extend(s.at.count.to_le_bytes());
+                }
+            }
+        }
+    }
+    answers
+}
+
+fn decode_kept(b: &[u8]) -> Option<Vec<Kept>> {
+    if !b.len().is_multiple_of(KEPT_BYTES) {
+        return None;
+    }
+    b.chunks_exact(KEPT_BYTES)
+        .map(|c| {
+            Some((
+                u32::from_le_bytes(c[..4].try_into().ok()?),
+                c[4] == 1,
+                u64::from_le_bytes(c[5..].try_into().ok()?),
+            ))
+        })
+        .collect()
+}
+
+fn empty_channels(p: usize) -> Channels {
+    Channels {
+        send: (0..p).map(|_| None).collect(),
+        recv: (0..p).map(|_| None).collect(),
+        scratch: Vec::new(),
+    }
+}
+
+/// Moves the ends in `kept` out of `old` into the new communicator's
+/// channels, resumed under their new ranks (a member's new rank is its
+/// place in `members`).
+fn resume_kept(old: &mut Channels, kept: &[Kept], members: &[u32]) -> Result<Channels> {
+    let mut new = empty_channels(members.len());
+    for &(q, sends, at) in kept {
+        let Some(nq) = members.iter().position(|&m| m == q) else {
+            return Err(Error::Bootstrap(format!(
+                "shrink: told to keep a link with rank {q}, which does not stay"
+            )));
+        };
+        let missing = || {
+            Error::Bootstrap(format!(
+                "shrink: told to keep the link {} rank {q}, which this rank does not have",
+                if sends { "to" } else { "from" }
+            ))
+        };
+        if sends {
+            let mut c = old
+                .send
+                .get_mut(q as usize)
+                .and_then(Option::take)
+                .ok_or_else(missing)?;
+            c.resume(nq as u32, at).map_err(Error::Core)?;
+            new.send[nq] = Some(c);
+        } else {
+            let mut c = old
+                .recv
+                .get_mut(q as usize)
+                .and_then(Option::take)
+                .ok_or_else(missing)?;
+            c.resume(nq as u32, at).map_err(Error::Core)?;
+            new.recv[nq] = Some(c);
+        }
+    }
+    Ok(new)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Where each connected end of `c`'s links lives (the box's address:
+    /// a kept link is the same object under its new rank).
+    fn ends(c: &Communicator) -> (Vec<Option<usize>>, Vec<Option<usize>>) {
+        let st = c.lock().unwrap();
+        let addr = |p: *const ()| p as usize;
+        (
+            st.chans
+                .send
+                .iter()
+                .map(|e| {
+                    e.as_ref().map(|b| {
+                        addr(&**b as *const dyn braid_core::transport::SendChannel as *const ())
+                    })
+                })
+                .collect(),
+            st.chans
+                .recv
+                .iter()
+                .map(|e| {
+                    e.as_ref().map(|b| {
+                        addr(&**b as *const dyn braid_core::transport::RecvChannel as *const ())
+                    })
+                })
+                .collect(),
+        )
+    }
+
+    /// Every rank's AllReduce of `rank + 1` at `len` elements (pieces of
+    /// every path: box, slot, several slots) and an AllToAll: checked
+    /// against plain sums.
+    fn check(c: &Communicator, old_ranks: &[u32]) {
+        let want: u64 = old_ranks.iter().map(|&r| u64::from(r) + 1).sum();
+        let mine = u64::from(old_ranks[c.rank() as usize]) + 1;
+        for len in [1usize, 4000, 300_000] {
+            let mut v = vec![mine; len];
+            c.all_reduce_in_place(&mut v, RedOp::Sum).unwrap();
+            assert!(
+                v.iter().all(|&x| x == want),
+                "rank {}: {} != {want}",
+                c.rank(),
+                v[0]
+            );
+        }
+        let n = c.nranks() as usize;
+        let send: Vec<u32> = (0..n * 100)
+            .map(|i| c.rank() * 1_000_000 + i as u32)
+            .collect();
+        let mut recv = vec![0u32; n * 100];
+        c.all_to_all(&send, &mut recv).unwrap();
+        for (i, x) in recv.iter().enumerate() {
+            let (from, k) = (i / 100, i % 100);
+            assert_eq!(
+                *x,
+                from as u32 * 1_000_000 + (c.rank() as usize * 100 + k) as u32
+            );
+        }
+    }
+
+    fn config() -> Config {
+        Config {
+            timeout: Duration::from_secs(20),
+            abort: None,
+        }
+    }
+
+    /// Runs `f(comm)` on 4 thread ranks (a rank whose check fails makes
+    /// the others' operations fail within the timeout: no wait outside
+    /// braid's).
+    fn on_four<R: Send>(f: impl Fn(Communicator) -> R + Sync) -> Vec<R> {
+        let comms = Communicator::init_threads(4, &config()).unwrap();
+        std::thread::scope(|s| {
+            let hs: Vec<_> = comms.into_iter().map(|c| s.spawn(|| f(c))).collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        })
+    }
+
+    #[test]
+    fn the_leader_keeps_a_link_only_when_both_ends_fit() {
+        let o = |peer, sends, count, drop_max| Offer {
+            peer,
+            sends,
+            at: Resume { count, drop_max },
+        };
+        // Members 0, 2, 5 (old ranks).
+        let members = [0u32, 2, 5];
+        let offers = [
+            // 0 → 2 fits (2 dropped nothing), 0 → 5 does not (5 released
+            // more than 0 committed), 0 ← 2 has no sending end on 2.
+            vec![o(2, true, 7, 0), o(5, true, 3, 0), o(2, false, 1, 16)],
+            vec![o(0, false, 7, 16), o(5, true, 9, 0)],
+            // 5 ← 2: 9 committed, 4 released, 4 droppable: too few.
+            vec![o(0, false, 4, 16), o(2, false, 4, 4)],
+        ];
+        let enc: Vec<Vec<u8>> = offers.iter().map(|v| encode_offers(v)).collect();
+        let all: Vec<&[u8]> = enc.iter().map(|v| v.as_slice()).collect();
+        let answers = kept_links(&members, &all);
+        let kept: Vec<Vec<Kept>> = answers.iter().map(|a| decode_kept(a).unwrap()).collect();
+        assert_eq!(kept, vec![vec![(2, true, 7)], vec![(0, false, 7)], vec![]]);
+        // Room for one more dropped message: 2 → 5 fits.
+        let mut offers = offers;
+        offers[2][1].at.drop_max = 5;
+        let enc: Vec<Vec<u8>> = offers.iter().map(|v| encode_offers(v)).collect();
+        let all: Vec<&[u8]> = enc.iter().map(|v| v.as_slice()).collect();
+        let kept: Vec<Vec<Kept>> = kept_links(&members, &all)
+            .iter()
+            .map(|a| decode_kept(a).unwrap())
+            .collect();
+        assert_eq!(kept[2], vec![(2, false, 9)]);
+        assert_eq!(kept[1], vec![(0, false, 7), (5, true, 9)]);
+        // A malformed offer keeps nothing of its member's.
+        let bad = [&enc[0][..], &enc[1][..3], &enc[2][..]];
+        assert!(kept_links(&members, &bad).iter().all(|a| a.is_empty()));
+        assert!(decode_offers(&[0; OFFER_BYTES + 1]).is_none());
+    }
+
+    #[test]
+    fn shrink_keeps_links_after_a_rank_died_mid_operation() {
+        let kept = on_four(|c| {
+            let r = c.rank();
+            // Every pair connected (AllToAll), then rank 3 leaves in the
+            // middle of a large AllReduce that has pieces in flight.
+            check(&c, &[0, 1, 2, 3]);
+            let before = ends(&c);
+            c.barrier().unwrap();
+            if r == 3 {
+                std::thread::sleep(Duration::from_millis(30));
+                drop(c);
+                return 0;
+            }
+            let mut v = vec![1.0f32; 4 << 20];
+            assert!(c.all_reduce_in_place(&mut v, RedOp::Sum).is_err());
+            let s = c.shrink(&[3]).unwrap();
+            let after = ends(&s);
+            // Every link between the three survivors is the same object.
+            let mut same = 0;
+            for q in 0..3usize {
+                if q == r as usize {
+                    continue;
+                }
+                assert_eq!(
+                    after.0[q], before.0[q],
+                    "rank {r}: the link to {q} was not kept"
+                );
+                assert_eq!(
+                    after.1[q], before.1[q],
+                    "rank {r}: the link from {q} was not kept"
+                );
+                same += 2;
+            }
+            check(&s, &[0, 1, 2]);
+            same
+        });
+        assert_eq!(kept, vec![4, 4, 4, 0]);
+    }
+
+    #[test]
+    fn a_healthy_shrink_keeps_links_and_leaves_the_old_communicator_working() {
+        on_four(|c| {
+            let r = c.rank();
+            check(&c, &[0, 1, 2, 3]);
+            let before = ends(&c);
+            if r != 1 {
+                let s = c.shrink(&[1]).unwrap();
+                let after = ends(&s);
+                let old = [0u32, 2, 3];
+                for (nq, &q) in old.iter().enumerate() {
+                    if q != r {
+                        assert_eq!(after.0[nq], before.0[q as usize], "rank {r}: link to {q}");
+                        assert_eq!(after.1[nq], before.1[q as usize], "rank {r}: link from {q}");
+                    }
+                }
+                check(&s, &old);
+            }
+            // The old communicator connects its links again (rank 1 waits
+            // in it for the others meanwhile).
+            check(&c, &[0, 1, 2, 3]);
+        });
     }
 }

@@ -468,6 +468,7 @@ impl Communicator {
             &config,
             root,
             self.shared.settings.clone(),
+            None,
         )?;
         if let Ok(mut kids) = sh.children.lock() {
             kids.retain(|w| w.strong_count() > 0);

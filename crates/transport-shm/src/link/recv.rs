@@ -3,12 +3,13 @@
 use std::sync::atomic::Ordering;
 
 use braid_core::error::{CoreError, Result};
-use braid_core::transport::{DirectRecv, Incoming, RecvChannel, SlotBuf, WakeWord};
+use braid_core::transport::{DirectRecv, Incoming, RecvChannel, Resume, SlotBuf, WakeWord};
 use braid_core::types::MemKind;
 
 use super::{
-    abort_reason, check_abort_and_process, help_split, next_slot, protocol, publish_abort, Claim,
-    ADDR_WORD, CHUNK_WORD, DIRECT_FLAG, DST_WORD, HELP_CHUNKS_MIN, INLINE_FLAG, REGION_WORD,
+    abort_reason, check_abort_and_process, clear_abort, help_split, next_slot, peer_stays,
+    protocol, publish_abort, Claim, ADDR_WORD, CHUNK_WORD, DIRECT_FLAG, DST_WORD, HELP_CHUNKS_MIN,
+    INLINE_FLAG, REGION_WORD,
 };
 use crate::probe::process_alive;
 use crate::segment::{self, Segment};
@@ -534,6 +535,53 @@ impl RecvChannel for ShmRecv {
 
     fn direct(&mut self) -> Option<&mut dyn DirectRecv> {
         Some(self)
+    }
+
+    /// Messages the sender committed and this end did not release (at most
+    /// `boxes`) are dropped unread when the link goes on.
+    fn resume_point(&mut self) -> Option<Resume> {
+        peer_stays(&self.seg.header().sender.0, self.peer_pid).then_some(Resume {
+            count: self.tail,
+            drop_max: self.boxes,
+        })
+    }
+
+    fn resume(&mut self, peer: u32, at: u64) -> Result<()> {
+        // Acquire: pairs with the sender's Release store of `head`.
+        let head = self.seg.header().head.0.load(Ordering::Acquire);
+        if at != head || at < self.tail || at - self.tail > self.boxes {
+            return Err(protocol(
+                self.peer,
+                format!(
+                    "keeping the shm link: told to go on from message {at}, but the sender committed {head} and {} were released",
+                    self.tail
+                ),
+            ));
+        }
+        // No transfer is shared any more; the words the sender reads to
+        // help start afresh.
+        self.withdraw();
+        let h = &self.seg.header().help.0;
+        h.done.store(0, Ordering::Relaxed);
+        h.failed.store(0, Ordering::Relaxed);
+        h.claim.store(0, Ordering::Release);
+        self.tail = at;
+        self.tail_slot = (at % self.slots) as usize;
+        self.tail_box = (at % self.boxes) as usize;
+        self.head_cache = at;
+        self.peeked = false;
+        self.remote = None;
+        self.remote_region = None;
+        self.aborted = None;
+        if peer != self.peer {
+            self.files = host::PeerFiles::new(peer, self.peer_pid);
+            self.peer = peer;
+        }
+        clear_abort(&self.seg.header().receiver.0);
+        // Release: as in `release`: the sender may reuse every slot.
+        self.seg.header().tail.0.store(at, Ordering::Release);
+        self.seg.header().send_bell.0.ring(true);
+        Ok(())
     }
 }
 

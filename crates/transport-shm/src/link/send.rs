@@ -3,12 +3,12 @@
 use std::sync::atomic::Ordering;
 
 use braid_core::error::{CoreError, Result};
-use braid_core::transport::{DirectSend, SendChannel, SlotBuf, WakeWord};
+use braid_core::transport::{DirectSend, Resume, SendChannel, SlotBuf, WakeWord};
 use braid_core::types::MemKind;
 
 use super::{
-    abort_reason, check_abort_and_process, next_slot, protocol, publish_abort, Claim, ADDR_WORD,
-    CHUNK_WORD, DIRECT_FLAG, DST_WORD, INLINE_FLAG, REGION_WORD,
+    abort_reason, check_abort_and_process, clear_abort, next_slot, peer_stays, protocol,
+    publish_abort, Claim, ADDR_WORD, CHUNK_WORD, DIRECT_FLAG, DST_WORD, INLINE_FLAG, REGION_WORD,
 };
 use crate::segment::{self, Segment};
 use crate::{host, NAME};
@@ -281,6 +281,33 @@ impl SendChannel for ShmSend {
         } else {
             None
         }
+    }
+
+    /// Any sending end whose receiver is still there can go on: what an
+    /// aborted operation left in the segment, the receiver drops.
+    fn resume_point(&mut self) -> Option<Resume> {
+        peer_stays(&self.seg.header().receiver.0, self.peer_pid).then_some(Resume {
+            count: self.head,
+            drop_max: 0,
+        })
+    }
+
+    fn resume(&mut self, peer: u32, at: u64) -> Result<()> {
+        if at != self.head {
+            return Err(protocol(
+                self.peer,
+                format!(
+                    "keeping the shm link: told to go on from message {at}, but {} were committed",
+                    self.head
+                ),
+            ));
+        }
+        self.peer = peer;
+        self.acquired = Acquired::Nothing;
+        self.aborted = None;
+        self.help_failed = false;
+        clear_abort(&self.seg.header().sender.0);
+        Ok(())
     }
 }
 
