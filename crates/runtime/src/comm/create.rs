@@ -66,13 +66,20 @@ impl Communicator {
     /// Create all `nranks` ranks as threads of this process (tests, and
     /// programs that drive several devices from one process).
     pub fn init_threads(nranks: u32, config: &Config) -> Result<Vec<Communicator>> {
+        Self::init_threads_with(nranks, config, Settings::from_env()?)
+    }
+
+    /// [`Communicator::init_threads`] with these settings for all ranks.
+    pub(crate) fn init_threads_with(
+        nranks: u32,
+        config: &Config,
+        settings: Settings,
+    ) -> Result<Vec<Communicator>> {
         if nranks == 0 {
             return Err(Error::InvalidArgument("nranks must be at least 1".into()));
         }
         let (id, root) = create_unique_id(SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 0))?;
         let root = Arc::new(Mutex::new(Some(root)));
-        // One snapshot for all of them.
-        let settings = Settings::from_env()?;
         let handles: Vec<_> = (0..nranks)
             .map(|r| {
                 let (id, config, root) = (id, config.clone(), root.clone());

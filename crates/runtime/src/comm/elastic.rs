@@ -21,8 +21,9 @@
 //! committed and it did not read) and tells each member which of its links
 //! go on and from which message (round 2); each member then resumes those
 //! ends under their new ranks and hands them to the new communicator, which
-//! connects only the links it lacks. Links a transport cannot keep (one
-//! with a socket shut by an abort, say) are made afresh.
+//! connects only the links it lacks. Links a transport cannot keep are
+//! made afresh: socket links after an abort (it shut their sockets), IB
+//! links always.
 //!
 //! [`SendChannel::resume_point`]: braid_core::transport::SendChannel::resume_point
 
@@ -687,7 +688,13 @@ mod tests {
     /// the others' operations fail within the timeout: no wait outside
     /// braid's).
     fn on_four<R: Send>(f: impl Fn(Communicator) -> R + Sync) -> Vec<R> {
-        let comms = Communicator::init_threads(4, &config()).unwrap();
+        on_four_with(&[], f)
+    }
+
+    /// [`on_four`] with these `BRAID_*` settings.
+    fn on_four_with<R: Send>(env: &[(&str, &str)], f: impl Fn(Communicator) -> R + Sync) -> Vec<R> {
+        let settings = Settings::from_snapshot(crate::settings::Env::from_pairs(env)).unwrap();
+        let comms = Communicator::init_threads_with(4, &config(), settings).unwrap();
         std::thread::scope(|s| {
             let hs: Vec<_> = comms.into_iter().map(|c| s.spawn(|| f(c))).collect();
             hs.into_iter().map(|h| h.join().unwrap()).collect()
@@ -775,7 +782,43 @@ mod tests {
 
     #[test]
     fn a_healthy_shrink_keeps_links_and_leaves_the_old_communicator_working() {
-        on_four(|c| {
+        healthy_shrink(&[]);
+    }
+
+    #[test]
+    fn a_healthy_shrink_keeps_socket_links() {
+        healthy_shrink(&[("BRAID_TRANSPORT", "socket")]);
+    }
+
+    #[test]
+    fn after_a_failure_socket_links_are_made_afresh() {
+        let fresh = on_four_with(&[("BRAID_TRANSPORT", "socket")], |c| {
+            let r = c.rank();
+            check(&c, &[0, 1, 2, 3]);
+            let before = ends(&c);
+            c.barrier().unwrap();
+            if r == 3 {
+                drop(c);
+                return true;
+            }
+            let mut v = vec![1.0f32; 1 << 20];
+            assert!(c.all_reduce_in_place(&mut v, RedOp::Sum).is_err());
+            let s = c.shrink(&[3]).unwrap();
+            check(&s, &[0, 1, 2]);
+            // The aborted socket links were not kept: new ones serve.
+            let after = ends(&s);
+            (0..3usize)
+                .filter(|&q| q != r as usize)
+                .all(|q| after.0[q] != before.0[q] && after.1[q] != before.1[q])
+        });
+        assert_eq!(fresh, vec![true; 4]);
+    }
+
+    /// Rank 1 stays out of a shrink of a healthy communicator; the others'
+    /// links move to the new one, which works, and the old one works again
+    /// after (it reconnects the moved links).
+    fn healthy_shrink(env: &[(&str, &str)]) {
+        on_four_with(env, |c| {
             let r = c.rank();
             check(&c, &[0, 1, 2, 3]);
             let before = ends(&c);

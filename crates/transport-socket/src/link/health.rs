@@ -10,7 +10,7 @@
 //! has passed.
 
 use std::io;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
@@ -50,7 +50,9 @@ struct HealthState {
 /// What one end knows about its link's liveness; shared with its helpers.
 #[derive(Debug)]
 pub(super) struct Health {
-    pub(super) peer: u32,
+    /// The rank at the other end (renamed when a new communicator keeps
+    /// the link).
+    peer: AtomicU32,
     pub(super) failed: AtomicBool,
     /// The peer closed its end normally (a `Close` control frame).
     pub(super) peer_closed: AtomicBool,
@@ -68,7 +70,7 @@ pub(super) struct Health {
 impl Health {
     pub(super) fn new(peer: u32) -> Arc<Health> {
         Arc::new(Health {
-            peer,
+            peer: AtomicU32::new(peer),
             failed: AtomicBool::new(false),
             peer_closed: AtomicBool::new(false),
             local_closing: AtomicBool::new(false),
@@ -76,6 +78,28 @@ impl Health {
             cv: Condvar::new(),
             bell: Doorbell::new(),
         })
+    }
+
+    /// The rank at the other end.
+    pub(super) fn peer(&self) -> u32 {
+        self.peer.load(Ordering::Relaxed)
+    }
+
+    /// Renames the rank at the other end (a kept link).
+    pub(super) fn set_peer(&self, peer: u32) {
+        self.peer.store(peer, Ordering::Relaxed);
+    }
+
+    /// Whether the link is whole: no failure seen or pending, the peer did
+    /// not close, this end is not shutting down.
+    pub(super) fn whole(&self) -> bool {
+        !self.failed.load(Ordering::Acquire)
+            && !self.peer_closed.load(Ordering::Acquire)
+            && !self.local_closing.load(Ordering::Acquire)
+            && {
+                let st = lock(&self.st);
+                st.fail.is_none() && st.pending.is_none() && !st.ctrl_finished
+            }
     }
 
     pub(super) fn fail(&self, f: Fail) {
@@ -88,7 +112,7 @@ impl Health {
         };
         if replace {
             if !matches!(f, Fail::PeerAborted(_)) {
-                tracing::debug!(peer = self.peer, "socket link failed: {f:?}");
+                tracing::debug!(peer = self.peer(), "socket link failed: {f:?}");
             }
             st.fail = Some(f);
             self.failed.store(true, Ordering::Release);
@@ -169,7 +193,7 @@ impl Health {
                 st.fail = st.pending.take().map(|(f, _)| f);
             }
         }
-        let peer = self.peer;
+        let peer = self.peer();
         st.fail.as_ref().map(|f| match f {
             Fail::Lost { what, kind, cause } => CoreError::Peer {
                 transport: NAME,

@@ -13,7 +13,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use braid_core::error::{CoreError, Result};
-use braid_core::transport::{DirectRecv, Incoming, RecvChannel, SlotBuf, WakeWord};
+use braid_core::transport::{DirectRecv, Incoming, RecvChannel, Resume, SlotBuf, WakeWord};
 use braid_core::types::MemKind;
 
 use super::ctrl::{CtrlIn, CtrlOut};
@@ -980,6 +980,34 @@ impl RecvChannel for SocketRecv {
 
     fn direct(&mut self) -> Option<&mut dyn DirectRecv> {
         Some(self)
+    }
+
+    /// An idle link can go on: nothing failed or aborted, nothing arrived
+    /// that was not released.
+    fn resume_point(&mut self) -> Option<Resume> {
+        if self.stopped || self.aborted.is_some() || self.rd.is_some() {
+            return None;
+        }
+        self.pump_inline();
+        (self.shared.health.whole() && self.head_ready().is_none()).then_some(Resume {
+            count: self.head,
+            drop_max: 0,
+        })
+    }
+
+    fn resume(&mut self, peer: u32, at: u64) -> Result<()> {
+        if self.resume_point().map(|r| r.count) != Some(at) {
+            return Err(CoreError::Unavailable {
+                transport: NAME,
+                reason: format!(
+                    "the link from rank {} cannot go on from message {at} (it released {}, or failed)",
+                    self.peer, self.head
+                ),
+            });
+        }
+        self.peer = peer;
+        self.shared.health.set_peer(peer);
+        Ok(())
     }
 }
 

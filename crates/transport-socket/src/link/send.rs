@@ -13,7 +13,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use braid_core::error::{CoreError, Result};
-use braid_core::transport::{DirectSend, SendChannel, SlotBuf, WakeWord};
+use braid_core::transport::{DirectSend, Resume, SendChannel, SlotBuf, WakeWord};
 use braid_core::types::MemKind;
 
 use super::ctrl::{check_credit, CtrlIn, CtrlOut};
@@ -556,6 +556,48 @@ impl SendChannel for SocketSend {
         } else {
             None
         }
+    }
+
+    /// An idle link can go on: nothing failed or aborted, every message
+    /// released. (An abort shuts the sockets: that link is made afresh.)
+    fn resume_point(&mut self) -> Option<Resume> {
+        if self.stopped || self.aborted.is_some() {
+            return None;
+        }
+        // The last credits may still be on their way (the receiver
+        // released its messages before it came here): up to 200 ms.
+        let until = std::time::Instant::now() + std::time::Duration::from_millis(200);
+        loop {
+            self.pump_ctrl();
+            if !self.shared.health.whole() {
+                return None;
+            }
+            if self.shared.released.load(Ordering::Acquire) == self.committed {
+                return Some(Resume {
+                    count: self.committed,
+                    drop_max: 0,
+                });
+            }
+            if std::time::Instant::now() >= until {
+                return None;
+            }
+            std::thread::sleep(std::time::Duration::from_micros(200));
+        }
+    }
+
+    fn resume(&mut self, peer: u32, at: u64) -> Result<()> {
+        if self.resume_point().map(|r| r.count) != Some(at) {
+            return Err(CoreError::Unavailable {
+                transport: NAME,
+                reason: format!(
+                    "the link to rank {} cannot go on from message {at} (it has {} committed, or failed)",
+                    self.peer, self.committed
+                ),
+            });
+        }
+        self.peer = peer;
+        self.shared.health.set_peer(peer);
+        Ok(())
     }
 }
 
