@@ -76,6 +76,9 @@
 //! - **Direct (single-copy) transfers** are not offered (the trait
 //!   defaults): data is copied into a registered staging slot and written
 //!   by the HCA.
+//! - **Kept links** (a shrink): an idle link (nothing failed, aborted or
+//!   unreleased; the last credit sent) goes on under its new peer rank. An
+//!   aborted one sent its final notice and is made afresh.
 //!
 //! # Soft-RoCE: retransmissions can break a connection
 //!

@@ -11,7 +11,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use braid_core::error::{CoreError, Result};
-use braid_core::transport::{RecvChannel, SendChannel, SlotBuf};
+use braid_core::transport::{RecvChannel, Resume, SendChannel, SlotBuf};
 use braid_core::types::MemKind;
 
 use crate::info::{unwrap_credit, Arrivals, Imm, CREDIT_MASK, MAX_SLOTS, TAG_MASK};
@@ -76,7 +76,9 @@ pub(crate) struct Shared {
     qps: Vec<Qp>,
     cq: Arc<Cq>,
     ctrl: Arc<Mr>,
-    peer: u32,
+    /// The rank at the other end (renamed when a new communicator keeps
+    /// the link).
+    peer: AtomicU32,
     remote_ctrl_addr: u64,
     remote_ctrl_rkey: u32,
     max_send: u32,
@@ -115,7 +117,7 @@ struct Poller {
 impl std::fmt::Debug for Shared {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Shared")
-            .field("peer", &self.peer)
+            .field("peer", &self.peer())
             .field("qps", &self.qps.len())
             .finish()
     }
@@ -142,7 +144,7 @@ impl Shared {
             qps: parts.qps,
             cq: parts.cq,
             ctrl: parts.ctrl,
-            peer,
+            peer: AtomicU32::new(peer),
             remote_ctrl_addr,
             remote_ctrl_rkey,
             max_send: parts.max_send,
@@ -166,13 +168,25 @@ impl Shared {
         })
     }
 
+    /// The rank at the other end.
+    fn peer(&self) -> u32 {
+        self.peer.load(Ordering::Relaxed)
+    }
+
+    /// Whether the link is whole: no failure, the peer did not close.
+    fn whole(&self) -> bool {
+        !self.failed.load(Ordering::Acquire)
+            && self.error().is_none()
+            && !self.peer_closed.load(Ordering::Acquire)
+    }
+
     fn fail(&self, f: Failure) {
         let mut g = self.failure.lock().unwrap_or_else(|p| p.into_inner());
         // A flushed work request only says that the QP broke: the error
         // that broke it, when it comes, says why.
         let weak = |f: &Option<Failure>| matches!(f, Some(Failure::Flushed(_)));
         if g.is_none() || (weak(&g) && !matches!(f, Failure::Flushed(_))) {
-            tracing::debug!(peer = self.peer, "IB link failed: {f:?}");
+            tracing::debug!(peer = self.peer(), "IB link failed: {f:?}");
             *g = Some(f);
             self.failed.store(true, Ordering::Release);
         }
@@ -186,7 +200,7 @@ impl Shared {
         Some(match g.clone()? {
             Failure::Verbs(what) => CoreError::Peer {
                 transport: NAME,
-                peer: self.peer,
+                peer: self.peer(),
                 what,
                 source: None,
             },
@@ -195,7 +209,7 @@ impl Shared {
             // request from the peer (its NAK fails the peer's request).
             Failure::Flushed(what) => CoreError::Peer {
                 transport: NAME,
-                peer: self.peer,
+                peer: self.peer(),
                 what: format!(
                     "{what}; the queue pair broke without an error of its own, so this end's \
                      HCA rejected a request from the peer (Soft-RoCE does after retransmissions, \
@@ -205,11 +219,11 @@ impl Shared {
             },
             Failure::PeerAborted(reason) => CoreError::PeerAborted {
                 transport: NAME,
-                peer: self.peer,
+                peer: self.peer(),
                 reason,
             },
             Failure::Protocol(detail) => CoreError::Protocol {
-                peer: self.peer,
+                peer: self.peer(),
                 detail,
             },
         })
@@ -218,7 +232,7 @@ impl Shared {
     fn closed_err(&self) -> CoreError {
         CoreError::PeerAborted {
             transport: NAME,
-            peer: self.peer,
+            peer: self.peer(),
             reason: "closed its end".into(),
         }
     }
@@ -241,7 +255,7 @@ impl Shared {
             self.fail(Failure::Verbs(what.clone()));
             return Err(CoreError::Peer {
                 transport: NAME,
-                peer: self.peer,
+                peer: self.peer(),
                 what,
                 source: Some(Box::new(e)),
             });
@@ -482,7 +496,7 @@ fn run_progress(me: Weak<DeviceProgress>) {
 }
 
 fn handle(sh: &Shared, wc: Wc, got: &mut Arrivals) {
-    tracing::trace!(peer = sh.peer, "IB completion {wc:?}");
+    tracing::trace!(peer = sh.peer(), "IB completion {wc:?}");
     let op = wc.wr_id >> 56;
     let q = ((wc.wr_id >> 48) & 0xff) as usize;
     let stopping = sh.stop.load(Ordering::Acquire);
@@ -570,7 +584,10 @@ fn handle(sh: &Shared, wc: Wc, got: &mut Arrivals) {
             if next - prev <= MAX_SLOTS as u64 {
                 sh.released.store(next, Ordering::Release);
             } else {
-                tracing::debug!(peer = sh.peer, "IB: stale credit {c} ignored (have {prev})");
+                tracing::debug!(
+                    peer = sh.peer(),
+                    "IB: stale credit {c} ignored (have {prev})"
+                );
             }
         }
         Ok(Imm::Ready) => {
@@ -629,7 +646,7 @@ pub(crate) struct IbSend {
 impl std::fmt::Debug for IbSend {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("IbSend")
-            .field("peer", &self.sh.peer)
+            .field("peer", &self.sh.peer())
             .field("committed", &self.committed)
             .finish()
     }
@@ -691,7 +708,7 @@ impl IbSend {
 
 impl SendChannel for IbSend {
     fn peer(&self) -> u32 {
-        self.sh.peer
+        self.sh.peer()
     }
     fn transport(&self) -> &'static str {
         NAME
@@ -733,13 +750,14 @@ impl SendChannel for IbSend {
         if len > self.fifo.slot_bytes {
             return Err(CoreError::InvalidArgument(format!(
                 "commit of {len} bytes into a {}-byte IB slot (link to rank {})",
-                self.fifo.slot_bytes, self.sh.peer
+                self.fifo.slot_bytes,
+                self.sh.peer()
             )));
         }
         if !self.credit() {
             return Err(CoreError::InvalidArgument(format!(
                 "commit without a free slot on the IB link to rank {}",
-                self.sh.peer
+                self.sh.peer()
             )));
         }
         let sb = self.fifo.slot_bytes;
@@ -821,6 +839,36 @@ impl SendChannel for IbSend {
             self.aborted = true;
         }
     }
+
+    /// An idle link can go on: nothing failed or aborted (an abort sends
+    /// the final notice: that link is made afresh), every message
+    /// released (the last credits get up to 200 ms to arrive).
+    fn resume_point(&mut self) -> Option<Resume> {
+        let until = Instant::now() + Duration::from_millis(200);
+        loop {
+            self.sh.progress_once();
+            if self.aborted || !self.sh.whole() {
+                return None;
+            }
+            if self.sh.released.load(Ordering::Acquire) == self.committed {
+                return Some(Resume {
+                    count: self.committed,
+                    drop_max: 0,
+                });
+            }
+            if Instant::now() >= until {
+                return None;
+            }
+            std::thread::sleep(Duration::from_micros(200));
+        }
+    }
+
+    fn resume(&mut self, peer: u32, at: u64) -> Result<()> {
+        let point = self.resume_point();
+        Resume::expect(point, at, NAME, "the sending end")?;
+        self.sh.peer.store(peer, Ordering::Relaxed);
+        Ok(())
+    }
 }
 
 impl Drop for IbSend {
@@ -847,7 +895,7 @@ pub(crate) struct IbRecv {
 impl std::fmt::Debug for IbRecv {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("IbRecv")
-            .field("peer", &self.sh.peer)
+            .field("peer", &self.sh.peer())
             .field("head", &self.head)
             .finish()
     }
@@ -947,7 +995,7 @@ impl IbRecv {
 
 impl RecvChannel for IbRecv {
     fn peer(&self) -> u32 {
-        self.sh.peer
+        self.sh.peer()
     }
     fn transport(&self) -> &'static str {
         NAME
@@ -985,7 +1033,7 @@ impl RecvChannel for IbRecv {
         if self.sh.slot_len[s].swap(0, Ordering::AcqRel) == 0 {
             return Err(CoreError::InvalidArgument(format!(
                 "release without a peeked slot on the IB link from rank {}",
-                self.sh.peer
+                self.sh.peer()
             )));
         }
         self.head += 1;
@@ -1012,6 +1060,40 @@ impl RecvChannel for IbRecv {
                 .final_notice(Some(reason), Duration::from_millis(50));
             self.aborted = true;
         }
+    }
+
+    /// An idle link can go on: nothing failed or aborted, nothing landed
+    /// that was not released; the last credit goes out first.
+    fn resume_point(&mut self) -> Option<Resume> {
+        self.sh.progress_once();
+        if self.aborted || !self.sh.whole() {
+            return None;
+        }
+        let s = (self.head % self.sh.slots as u64) as usize;
+        if self.sh.slot_len[s].load(Ordering::Acquire) != 0 {
+            return None;
+        }
+        let until = Instant::now() + Duration::from_millis(100);
+        while self.credit_pending {
+            if self.flush_credit().is_err() || Instant::now() >= until {
+                return None;
+            }
+            if self.credit_pending {
+                self.sh.progress_once();
+                std::thread::sleep(Duration::from_micros(200));
+            }
+        }
+        Some(Resume {
+            count: self.head,
+            drop_max: 0,
+        })
+    }
+
+    fn resume(&mut self, peer: u32, at: u64) -> Result<()> {
+        let point = self.resume_point();
+        Resume::expect(point, at, NAME, "the receiving end")?;
+        self.sh.peer.store(peer, Ordering::Relaxed);
+        Ok(())
     }
 }
 

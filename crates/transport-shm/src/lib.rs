@@ -41,6 +41,13 @@
 //!   (`kill(pid, 0)` fails with `ESRCH`, or `/proc/<pid>/stat` says zombie) as
 //!   [`CoreError::Peer`] "process `<pid>` is gone". A receiver whose sender
 //!   closed normally keeps working until it has read every committed slot.
+//! - **Kept links** (a shrink). A link whose two processes are alive goes
+//!   on in a new communicator even after an abort: the sender's point is
+//!   `head`, the receiver's `tail` with up to `boxes` messages it may drop;
+//!   on `resume` the receiver moves `tail` to the sender's `head` (the
+//!   messages in between are never read), clears the help words, and each
+//!   side takes back its own abort flag. Both sides are between operations
+//!   and the runtime lets neither use the link until both resumed.
 //! - **Direct (single-copy) transfers.** At connect time the receiver probes
 //!   whether it may read the sender's memory (`process_vm_readv` of a known
 //!   word). If so, `commit_direct` publishes a slot whose length word has

@@ -74,6 +74,10 @@
 //!   the sockets down and takes them off the progress thread (a dropped
 //!   sender first gives queued pieces up to a second to leave). Writes use
 //!   `MSG_NOSIGNAL`: a dead peer never raises SIGPIPE.
+//! - **Kept links** (a shrink): an idle link (nothing failed or aborted,
+//!   every message released; the sender waits up to 200 ms for the last
+//!   credits) goes on under its new peer rank. An abort shuts the sockets:
+//!   that link is made afresh.
 //! - **Direct (zero-copy) transfers.** `can_send_direct` is true (unless
 //!   `BRAID_SOCKET_DIRECT` is off) and `direct_costs_receiver` false: the
 //!   receiver reads the same bytes from its sockets either way, so the

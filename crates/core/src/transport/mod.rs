@@ -279,11 +279,8 @@ pub trait SendChannel: Send {
     /// earlier operation left (its abort, an unfinished message) is
     /// forgotten; both ends must resume before either uses the link.
     fn resume(&mut self, peer: u32, at: u64) -> Result<()> {
-        let _ = (peer, at);
-        Err(crate::error::CoreError::Unavailable {
-            transport: self.transport(),
-            reason: "this transport's links cannot be kept".into(),
-        })
+        let _ = peer;
+        Resume::expect(None, at, self.transport(), "the sending end")
     }
 }
 
@@ -306,6 +303,29 @@ impl Resume {
     /// was committed and can drop the rest.
     pub fn fits(send: Resume, recv: Resume) -> bool {
         recv.count <= send.count && send.count - recv.count <= recv.drop_max
+    }
+
+    /// For an end that goes on only from where it stands (an idle link):
+    /// `Ok` when its resume point now (`point`) is at `at`, else
+    /// [`CoreError::Unavailable`](crate::error::CoreError::Unavailable)
+    /// naming `end` of `transport`.
+    pub fn expect(
+        point: Option<Resume>,
+        at: u64,
+        transport: &'static str,
+        end: &str,
+    ) -> Result<()> {
+        match point {
+            Some(p) if p.count == at => Ok(()),
+            Some(p) => Err(crate::error::CoreError::Unavailable {
+                transport,
+                reason: format!("{end} stands at message {}, not {at}: it cannot be kept", p.count),
+            }),
+            None => Err(crate::error::CoreError::Unavailable {
+                transport,
+                reason: format!("{end} cannot be kept (failed, aborted, busy, or a transport that keeps no links)"),
+            }),
+        }
     }
 }
 
@@ -369,11 +389,8 @@ pub trait RecvChannel: Send {
     /// [`SendChannel::resume`]: `at` is the sender's count, and the
     /// messages between this end's count and `at` are dropped unread.
     fn resume(&mut self, peer: u32, at: u64) -> Result<()> {
-        let _ = (peer, at);
-        Err(crate::error::CoreError::Unavailable {
-            transport: self.transport(),
-            reason: "this transport's links cannot be kept".into(),
-        })
+        let _ = peer;
+        Resume::expect(None, at, self.transport(), "the receiving end")
     }
 }
 

@@ -22,8 +22,8 @@
 //! go on and from which message (round 2); each member then resumes those
 //! ends under their new ranks and hands them to the new communicator, which
 //! connects only the links it lacks. Links a transport cannot keep are
-//! made afresh: socket links after an abort (it shut their sockets), IB
-//! links always.
+//! made afresh: socket and IB links after an abort (it shut a socket
+//! link's sockets, and sent an IB link's final notice).
 //!
 //! [`SendChannel::resume_point`]: braid_core::transport::SendChannel::resume_point
 

@@ -996,15 +996,8 @@ impl RecvChannel for SocketRecv {
     }
 
     fn resume(&mut self, peer: u32, at: u64) -> Result<()> {
-        if self.resume_point().map(|r| r.count) != Some(at) {
-            return Err(CoreError::Unavailable {
-                transport: NAME,
-                reason: format!(
-                    "the link from rank {} cannot go on from message {at} (it released {}, or failed)",
-                    self.peer, self.head
-                ),
-            });
-        }
+        let point = self.resume_point();
+        Resume::expect(point, at, NAME, "the receiving end")?;
         self.peer = peer;
         self.shared.health.set_peer(peer);
         Ok(())

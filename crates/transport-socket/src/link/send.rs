@@ -586,15 +586,8 @@ impl SendChannel for SocketSend {
     }
 
     fn resume(&mut self, peer: u32, at: u64) -> Result<()> {
-        if self.resume_point().map(|r| r.count) != Some(at) {
-            return Err(CoreError::Unavailable {
-                transport: NAME,
-                reason: format!(
-                    "the link to rank {} cannot go on from message {at} (it has {} committed, or failed)",
-                    self.peer, self.committed
-                ),
-            });
-        }
+        let point = self.resume_point();
+        Resume::expect(point, at, NAME, "the sending end")?;
         self.peer = peer;
         self.shared.health.set_peer(peer);
         Ok(())
