@@ -45,22 +45,6 @@ pub(super) struct TuneState {
     /// Timing trials' answers by collective and size class (`None`: the
     /// model's pick stands).
     timed: Vec<(CollKind, u32, Option<Choice>)>,
-    /// The call being chosen for while the tuner runs programs of its own
-    /// (measurement, trials).
-    call: Option<TunedCall>,
-}
-
-/// A user's call for which the tuner runs programs of its own.
-#[derive(Debug)]
-struct TunedCall {
-    name: &'static str,
-    seq: u64,
-    /// The call's operation headers (with mismatch checks on), which
-    /// every such program sends and checks: ranks that reached different
-    /// calls learn it at once, each told what the other called, as the
-    /// call's own program would tell them (instead of the tuner's
-    /// programs running apart until a wrong piece or the deadline).
-    headers: Option<Headers>,
 }
 
 /// The network as the tuner measured it (see `measure_network`).
@@ -99,6 +83,30 @@ impl Internal {
         match self {
             Internal::Measurement => "tuner measurement",
             Internal::Trial { .. } => "tuner trial",
+        }
+    }
+
+    /// `prog` as this program runs: a trial by reference as its
+    /// `single_copy` and `by_ref` say (neither for the trials' own
+    /// programs, [`TRIAL_SLOTS`]), with the scratch memory its algorithm
+    /// uses; a measurement through slots and without scratch memory (its
+    /// groups' buffer 2 is a caller's).
+    fn planned(self, prog: Program) -> Planned {
+        let (send, recv) = prog.peers();
+        let (single_copy, by_ref, scratch) = match self {
+            Internal::Measurement => (false, false, 0),
+            Internal::Trial {
+                single_copy,
+                by_ref,
+            } => (single_copy, by_ref, prog.scratch_bytes()),
+        };
+        Planned {
+            prog: Arc::new(prog),
+            single_copy,
+            by_ref,
+            links: Arc::new(super::connect::LinkSet { send, recv }),
+            algo: None,
+            scratch,
         }
     }
 }
@@ -286,40 +294,22 @@ pub(super) fn default_choice(coll: &Collective, dt: DataType, params: &PlanParam
 
 impl Communicator {
     /// The algorithm for `coll` (of a kind the tuner chooses for), or
-    /// `None` for braid's defaults (`plan::plan`). `call`: the number of
-    /// the user's call this is for (`None` while the communicator is
-    /// created).
+    /// `None` for braid's defaults (`plan::plan`). `call`: the user's call
+    /// this is for (`None` while the communicator is created). The
+    /// programs the tuner runs meanwhile (the network's measurement,
+    /// trials; on several hosts only) run on the call's behalf: a failure
+    /// is the call's, as if its own program had failed, and they carry the
+    /// call's operation headers (`State::headers`, filled for it first),
+    /// so that ranks that reached different calls learn it at once, each
+    /// told what the other called, instead of the tuner's programs
+    /// running apart until a wrong piece or the deadline.
     pub(super) fn pick(
         &self,
         st: &mut State,
         coll: &Collective,
         dt: DataType,
         params: &PlanParams,
-        call: Option<u64>,
-    ) -> Result<Option<Picked>> {
-        let sh = &*self.shared;
-        // The tuner runs programs of its own only on several hosts.
-        let call = call.filter(|_| sh.algos.shape.nhosts > 1);
-        st.tune.call = call.map(|seq| TunedCall {
-            name: coll.name(),
-            seq,
-            headers: sh.check_headers.then(|| {
-                let mut h = Headers::default();
-                h.fill_collective(coll, dt, st.coll_seq, sh.nranks);
-                h
-            }),
-        });
-        let picked = self.choose(st, coll, dt, params);
-        st.tune.call = None;
-        picked
-    }
-
-    fn choose(
-        &self,
-        st: &mut State,
-        coll: &Collective,
-        dt: DataType,
-        params: &PlanParams,
+        call: Option<OpId>,
     ) -> Result<Option<Picked>> {
         let sh = &*self.shared;
         let Some(kind) = CollKind::of(coll) else {
@@ -356,9 +346,9 @@ impl Communicator {
             Some((c, s)) => (c, s, f64::NAN),
             None if a.shape.nhosts <= 1 => return Ok(None),
             None => {
-                let costs = self.costs(st)?;
+                let costs = self.costs(st, call)?;
                 let (c, t) = tune::best(&costs, &shape, kind, bytes as usize);
-                match self.timed(st, coll, dt, params, kind, &costs)? {
+                match self.timed(st, call, coll, dt, params, &costs)? {
                     Some(tc) => (tc, Source::Timed, f64::NAN),
                     None => (c, Source::Model, t),
                 }
@@ -368,7 +358,7 @@ impl Communicator {
             choice.inner = Some(if a.shape.nhosts <= 1 {
                 Algo::Ring
             } else {
-                let costs = self.costs(st)?;
+                let costs = self.costs(st, call)?;
                 tune::hier_inner(&costs, &shape, bytes as usize)
             });
         }
@@ -392,22 +382,23 @@ impl Communicator {
     /// on each one's slowest time and take the fastest. Answers once per
     /// collective kind and size class (the bit length of its bytes).
     /// `None`: no trial (measuring is off, a clear winner, or too costly
-    /// to time by the estimates or by the first runs).
+    /// to time by the estimates or by the first runs). `call`: as for
+    /// [`Communicator::pick`].
     fn timed(
         &self,
         st: &mut State,
+        call: Option<OpId>,
         coll: &Collective,
         dt: DataType,
         params: &PlanParams,
-        kind: CollKind,
         costs: &Costs,
     ) -> Result<Option<Choice>> {
         let sh = &*self.shared;
         let a = &sh.algos;
         let shape = a.shape(st.moves.piece);
-        if !a.measure {
+        let (true, Some(kind)) = (a.measure, CollKind::of(coll)) else {
             return Ok(None);
-        }
+        };
         let bytes = coll_bytes(coll, dt, sh.nranks) as usize;
         let class = tune::size_class(bytes);
         if let Some(&(_, _, c)) = st
@@ -453,11 +444,12 @@ impl Communicator {
                 single_copy: single_copy && choice.single_copy_safe(),
                 by_ref: choice.single_copy_safe(),
             };
-            self.run_internal(st, &prog, &bufs, run)?;
-            progs.push((prog, run));
+            let planned = run.planned(prog);
+            self.run_internal(st, call, &planned, &bufs, run)?;
+            progs.push((planned, run));
         }
         let first_us = t0.elapsed().as_secs_f64() * 1e6;
-        let first_us = self.agree_max(st, params, &[first_us], TRIAL_SLOTS)?[0];
+        let first_us = self.agree_max(st, call, params, &[first_us], TRIAL_SLOTS)?[0];
         let runs = tune::runs_within(&trial, first_us, limits);
         if runs == 0 {
             if sh.rank == 0 {
@@ -473,17 +465,17 @@ impl Communicator {
             return Ok(None);
         }
         let mut times = Vec::with_capacity(progs.len());
-        for (prog, run) in &progs {
+        for (planned, run) in &progs {
             let mut best = f64::INFINITY;
             for _ in 0..runs {
-                self.internal_barrier(st, params, TRIAL_SLOTS)?;
+                self.internal_barrier(st, call, params, TRIAL_SLOTS)?;
                 let t0 = Instant::now();
-                self.run_internal(st, prog, &bufs, *run)?;
+                self.run_internal(st, call, planned, &bufs, *run)?;
                 best = best.min(t0.elapsed().as_secs_f64() * 1e6);
             }
             times.push(best);
         }
-        let times = self.agree_max(st, params, &times, TRIAL_SLOTS)?;
+        let times = self.agree_max(st, call, params, &times, TRIAL_SLOTS)?;
         let pick = tune::timed_pick(&trial, &times);
         if sh.rank == 0 {
             let each: Vec<String> = trial
@@ -504,14 +496,21 @@ impl Communicator {
     }
 
     /// A barrier among all ranks over the data links (an 8-byte AllReduce).
-    fn internal_barrier(&self, st: &mut State, params: &PlanParams, run: Internal) -> Result<()> {
-        self.agree_max(st, params, &[0.0], run).map(|_| ())
+    fn internal_barrier(
+        &self,
+        st: &mut State,
+        call: Option<OpId>,
+        params: &PlanParams,
+        run: Internal,
+    ) -> Result<()> {
+        self.agree_max(st, call, params, &[0.0], run).map(|_| ())
     }
 
     /// The element-wise maximum of `vals` over all ranks.
     fn agree_max(
         &self,
         st: &mut State,
+        call: Option<OpId>,
         params: &PlanParams,
         vals: &[f64],
         run: Internal,
@@ -536,14 +535,15 @@ impl Communicator {
                 len: 8 * vals.len(),
             },
         ];
-        self.run_internal(st, &prog, &bufs, run)?;
+        let planned = run.planned(prog);
+        self.run_internal(st, call, &planned, &bufs, run)?;
         Ok(out)
     }
 
     /// The model's link costs: measured at the first call that needs them
     /// (every rank calls it at the same collective), or the defaults of the
     /// network transport, or the rules file's.
-    fn costs(&self, st: &mut State) -> Result<Costs> {
+    fn costs(&self, st: &mut State, call: Option<OpId>) -> Result<Costs> {
         if let Some(c) = st.tune.costs {
             return Ok(c);
         }
@@ -556,7 +556,7 @@ impl Communicator {
         if let Some(l) = given.and_then(|l| l.net) {
             c.net = l;
         } else if a.measure && a.shape.nhosts > 1 {
-            let m = self.measure_network(st)?;
+            let m = self.measure_network(st, call)?;
             c.net.overhead_us = m.overhead_us;
             c.net.latency_us = (m.round_us - 2.0 * c.net.overhead_us).max(1.0);
             c.net.gbps = m.gbps;
@@ -575,78 +575,32 @@ impl Communicator {
         Ok(c)
     }
 
-    /// Run `prog` over `bufs` (its send and receive buffers; the plan's
-    /// scratch memory, if it needs any, is added here): a program of the
-    /// tuner's, which all ranks run at the same point. It carries the
-    /// operation headers of the user's call it runs for, if any
-    /// ([`TunedCall`]); none at creation.
+    /// Run `planned` over `bufs` (its send and receive buffers): a
+    /// program of the tuner's, which all ranks run at the same point, on
+    /// behalf of `call` (see [`Communicator::pick`]) or, at creation, as
+    /// itself.
     fn run_internal(
         &self,
         st: &mut State,
-        prog: &Program,
+        call: Option<OpId>,
+        planned: &Planned,
         bufs: &[RawBuf],
         run: Internal,
     ) -> Result<()> {
-        let sh = &*self.shared;
-        let scratch = prog.scratch_bytes();
-        let mut with_scratch = bufs.to_vec();
-        if scratch > 0 {
-            let words = scratch.div_ceil(8);
-            if st.plan_scratch.len() < words {
-                st.plan_scratch.resize(words, 0);
-            }
-            with_scratch.push(RawBuf {
-                ptr: st.plan_scratch.as_mut_ptr().cast(),
-                len: scratch,
-            });
-        }
-        let bufs = &with_scratch[..];
-        // What a failure is reported as: the user's call, as if its own
-        // program had failed (the log says it was the tuner's), else the
-        // tuner's program.
-        let (op, seq) = match &st.tune.call {
-            Some(c) => (c.name, c.seq),
-            None => (run.name(), st.seq),
-        };
-        // Its links (the ring's, connected at creation) on first use, as
-        // for any collective.
-        let (send, recv) = prog.peers();
-        let links = super::connect::LinkSet { send, recv };
-        if !links.connected(&st.chans) {
-            self.connect_links(st, &links, run.name(), seq)?;
-        }
-        let headers = st.tune.call.as_ref().and_then(|c| c.headers.clone());
-        let ex = Exec {
-            bufs,
-            policy: &sh.policy,
-            abort: &sh.abort,
-            direct_min: match run {
-                Internal::Trial {
-                    single_copy: true, ..
-                } => sh.direct_min,
-                _ => usize::MAX,
-            },
-            // A trial runs as the call would.
-            free_direct_min: match run {
-                Internal::Trial { by_ref: true, .. } => sh.direct_min,
-                _ => usize::MAX,
-            },
+        let op = call.unwrap_or(OpId {
+            name: run.name(),
+            seq: st.seq,
+        });
+        let mode = Mode {
             stream_copies: false,
-            slot_stores: None,
-            rank: sh.rank,
-            headers: headers.as_ref(),
-            progress: Some(&sh.progress),
+            slot_stores: false,
+            headers: call.is_some() && self.shared.check_headers,
+            record: None,
         };
         // SAFETY: `bufs` point into live vectors of the caller's, of the
-        // lengths given, and into `st.plan_scratch` (resized above to the
-        // program's scratch and not touched again during the call); the
-        // program's regions fit them (it was planned for them) and nothing
-        // else touches them meanwhile.
-        let res = unsafe { host::execute(prog, &mut st.chans, &ex, &mut st.header_flags) };
-        res.map_err(|source| {
-            tracing::debug!(rank = sh.rank, "{op} #{seq} failed in the {}", run.name());
-            self.fail_op(st, op, seq, source)
-        })
+        // lengths given; the program's regions fit them (it was planned for
+        // them) and nothing else touches them meanwhile.
+        unsafe { self.execute(st, Some(planned), bufs, op, Some(run.name()), mode) }
     }
 
     /// One-way latency (µs), bandwidth (GB/s) and per-message CPU cost (µs
@@ -659,7 +613,7 @@ impl Communicator {
     /// message costs the CPUs at both ends while all ranks send at once
     /// (where many ranks share few cores, far more than the transport's
     /// default).
-    fn measure_network(&self, st: &mut State) -> Result<Measured> {
+    fn measure_network(&self, st: &mut State, call: Option<OpId>) -> Result<Measured> {
         let sh = &*self.shared;
         let p = sh.nranks as usize;
         let pos = sh.ring.iter().position(|&r| r == sh.rank).unwrap_or(0);
@@ -696,7 +650,7 @@ impl Communicator {
         let mut send = vec![0u8; BIG];
         let mut recv = vec![0u8; BIG];
         let mut round = |this: &Self, st: &mut State, k: usize, n: usize| -> Result<f64> {
-            let prog = shift(k, n)?;
+            let planned = Internal::Measurement.planned(shift(k, n)?);
             // Every message of a burst reads (writes) the same 8 bytes.
             let mut bufs = Vec::with_capacity(2 * k);
             for _ in 0..k {
@@ -712,7 +666,7 @@ impl Communicator {
                 });
             }
             let t0 = Instant::now();
-            this.run_internal(st, &prog, &bufs, Internal::Measurement)?;
+            this.run_internal(st, call, &planned, &bufs, Internal::Measurement)?;
             Ok(t0.elapsed().as_secs_f64() * 1e6)
         };
         let median = |mut v: Vec<f64>| {
@@ -734,7 +688,7 @@ impl Communicator {
             .into_iter()
             .fold(f64::INFINITY, f64::min);
         // Agree on the slowest link: an AllReduce (maximum) of all three.
-        let out = self.agree_max(st, &params, &[lat, big, burst], Internal::Measurement)?;
+        let out = self.agree_max(st, call, &params, &[lat, big, burst], Internal::Measurement)?;
         let (lat, big, burst) = (out[0], out[1], out[2]);
         // Each message of the burst is sent by one CPU and received by
         // another, and each rank does both: its time per message covers

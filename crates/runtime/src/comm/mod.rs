@@ -276,6 +276,151 @@ impl Planned {
             algo,
         }
     }
+
+    /// The plan as the engine runs it.
+    fn job(&self) -> Job<'_> {
+        Job {
+            prog: &self.prog,
+            scratch: self.scratch,
+            single_copy: self.single_copy,
+            by_ref: self.by_ref,
+        }
+    }
+}
+
+/// An operation as logs, errors and the progress record name it.
+#[derive(Clone, Copy, Debug)]
+struct OpId {
+    name: &'static str,
+    seq: u64,
+}
+
+/// How a program runs, besides its plan and its buffers.
+#[derive(Clone, Copy, Debug)]
+struct Mode {
+    /// Copies between the caller's buffers use streaming stores.
+    stream_copies: bool,
+    /// Pieces go into slots with the stores each link's [`SlotStores`]
+    /// chose (else ordinary ones).
+    slot_stores: bool,
+    /// The operation headers in `State::headers` go with it (the mismatch
+    /// check).
+    headers: bool,
+    /// A user's operation: its progress record starts and ends with it
+    /// (`true`: with its start time taken at once); `None` for programs run
+    /// within an operation.
+    record: Option<bool>,
+}
+
+/// A program as the engine runs it: its scratch memory (`plan::SCRATCH`
+/// bytes), and whether pieces go by reference where the links allow
+/// (`single_copy`), or only where that just saves a copy (`by_ref`; see
+/// [`Planned`]).
+#[derive(Clone, Copy, Debug)]
+struct Job<'p> {
+    prog: &'p Program,
+    scratch: usize,
+    single_copy: bool,
+    by_ref: bool,
+}
+
+/// What of the [`State`] the engine uses while a program runs, borrowed
+/// beside the last plan ([`State::split`]).
+struct Engine<'s> {
+    chans: &'s mut Channels,
+    header_flags: &'s mut Vec<u8>,
+    plan_scratch: &'s mut Vec<u64>,
+    slot_stores: &'s SlotStores,
+    headers: &'s Headers,
+}
+
+impl State {
+    /// The last plan ([`Communicator::plan_last`]) and, beside it, the
+    /// engine's part of the state.
+    fn split(&mut self) -> (Option<&Planned>, Engine<'_>) {
+        (
+            self.last.as_ref().map(|l| &l.2),
+            Engine {
+                chans: &mut self.chans,
+                header_flags: &mut self.header_flags,
+                plan_scratch: &mut self.plan_scratch,
+                slot_stores: &self.slot_stores,
+                headers: &self.headers,
+            },
+        )
+    }
+}
+
+/// The error for an operation without a plan (never seen: `plan_last`
+/// leaves one).
+fn no_plan() -> CoreError {
+    CoreError::InvalidArgument("the operation has no plan".into())
+}
+
+impl Engine<'_> {
+    /// Runs `job` over `bufs` (its send and receive buffers; `job`'s
+    /// scratch memory is added here, as buffer `plan::SCRATCH`): the one
+    /// call of the host engine.
+    ///
+    /// # Safety
+    ///
+    /// As for [`host::execute`], for `bufs` and the job's program.
+    unsafe fn run(
+        self,
+        sh: &Shared,
+        job: Job<'_>,
+        mode: Mode,
+        bufs: &[RawBuf],
+    ) -> std::result::Result<(), CoreError> {
+        let with_scratch;
+        let bufs = if job.scratch > 0 {
+            let &[send, recv] = bufs else {
+                return Err(CoreError::InvalidArgument(format!(
+                    "a program with scratch memory over {} buffers",
+                    bufs.len()
+                )));
+            };
+            let words = job.scratch.div_ceil(8);
+            if self.plan_scratch.len() < words {
+                self.plan_scratch.resize(words, 0);
+            }
+            with_scratch = [
+                send,
+                recv,
+                RawBuf {
+                    ptr: self.plan_scratch.as_mut_ptr().cast(),
+                    len: job.scratch,
+                },
+            ];
+            &with_scratch[..]
+        } else {
+            bufs
+        };
+        let ex = Exec {
+            bufs,
+            policy: &sh.policy,
+            abort: &sh.abort,
+            direct_min: if job.single_copy {
+                sh.direct_min
+            } else {
+                usize::MAX
+            },
+            free_direct_min: if job.by_ref {
+                sh.direct_min
+            } else {
+                usize::MAX
+            },
+            stream_copies: mode.stream_copies,
+            slot_stores: mode.slot_stores.then_some(self.slot_stores),
+            rank: sh.rank,
+            headers: mode.headers.then_some(self.headers),
+            progress: Some(&sh.progress),
+        };
+        // SAFETY: `bufs` are valid as this function's contract says, and
+        // the scratch buffer points into `plan_scratch`, resized above to
+        // the program's scratch and not touched otherwise during the call.
+        unsafe { host::execute(job.prog, self.chans, &ex, self.header_flags) }
+    }
 }
 
 /// Plan parameters other than the piece size, for the device engines.
@@ -544,99 +689,137 @@ impl Communicator {
         name: &'static str,
     ) -> Result<()> {
         let sh = &*self.shared;
-        let mut st = self.lock()?;
+        let mut guard = self.lock()?;
+        let st = &mut *guard;
         if let Some(why) = &st.broken {
             return Err(Error::Unusable(why.clone()));
         }
         if let Some(why) = sh.aborted_why() {
             return Err(Error::Unusable(why));
         }
-        let seq = st.seq;
+        let op = OpId { name, seq: st.seq };
         st.seq += 1;
-        let _span = info_span!("op", op = name, seq, rank = sh.rank).entered();
-        let planned = self.program(&mut st, &coll, dt, Some(seq))?;
-        if !planned.links.connected(&st.chans) {
-            self.connect_links(&mut st, &planned.links, name, seq)?;
-        }
-        let (prog, single_copy) = (&*planned.prog, planned.single_copy);
-        debug!(ops = prog.ops.len(), "start");
-        let st = &mut *st;
-        let use_headers = if !sh.check_headers {
-            false
-        } else if let Collective::Group(_) = coll {
-            st.headers = Headers::for_group(
-                &coll,
-                dt,
-                sh.rank,
-                prog,
-                &mut st.p2p_send_seq,
-                &mut st.p2p_recv_seq,
-            );
-            true
+        let _span = info_span!("op", op = name, seq = op.seq, rank = sh.rank).entered();
+        // A group's plan is its own; a collective's stays in `st.last`,
+        // where the next identical call finds it, and runs from there.
+        let own = if let Collective::Group(_) = coll {
+            let planned = self.program(st, &coll, dt, Some(op))?;
+            if sh.check_headers {
+                st.headers = Headers::for_group(
+                    &coll,
+                    dt,
+                    sh.rank,
+                    &planned.prog,
+                    &mut st.p2p_send_seq,
+                    &mut st.p2p_recv_seq,
+                );
+            }
+            Some(planned)
         } else {
-            st.headers
-                .fill_collective(&coll, dt, st.coll_seq, sh.nranks);
-            st.coll_seq += 1;
-            true
+            if sh.check_headers {
+                // Before planning: the tuner's programs for this call carry
+                // its headers too.
+                st.headers
+                    .fill_collective(&coll, dt, st.coll_seq, sh.nranks);
+            }
+            self.plan_last(st, coll, dt, op)?;
+            if sh.check_headers {
+                st.coll_seq += 1;
+            }
+            None
         };
         let buf_bytes = bufs.iter().map(|b| b.len).sum::<usize>();
-        let with_scratch;
-        let bufs = if planned.scratch > 0 {
-            let words = planned.scratch.div_ceil(8);
-            if st.plan_scratch.len() < words {
-                st.plan_scratch.resize(words, 0);
-            }
-            with_scratch = [
-                bufs[0],
-                bufs[1],
-                RawBuf {
-                    ptr: st.plan_scratch.as_mut_ptr().cast(),
-                    len: planned.scratch,
-                },
-            ];
-            &with_scratch[..]
-        } else {
-            bufs
-        };
-        let ex = Exec {
-            bufs,
-            policy: &sh.policy,
-            abort: &sh.abort,
-            direct_min: if single_copy {
-                sh.direct_min
-            } else {
-                usize::MAX
-            },
-            free_direct_min: if planned.by_ref {
-                sh.direct_min
-            } else {
-                usize::MAX
-            },
+        let mode = Mode {
             stream_copies: buf_bytes >= sh.stream_min,
-            slot_stores: Some(&st.slot_stores),
-            rank: sh.rank,
-            headers: use_headers.then_some(&st.headers),
-            progress: Some(&sh.progress),
+            slot_stores: true,
+            headers: sh.check_headers,
+            // Operations that may run a while without waiting (long copies
+            // and reductions) take their start time now; small ones once
+            // they wait.
+            record: Some(buf_bytes >= 64 * 1024),
         };
-        // Operations that may run a while without waiting (long copies and
-        // reductions) take their start time now; small ones once they wait.
-        sh.progress
-            .start(name, seq, prog.stage_ends.len(), buf_bytes >= 64 * 1024);
         // SAFETY: the typed entry points built `bufs` from live slices of the
         // right lengths (checked), borrowed for this whole call, aligned for
         // `dt`, aliasing only as the in-place plans allow.
-        let res = unsafe { host::execute(prog, &mut st.chans, &ex, &mut st.header_flags) };
-        if !matches!(coll, Collective::Group(_)) {
-            // Put the plan back where the next identical call finds it
-            // (moved, not cloned: an Arc's count is two atomic operations).
-            st.last = Some((coll, dt, planned));
+        unsafe { self.execute(st, own.as_ref(), bufs, op, None, mode) }
+    }
+
+    /// The one way into the engine: runs `own`, or else the plan
+    /// [`Communicator::plan_last`] left in `State::last` (borrowed there),
+    /// over `bufs` (its send and receive buffers; the plan's scratch memory
+    /// is added here), connecting its links on first use. A failure breaks
+    /// the communicator ([`Communicator::step`]) and is reported as `op`;
+    /// `part` names a program run on `op`'s behalf (the tuner's), which
+    /// also names its link set-up.
+    ///
+    /// # Safety
+    ///
+    /// As for [`host::execute`]: every buffer of `bufs` is valid for reads
+    /// and writes of its length for the whole call, aligned for the plan's
+    /// datatype and touched by nothing else meanwhile, and the plan's
+    /// regions lie inside them.
+    unsafe fn execute(
+        &self,
+        st: &mut State,
+        own: Option<&Planned>,
+        bufs: &[RawBuf],
+        op: OpId,
+        part: Option<&'static str>,
+        mode: Mode,
+    ) -> Result<()> {
+        let (stages, missing) = {
+            let last = st.last.as_ref().map(|l| &l.2);
+            let planned = own.or(last).ok_or_else(no_plan)?;
+            let connected = planned.links.connected(&st.chans);
+            (
+                planned.prog.stage_ends.len(),
+                (!connected).then(|| planned.links.clone()),
+            )
+        };
+        if let Some(links) = missing {
+            let name = part.unwrap_or(op.name);
+            self.connect_links(st, &links, OpId { name, ..op })?;
         }
-        sh.progress
-            .finish(res.as_ref().err().map(|e| e.to_string()).as_deref());
-        match res {
-            Ok(()) => Ok(()),
-            Err(source) => Err(self.fail_op(st, name, seq, source)),
+        let sh = &*self.shared;
+        self.step(st, op, mode.record.map(|long| (stages, long)), |st| {
+            let (last, eng) = st.split();
+            let planned = own.or(last).ok_or_else(no_plan)?;
+            if mode.record.is_some() {
+                debug!(ops = planned.prog.ops.len(), "start");
+            }
+            // SAFETY: forwarded from this function's contract.
+            let res = unsafe { eng.run(sh, planned.job(), mode, bufs) };
+            if let (Err(_), Some(part)) = (&res, part) {
+                debug!(
+                    rank = sh.rank,
+                    "{} #{} failed in the {part}", op.name, op.seq
+                );
+            }
+            res
+        })
+    }
+
+    /// One step of operation `op`, `f`, with its progress record (`record`:
+    /// the stages, and whether to take the start time now; `None` within an
+    /// operation whose record runs already) and the one failure path:
+    /// [`Communicator::fail_op`].
+    fn step<T>(
+        &self,
+        st: &mut State,
+        op: OpId,
+        record: Option<(usize, bool)>,
+        f: impl FnOnce(&mut State) -> std::result::Result<T, CoreError>,
+    ) -> Result<T> {
+        let sh = &*self.shared;
+        if let Some((stages, long)) = record {
+            sh.progress.start(op.name, op.seq, stages, long);
         }
+        let res = f(st);
+        if record.is_some() {
+            sh.progress
+                .finish(res.as_ref().err().map(|e| e.to_string()).as_deref());
+        }
+        res.map_err(|source| self.fail_op(st, op.name, op.seq, source))
     }
 
     /// The one failure path of an operation: the peers hear the original
@@ -666,23 +849,14 @@ impl Communicator {
     /// Connects the links of `links` this rank lacks (their first use), with
     /// the ranks at their other ends; a failure breaks the communicator
     /// like a failed operation, naming the peer.
-    fn connect_links(
-        &self,
-        st: &mut State,
-        links: &connect::LinkSet,
-        name: &'static str,
-        seq: u64,
-    ) -> Result<()> {
-        let sh = &*self.shared;
+    fn connect_links(&self, st: &mut State, links: &connect::LinkSet, op: OpId) -> Result<()> {
         let boot = self.boot()?;
-        sh.progress.start(name, seq, 0, true);
-        let res = st
-            .links
-            .ensure(&mut st.chans, links, &boot, sh.policy.timeout);
-        drop(boot);
-        sh.progress
-            .finish(res.as_ref().err().map(|e| e.to_string()).as_deref());
-        res.map_err(|source| self.fail_op(st, name, seq, source))
+        let timeout = self.shared.policy.timeout;
+        self.step(st, op, Some((0, true)), |st| {
+            let res = st.links.ensure(&mut st.chans, links, &boot, timeout);
+            drop(boot);
+            res
+        })
     }
 
     /// Whether this collective may move its data single-copy: groups
@@ -703,24 +877,35 @@ impl Communicator {
             && largest >= single_copy_threshold(coll, sh.nranks, sh.single_copy_min, sh.direct_min)
     }
 
-    /// The plan of `coll` (cached); `call`: the number of the user's call
-    /// it is for (`None` at creation).
+    /// Leaves the plan of `coll` (not a group) in `st.last`, where
+    /// [`Communicator::execute`] borrows it and the next identical call
+    /// finds it without hashing: kept there, else from the cache, else
+    /// planned now for `call`.
+    fn plan_last(&self, st: &mut State, coll: Collective, dt: DataType, call: OpId) -> Result<()> {
+        if matches!(&st.last, Some((c, d, _)) if *d == dt && *c == coll) {
+            return Ok(());
+        }
+        let planned = self.program(st, &coll, dt, Some(call))?;
+        st.last = Some((coll, dt, planned));
+        Ok(())
+    }
+
+    /// The plan of `coll` (cached, except a group's); `call`: the user's
+    /// call it is for (`None` at creation), which the tuner's programs run
+    /// on behalf of.
     fn program(
         &self,
         st: &mut State,
         coll: &Collective,
         dt: DataType,
-        call: Option<u64>,
+        call: Option<OpId>,
     ) -> Result<Planned> {
         let sh = &*self.shared;
         let cacheable = !matches!(coll, Collective::Group(_));
         if cacheable {
-            // The previous call's plan (moved out; `run` puts it back).
-            if let Some((c, d, _)) = &st.last {
+            if let Some((c, d, p)) = &st.last {
                 if *d == dt && c == coll {
-                    if let Some((_, _, p)) = st.last.take() {
-                        return Ok(p);
-                    }
+                    return Ok(p.clone());
                 }
             }
             if let Some(p) = st.cache.get(&(coll.clone(), dt)) {

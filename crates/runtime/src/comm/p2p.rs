@@ -118,8 +118,11 @@ impl Communicator {
             return Ok(());
         }
         // Part of creation, not an operation: no sequence number of its own.
-        let seq = st.seq;
-        self.connect_links(&mut st, &links, "Mailbox", seq)
+        let op = OpId {
+            name: "Mailbox",
+            seq: st.seq,
+        };
+        self.connect_links(&mut st, &links, op)
     }
 }
 
@@ -664,23 +667,19 @@ impl Communicator {
             (0, 1) => "Recv",
             _ => "Send/Recv",
         };
-        let seq = st.seq;
+        let op = OpId { name, seq: st.seq };
         st.seq += 1;
-        let _span = info_span!("op", op = name, seq, rank = me).entered();
-        sh.progress.start(name, seq, 0, true);
-        let res = self.mail_loop(&mut st, m, &mut outs, &mut ins);
-        sh.progress
-            .finish(res.as_ref().err().map(|e| e.to_string()).as_deref());
-        match res {
-            Ok(()) => Ok(ins
-                .iter()
-                .map(|r| match r.state {
-                    RState::Done(s) => s,
-                    _ => u32::MAX,
-                })
-                .collect()),
-            Err(source) => Err(self.fail_op(&mut st, name, seq, source)),
-        }
+        let _span = info_span!("op", op = name, seq = op.seq, rank = me).entered();
+        self.step(&mut st, op, Some((0, true)), |st| {
+            self.mail_loop(st, m, &mut outs, &mut ins)
+        })?;
+        Ok(ins
+            .iter()
+            .map(|r| match r.state {
+                RState::Done(s) => s,
+                _ => u32::MAX,
+            })
+            .collect())
     }
 
     fn mail_loop(
@@ -954,25 +953,25 @@ impl Communicator {
             direct_moves: false,
         };
         let prog = plan::plan(&Collective::Group(ops), DataType::U8, &params)?;
-        let ex = Exec {
-            bufs,
-            policy: &sh.policy,
-            abort: &sh.abort,
+        let job = Job {
+            prog: &prog,
+            scratch: 0,
             // Never by reference: a round must not wait for a peer to read.
-            direct_min: usize::MAX,
-            free_direct_min: usize::MAX,
+            single_copy: false,
+            by_ref: false,
+        };
+        let mode = Mode {
             stream_copies: false,
-            slot_stores: Some(&st.slot_stores),
-            rank: sh.rank,
-            headers: None,
-            progress: Some(&sh.progress),
+            slot_stores: true,
+            headers: false,
+            record: None,
         };
         // SAFETY: every buffer is a head of ours (alive for the round) or a
         // range of a caller's buffer that the running batch borrows (a send
         // buffer read, a receive buffer or stashed message written, each
         // written range used by this one op); ranges checked against their
         // buffers when the round was built. Datatype u8: no alignment.
-        unsafe { host::execute(&prog, &mut st.chans, &ex, &mut st.header_flags) }
+        unsafe { st.split().1.run(sh, job, mode, bufs) }
     }
 }
 
