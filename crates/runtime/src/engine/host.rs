@@ -16,7 +16,7 @@ use braid_core::transport::{Incoming, SlotBuf};
 use braid_core::types::MemKind;
 use braid_core::{CoreError, DataType, RedOp};
 
-use super::{run_stages, Blocked, Channels, OpRunner, RawBuf, Wait, WaitPolicy, Waiter};
+use super::{run_stages, Blocked, Channels, OpRunner, RawBuf, WaitPolicy, Waiter};
 use crate::fingerprint::{self, Headers, HEADER_BYTES};
 use crate::progress::Progress;
 use crate::slot_stores::SlotStores;
@@ -156,7 +156,7 @@ fn drain_direct(
 ) -> Result<(), CoreError> {
     for &peer in direct {
         while !chans.sender(peer)?.poll_drained()? {
-            waiter.idle(chans, (peer, Wait::Drain), direct)?;
+            waiter.idle(chans, Blocked::drain(peer), direct)?;
         }
         waiter.progressed(chans);
     }
@@ -380,7 +380,7 @@ fn small_input(
             waiter.progressed(chans);
             return Ok(p);
         }
-        waiter.idle(chans, (from, Wait::Data), &[])?;
+        waiter.idle(chans, Blocked::data(from), &[])?;
     }
 }
 
@@ -415,7 +415,7 @@ fn small_output(
             // SAFETY: cap ≥ extra + len.
             return Ok((to, unsafe { slot.ptr.add(extra) }, extra));
         }
-        waiter.idle(chans, (to, Wait::Slot), &[])?;
+        waiter.idle(chans, Blocked::slot(to), &[])?;
     }
 }
 
@@ -578,12 +578,12 @@ impl HostRun<'_> {
         len: usize,
     ) -> Result<ControlFlow<Blocked, Incoming>, CoreError> {
         if self.hdr.pending(from) && !check_header(chans, self.ex, &mut self.hdr, from)? {
-            return Ok(ControlFlow::Break((from, Wait::Data)));
+            return Ok(ControlFlow::Break(Blocked::data(from)));
         }
         let prefixed = self.hdr.flag(from, PREFIX);
         let ch = chans.receiver(from)?;
         let Some(inc) = ch.poll_peek_any()? else {
-            return Ok(ControlFlow::Break((from, Wait::Data)));
+            return Ok(ControlFlow::Break(Blocked::data(from)));
         };
         // Skip the header in front of the first piece.
         let inc = match inc {
@@ -621,7 +621,7 @@ impl HostRun<'_> {
         let ex = self.ex;
         let ch = chans.sender(to)?;
         let Some(mut slot) = ch.poll_acquire()? else {
-            return Ok(ControlFlow::Break((to, Wait::Slot)));
+            return Ok(ControlFlow::Break(Blocked::slot(to)));
         };
         host_slot(ch.mem_kind(), to)?;
         // Not for RecvReduceSend: its output exists only in the slot it
@@ -666,7 +666,7 @@ impl HostRun<'_> {
                 ch.commit(HEADER_BYTES)?;
                 self.hdr.set(to, SENT, true);
                 match ch.poll_acquire()? {
-                    None => return Ok(ControlFlow::Break((to, Wait::Slot))),
+                    None => return Ok(ControlFlow::Break(Blocked::slot(to))),
                     Some(next) => slot = next,
                 }
             }
@@ -705,7 +705,7 @@ impl HostRun<'_> {
             Op::Recv { dst, .. } | Op::RecvCopySend { dst, .. } => region_ptr(self.ex, dst)?,
             _ => {
                 if self.scratch_owner.is_some_and(|o| o != from) {
-                    return Ok(ControlFlow::Break((from, Wait::Data)));
+                    return Ok(ControlFlow::Break(Blocked::data(from)));
                 }
                 let words = len.div_ceil(8);
                 if chans.scratch.len() < words {
@@ -728,7 +728,7 @@ impl HostRun<'_> {
         // contract) or the scratch buffer of at least `len` bytes, which
         // nothing else touches until this read completes (`scratch_owner`).
         if !unsafe { rx.poll_read_remote(dest, len)? } {
-            return Ok(ControlFlow::Break((from, Wait::Data)));
+            return Ok(ControlFlow::Break(Blocked::data(from)));
         }
         Ok(ControlFlow::Continue(dest))
     }
