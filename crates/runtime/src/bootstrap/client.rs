@@ -20,8 +20,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use super::exchange::{Ask, ExchangeError};
 use super::id::{random_bytes, UniqueId};
-use super::peer::{Ask, ExchangeError, Peers, RootWatch};
+use super::peer::{Peers, RootWatch};
 use super::wire::{
     client_mac, contrib_header, ct_eq, decode_addr, encode_addr, hello_header, parse_challenge,
     read_frame_with, root_mac, ChallengeError, FrameBuf, FrameError, HelloFixed, K_ACCEPT, K_ERROR,

@@ -1,8 +1,9 @@
 //! A rank's listener under load, as a pure policy (no sockets, no clock):
 //! when to call `accept`, how long to pause after it failed, which waiting
-//! connection to give up to free a descriptor, and the rate-limited
-//! warnings about connections that are dropped. `peer.rs` holds the
-//! sockets and asks; `sim.rs` checks it in memory.
+//! connection to give up to free a descriptor, what a connection is by its
+//! first frame ([`first_frame`]), and the rate-limited warnings about
+//! connections that are dropped. `peer.rs` holds the sockets and asks;
+//! `rank_sim.rs` checks it in memory.
 //!
 //! Before this policy a failing `accept` (EMFILE: the process at its
 //! descriptor limit, as when strangers hold the root's connections) left
@@ -18,6 +19,7 @@ use std::time::{Duration, Instant};
 use super::fmt_dur;
 use super::rendezvous::{ACCEPT_BACKOFF_MAX, ACCEPT_BACKOFF_MIN, EVICT_MIN_AGE};
 use super::warnings::{LogLine, Warnings};
+use super::wire::{PeerFrame, K_PROBE, K_RING_HELLO, K_XCHG};
 
 /// What to do after a failed `accept`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -128,5 +130,79 @@ impl Door {
     /// The next log line.
     pub(super) fn poll_log(&mut self) -> Option<LogLine> {
         self.logs.poll_log()
+    }
+}
+
+/// What a connection to a rank's listener is, by its first frame.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(super) enum FirstFrame {
+    /// A probe: dropped, nothing to say.
+    Probe,
+    /// The predecessor's proven ring hello: the ring's first round may
+    /// follow at once.
+    RingHello,
+    /// A lower rank's proven exchange request.
+    Request {
+        from: u32,
+        tag: u64,
+        nonce: [u8; 16],
+        payload: Vec<u8>,
+    },
+    /// Anything else: dropped, for this reason.
+    Stranger(String),
+}
+
+/// Files a connection to the listener of `rank` of `nranks` by its first
+/// frame (`kind`, `body`); `ring_open`: the predecessor's ring connection
+/// is still awaited.
+pub(super) fn first_frame(
+    rank: u32,
+    nranks: u32,
+    secret: &[u8; 16],
+    ring_open: bool,
+    kind: u8,
+    body: &[u8],
+) -> FirstFrame {
+    if kind == K_PROBE {
+        return FirstFrame::Probe;
+    }
+    if kind != K_RING_HELLO && kind != K_XCHG {
+        return FirstFrame::Stranger(format!("a first frame of kind {kind}"));
+    }
+    let f = match PeerFrame::parse(body) {
+        Ok(f) => f,
+        Err(e) => return FirstFrame::Stranger(e),
+    };
+    if !f.proves(kind, secret) {
+        return FirstFrame::Stranger("it did not prove the secret (another job's rank?)".into());
+    }
+    if f.to != rank || f.from >= nranks {
+        return FirstFrame::Stranger(format!(
+            "a message from rank {} to rank {} reached rank {rank} (ranks disagree on their \
+             addresses?)",
+            f.from, f.to
+        ));
+    }
+    if kind == K_RING_HELLO {
+        let prev = (rank + nranks - 1) % nranks;
+        if f.from == prev && f.word == u64::from(nranks) && ring_open {
+            return FirstFrame::RingHello;
+        }
+        return FirstFrame::Stranger(format!(
+            "an unexpected ring connection from rank {}",
+            f.from
+        ));
+    }
+    if f.from >= rank {
+        return FirstFrame::Stranger(format!(
+            "an exchange request from rank {}, which is not below this rank",
+            f.from
+        ));
+    }
+    FirstFrame::Request {
+        from: f.from,
+        tag: f.word,
+        nonce: f.nonce,
+        payload: f.payload,
     }
 }

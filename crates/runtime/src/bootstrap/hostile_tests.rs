@@ -20,7 +20,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::peer::{Ask, Peers};
+use super::exchange::Ask;
+use super::peer::Peers;
 use super::{Bootstrap, RootServer};
 
 const CHILD_ENV: &str = "BRAID_TEST_CHILD";

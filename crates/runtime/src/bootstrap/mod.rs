@@ -23,10 +23,12 @@
 //!   read, write, closing gently);
 //! - `root.rs`: [`RootServer`], the root's thread and its handle;
 //! - `client.rs`: [`Bootstrap`], a rank's side; `peer.rs`, its listener,
-//!   ring and point-to-point exchanges over sockets, driving two pure
+//!   ring and point-to-point exchanges over sockets, driving three pure
 //!   machines tested in memory by `rank_sim.rs`: `ring.rs` (the rounds on
-//!   the ring, and which rank a stuck round names) and `door.rs` (the
-//!   listener under load: pausing a failing `accept`, making room);
+//!   the ring, and which rank a stuck round names), `exchange.rs` (a
+//!   point-to-point exchange with a few ranks, and which rank a failed one
+//!   names) and `door.rs` (the listener under load: pausing a failing
+//!   `accept`, making room; what a connection is by its first frame);
 //! - `warnings.rs`: the machines' rate-limited warnings, whose left-out
 //!   counts are said within a second;
 //! - descriptors: the first bootstrap in a process raises its soft limit
@@ -89,6 +91,7 @@ use nix::poll::PollTimeout;
 
 mod client;
 mod door;
+mod exchange;
 #[cfg(feature = "internals")]
 pub mod fuzzing;
 #[cfg(test)]
@@ -109,9 +112,9 @@ mod warnings;
 mod wire;
 
 pub(crate) use client::Bootstrap;
+pub(crate) use exchange::{Ask, ExchangeError};
 pub(crate) use id::parse_secret_hex;
 pub use id::UniqueId;
-pub(crate) use peer::{Ask, ExchangeError};
 pub use root::RootServer;
 pub(crate) use root::{create_unique_id, create_unique_id_with_timeout};
 pub(crate) use wire::ct_eq;

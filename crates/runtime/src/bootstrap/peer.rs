@@ -22,13 +22,12 @@ use std::time::{Duration, Instant};
 
 use nix::poll::{PollFd, PollFlags};
 
-use super::door::{AfterFailure, Door};
+use super::door::{first_frame, AfterFailure, Door, FirstFrame};
+use super::exchange::{gone_msg, Ask, Exchange, ExchangeError};
 use super::id::random_bytes;
 use super::ring::Ring;
 use super::warnings::Level;
-use super::wire::{
-    FrameBuf, PeerFrame, K_ERROR, K_LEFT, K_PROBE, K_RING_HELLO, K_XCHG, K_XREPLY, MAX_PEER_FRAME,
-};
+use super::wire::{FrameBuf, PeerFrame, K_ERROR, K_LEFT, K_PROBE, K_RING_HELLO, MAX_PEER_FRAME};
 use super::{fmt_dur, poll_ms, remaining};
 use crate::error::{Error, Result};
 
@@ -40,9 +39,8 @@ const MAX_ARRIVALS: usize = 256;
 const ARRIVAL_TIMEOUT: Duration = Duration::from_secs(10);
 /// The longest single wait in a loop (the abort flag is looked at between).
 const TICK: Duration = Duration::from_millis(50);
-/// How often a rank waiting for another's exchange request checks that the
-/// other's listener is still there.
-const PROBE_EVERY: Duration = Duration::from_millis(250);
+/// How long a probe waits for a rank's listener to take its connection.
+const PROBE_WAIT: Duration = Duration::from_millis(100);
 /// The listener's backlog (the kernel caps it at `somaxconn`): every rank
 /// of a large job may connect to one rank at once.
 const BACKLOG: i32 = 4096;
@@ -51,51 +49,6 @@ const READ_BUF: usize = 64 << 10;
 /// The pause before connecting again when the process is out of
 /// descriptors.
 const DIAL_PAUSE: Duration = Duration::from_millis(20);
-
-/// Why an exchange failed.
-#[derive(Debug)]
-pub(crate) enum ExchangeError {
-    /// `peer` is gone, closed the connection, broke the protocol or did not
-    /// answer in time (`timed_out`).
-    Peer {
-        peer: u32,
-        what: String,
-        timed_out: Option<Duration>,
-    },
-    /// The caller's abort flag was set.
-    Aborted,
-    /// Something local (a socket, the clock).
-    Local(Error),
-}
-
-impl std::fmt::Display for ExchangeError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            ExchangeError::Peer { what, .. } => f.write_str(what),
-            ExchangeError::Aborted => f.write_str("aborted by the caller"),
-            ExchangeError::Local(e) => write!(f, "{e}"),
-        }
-    }
-}
-
-impl From<ExchangeError> for Error {
-    fn from(e: ExchangeError) -> Error {
-        match e {
-            ExchangeError::Local(e) => e,
-            ExchangeError::Aborted => Error::Unusable("aborted by the caller".into()),
-            e => Error::Bootstrap(e.to_string()),
-        }
-    }
-}
-
-/// One message for [`Peers::exchange`]: `msg` to `peer`, whose answer is
-/// the result; both ranks must call with the same `tag` for each other.
-#[derive(Clone, Debug)]
-pub(crate) struct Ask {
-    pub peer: u32,
-    pub tag: u64,
-    pub msg: Vec<u8>,
-}
 
 /// A connection to our listener whose first frame is arriving.
 struct Arrival {
@@ -457,56 +410,29 @@ impl Peers {
         }
     }
 
-    /// Files one connection by its first frame.
+    /// Files one connection by its first frame (the policy in `door.rs`).
     fn file(&mut self, sock: TcpStream, kind: u8, body: &[u8], rest: Vec<u8>) {
-        match kind {
-            K_PROBE => {}
-            K_RING_HELLO | K_XCHG => {
-                let f = match PeerFrame::parse(body) {
-                    Ok(f) => f,
-                    Err(e) => return self.stranger(&e),
-                };
-                if !f.proves(kind, &self.secret) {
-                    return self.stranger("it did not prove the secret (another job's rank?)");
-                }
-                if f.to != self.rank || f.from >= self.nranks {
-                    return self.stranger(&format!(
-                        "a message from rank {} to rank {} reached rank {} (ranks disagree on \
-                         their addresses?)",
-                        f.from, f.to, self.rank
-                    ));
-                }
-                if kind == K_RING_HELLO {
-                    if f.from == self.prev_rank()
-                        && f.word == u64::from(self.nranks)
-                        && self.prev.is_none()
-                    {
-                        // The ring's first round may follow at once.
-                        self.early_prev = Some((sock, rest));
-                    } else {
-                        self.stranger(&format!(
-                            "an unexpected ring connection from rank {}",
-                            f.from
-                        ));
-                    }
-                    return;
-                }
-                if f.from >= self.rank {
-                    return self.stranger(&format!(
-                        "an exchange request from rank {}, which is not below this rank",
-                        f.from
-                    ));
-                }
+        let ring_open = self.prev.is_none();
+        match first_frame(self.rank, self.nranks, &self.secret, ring_open, kind, body) {
+            FirstFrame::Probe => {}
+            // The ring's first round may follow at once.
+            FirstFrame::RingHello => self.early_prev = Some((sock, rest)),
+            FirstFrame::Request {
+                from,
+                tag,
+                nonce,
+                payload,
+            } => {
                 self.requests.insert(
-                    (f.from, f.word),
+                    (from, tag),
                     Request {
                         sock,
-                        nonce: f.nonce,
-                        payload: f.payload,
+                        nonce,
+                        payload,
                     },
                 );
             }
-            _ => self.stranger(&format!("a first frame of kind {kind}")),
+            FirstFrame::Stranger(why) => self.stranger(&why),
         }
     }
 
@@ -630,10 +556,7 @@ impl Peers {
                 Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => {
                     return Err(ExchangeError::Peer {
                         peer,
-                        what: format!(
-                            "rank {peer} is gone: nothing listens at its bootstrap address {addr} \
-                             any more (its process exited or was killed)"
-                        ),
+                        what: gone_msg(peer, addr),
                         timed_out: None,
                     })
                 }
@@ -802,259 +725,56 @@ impl Peers {
     /// lower rank of each pair connects and sends, the higher answers on the
     /// same connection. Returns the peers' messages in the order of `asks`.
     /// Waits for all of them together, so ranks that need each other in any
-    /// order all get through; a peer that is gone is named at once, one
-    /// that does not answer within `deadline` is named then.
+    /// order all get through; a peer that is gone is named at once (with
+    /// the other peers of the exchange that are gone too), one that does
+    /// not answer within `deadline` is named then. The machine in
+    /// `exchange.rs` decides; this drives it with sockets and the clock.
     pub(super) fn exchange(
         &mut self,
         asks: &[Ask],
         deadline: Instant,
         abort: Option<&AtomicBool>,
     ) -> std::result::Result<Vec<Vec<u8>>, ExchangeError> {
-        let mut done = vec![false; asks.len()];
-        match self.exchange_inner(asks, deadline, abort, &mut done) {
-            Err(ExchangeError::Peer {
-                peer,
-                mut what,
-                timed_out: None,
-            }) => {
-                // A rank that gave up because a third one is gone exits
-                // and so looks gone itself: name every rank of this
-                // exchange that is gone, so the first cause is among them.
-                let gone: Vec<u32> = asks
-                    .iter()
-                    .zip(&done)
-                    .filter(|(a, d)| !**d && a.peer != peer && self.probe(a.peer).is_err())
-                    .map(|(a, _)| a.peer)
-                    .collect();
-                if !gone.is_empty() {
-                    what += &format!(
-                        "; {} of this exchange {} gone too",
-                        super::fmt_ranks(&gone),
-                        if gone.len() == 1 { "is" } else { "are" }
-                    );
-                }
-                Err(ExchangeError::Peer {
-                    peer,
-                    what,
-                    timed_out: None,
-                })
-            }
-            other => other,
-        }
-    }
-
-    fn exchange_inner(
-        &mut self,
-        asks: &[Ask],
-        deadline: Instant,
-        abort: Option<&AtomicBool>,
-        done: &mut [bool],
-    ) -> std::result::Result<Vec<Vec<u8>>, ExchangeError> {
-        enum St {
-            /// We asked on `sock`; the answer arrives into `buf`.
-            Asked {
-                sock: TcpStream,
-                nonce: [u8; 16],
-                out: Vec<u8>,
-                at: usize,
-                buf: FrameBuf,
-            },
-            /// We wait for the peer's request.
-            Waiting,
-            /// We answer on `sock`.
-            Answering {
-                sock: TcpStream,
-                out: Vec<u8>,
-                at: usize,
-                theirs: Vec<u8>,
-            },
-            Done(Vec<u8>),
-        }
-        let start = Instant::now();
-        let mut sts: Vec<St> = Vec::with_capacity(asks.len());
-        for a in asks {
-            if a.peer >= self.nranks || a.peer == self.rank {
-                return Err(ExchangeError::Local(Error::InvalidArgument(format!(
-                    "bootstrap exchange with rank {} (this is rank {} of {})",
-                    a.peer, self.rank, self.nranks
-                ))));
-            }
-            let Some(&addr) = self.addrs.get(a.peer as usize) else {
-                return Err(ExchangeError::Local(Error::Bootstrap(
-                    "exchange before the ranks' addresses are known".into(),
-                )));
-            };
-            if a.peer > self.rank {
-                let sock = self.dial(a.peer, addr, deadline, abort)?;
-                let nonce = Self::nonce().map_err(ExchangeError::Local)?;
-                let out = PeerFrame::sealed(
-                    K_XCHG,
-                    &self.secret,
-                    self.rank,
-                    a.peer,
-                    a.tag,
-                    nonce,
-                    &a.msg,
-                );
-                sts.push(St::Asked {
-                    sock,
-                    nonce,
-                    out,
-                    at: 0,
-                    buf: FrameBuf::default(),
-                });
-            } else {
-                sts.push(St::Waiting);
+        let mut x = Exchange::new(
+            self.rank,
+            self.nranks,
+            self.secret,
+            &self.addrs,
+            asks,
+            Instant::now(),
+            deadline,
+        )?;
+        let mut socks: Vec<Option<TcpStream>> = asks.iter().map(|_| None).collect();
+        while let Some((i, peer, addr)) = x.poll_dial() {
+            match self.dial(peer, addr, deadline, abort) {
+                Ok(sock) => match Self::nonce() {
+                    Ok(nonce) => {
+                        socks[i] = Some(sock);
+                        x.handle_connected(i, nonce);
+                    }
+                    Err(e) => x.handle_dial_failed(ExchangeError::Local(e)),
+                },
+                Err(e) => x.handle_dial_failed(e),
             }
         }
-        let mut next_probe = Instant::now() + PROBE_EVERY;
         loop {
             self.pump();
-            let mut all = true;
-            for (i, (a, st)) in asks.iter().zip(sts.iter_mut()).enumerate() {
-                let peer = a.peer;
-                let gone = |e: io::Error| ExchangeError::Peer {
-                    peer,
-                    what: format!(
-                        "rank {peer} closed its bootstrap connection before answering ({e}); \
-                         did it exit?"
-                    ),
-                    timed_out: None,
-                };
-                match st {
-                    St::Done(_) => continue,
-                    St::Waiting => {
-                        if let Some(r) = self.requests.remove(&(peer, a.tag)) {
-                            let out = PeerFrame::sealed(
-                                K_XREPLY,
-                                &self.secret,
-                                self.rank,
-                                peer,
-                                a.tag,
-                                r.nonce,
-                                &a.msg,
-                            );
-                            *st = St::Answering {
-                                sock: r.sock,
-                                out,
-                                at: 0,
-                                theirs: r.payload,
-                            };
-                        }
-                    }
-                    _ => {}
-                }
-                match st {
-                    St::Answering {
-                        sock,
-                        out,
-                        at,
-                        theirs,
-                    } => {
-                        let sent = flush(sock, out, at).map_err(gone)?;
-                        if sent {
-                            let _ = sock.shutdown(Shutdown::Write);
-                            *st = St::Done(std::mem::take(theirs));
-                        }
-                    }
-                    St::Asked {
-                        sock,
-                        nonce,
-                        out,
-                        at,
-                        buf,
-                    } => {
-                        flush(sock, out, at).map_err(gone)?;
-                        let open = fill(sock, buf).map_err(gone)?;
-                        match buf.next_frame() {
-                            Ok(Some((K_XREPLY, body))) => {
-                                let f = PeerFrame::parse(&body).ok().filter(|f| {
-                                    f.proves(K_XREPLY, &self.secret)
-                                        && f.from == peer
-                                        && f.to == self.rank
-                                        && f.word == a.tag
-                                        && f.nonce == *nonce
-                                });
-                                let Some(f) = f else {
-                                    return Err(ExchangeError::Peer {
-                                        peer,
-                                        what: format!(
-                                            "rank {peer} answered with an invalid message (protocol error)"
-                                        ),
-                                        timed_out: None,
-                                    });
-                                };
-                                *st = St::Done(f.payload);
-                            }
-                            Ok(Some((kind, _))) => {
-                                return Err(ExchangeError::Peer {
-                                    peer,
-                                    what: format!(
-                                        "rank {peer} answered with a message of kind {kind} (protocol error)"
-                                    ),
-                                    timed_out: None,
-                                })
-                            }
-                            Ok(None) if !open => {
-                                return Err(gone(io::ErrorKind::UnexpectedEof.into()))
-                            }
-                            Ok(None) => {}
-                            Err(e) => {
-                                return Err(ExchangeError::Peer {
-                                    peer,
-                                    what: format!("rank {peer} answered with garbage ({e})"),
-                                    timed_out: None,
-                                })
-                            }
-                        }
-                    }
-                    _ => {}
-                }
-                done[i] = matches!(st, St::Done(_));
-                all &= done[i];
-            }
-            if all {
-                return Ok(sts
-                    .into_iter()
-                    .map(|s| match s {
-                        St::Done(v) => v,
-                        _ => Vec::new(),
-                    })
-                    .collect());
-            }
+            self.exchange_io(&mut x, &mut socks);
             if abort.is_some_and(|a| a.load(Ordering::Relaxed)) {
-                return Err(ExchangeError::Aborted);
+                x.handle_abort();
             }
-            let Some(left) = remaining(deadline) else {
-                let (peer, asked) = asks
-                    .iter()
-                    .zip(&sts)
-                    .find(|(_, s)| !matches!(s, St::Done(_)))
-                    .map(|(a, s)| (a.peer, matches!(s, St::Asked { .. })))
-                    .unwrap_or((0, false));
-                let waited = start.elapsed();
-                return Err(ExchangeError::Peer {
-                    peer,
-                    what: format!(
-                        "rank {peer} did not {} within {} (is it stuck, or in another operation?)",
-                        if asked {
-                            "answer this rank's connection request"
-                        } else {
-                            "send its connection request"
-                        },
-                        fmt_dur(waited)
-                    ),
-                    timed_out: Some(waited),
-                });
-            };
-            // Ranks we wait for: still there?
-            if Instant::now() >= next_probe {
-                next_probe = Instant::now() + PROBE_EVERY;
-                for (a, st) in asks.iter().zip(&sts) {
-                    if matches!(st, St::Waiting) {
-                        self.probe(a.peer)?;
-                    }
-                }
+            x.handle_timeout(Instant::now());
+            // Ranks we wait for (or, after a failure, the others): still
+            // there?
+            while let Some((peer, addr)) = x.poll_probe() {
+                let refused = matches!(
+                    knock(&addr, PROBE_WAIT),
+                    Err(e) if e.kind() == io::ErrorKind::ConnectionRefused
+                );
+                x.handle_probe(peer, refused);
+            }
+            if let Some(o) = x.poll_outcome() {
+                return o;
             }
             let now = Instant::now();
             let mut fds = Vec::new();
@@ -1064,46 +784,70 @@ impl Peers {
             for a in &self.arrivals {
                 fds.push(PollFd::new(a.sock.as_fd(), PollFlags::POLLIN));
             }
-            for st in &sts {
-                match st {
-                    St::Asked { sock, out, at, .. } => {
-                        let mut f = PollFlags::POLLIN;
-                        if *at < out.len() {
-                            f |= PollFlags::POLLOUT;
-                        }
-                        fds.push(PollFd::new(sock.as_fd(), f));
-                    }
-                    St::Answering { sock, .. } => {
-                        fds.push(PollFd::new(sock.as_fd(), PollFlags::POLLOUT))
-                    }
-                    _ => {}
+            for (i, sock) in socks.iter().enumerate() {
+                let Some(sock) = sock else { continue };
+                let mut f = PollFlags::empty();
+                if x.wants_read(i) {
+                    f |= PollFlags::POLLIN;
+                }
+                if !x.transmit(i).is_empty() {
+                    f |= PollFlags::POLLOUT;
+                }
+                if !f.is_empty() {
+                    fds.push(PollFd::new(sock.as_fd(), f));
                 }
             }
-            let wait = left
-                .min(TICK)
-                .min(next_probe.saturating_duration_since(now));
+            let wait = x
+                .poll_timeout()
+                .map_or(TICK, |t| t.saturating_duration_since(now))
+                .min(TICK);
             poll(&mut fds, self.door_wait(now, wait)).map_err(ExchangeError::Local)?;
         }
     }
 
-    /// Whether rank `peer`'s listener is still open: a refused connection
-    /// means its process is gone.
-    fn probe(&self, peer: u32) -> std::result::Result<(), ExchangeError> {
-        let Some(&addr) = self.addrs.get(peer as usize) else {
-            return Ok(());
-        };
-        match knock(&addr, Duration::from_millis(100)) {
-            Ok(()) => Ok(()),
-            Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => Err(ExchangeError::Peer {
-                peer,
-                what: format!(
-                    "rank {peer} is gone: nothing listens at its bootstrap address {addr} any more \
-                     (its process exited or was killed)"
-                ),
-                timed_out: None,
-            }),
-            // Slow or unreachable for now: the deadline decides.
-            Err(_) => Ok(()),
+    /// One pass of an exchange over its connections, in the order of its
+    /// asks: hands the machine the requests it waits for, writes what it
+    /// has to send, reads the answers, drops the connections it is done
+    /// with.
+    fn exchange_io(&mut self, x: &mut Exchange<'_>, socks: &mut [Option<TcpStream>]) {
+        for i in 0..socks.len() {
+            if let Some(key) = x.wants_request(i) {
+                if let Some(r) = self.requests.remove(&key) {
+                    socks[i] = Some(r.sock);
+                    x.handle_request(i, r.nonce, r.payload);
+                }
+            }
+            let Some(sock) = socks[i].as_mut() else {
+                continue;
+            };
+            let out = x.transmit(i);
+            if !out.is_empty() {
+                let mut at = 0;
+                let r = flush(sock, out, &mut at);
+                x.handle_sent(i, at);
+                if let Err(e) = r {
+                    x.handle_closed(i, Some(e.to_string()));
+                }
+            }
+            if x.wants_read(i) {
+                let mut got = FrameBuf::default();
+                match fill(sock, &mut got) {
+                    Err(e) => x.handle_closed(i, Some(e.to_string())),
+                    Ok(open) => {
+                        x.handle_data(i, &got.buf);
+                        if !open {
+                            x.handle_closed(i, None);
+                        }
+                    }
+                }
+            }
+            while let Some(c) = x.poll_close() {
+                if let Some(s) = socks[c.slot].take() {
+                    if c.shutdown {
+                        let _ = s.shutdown(Shutdown::Write);
+                    }
+                }
+            }
         }
     }
 

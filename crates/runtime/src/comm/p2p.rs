@@ -41,7 +41,7 @@ use std::marker::PhantomData;
 use braid_core::plan::{P2p, P2pKind};
 
 use super::*;
-use crate::engine::{Blocked, Wait, Waiter};
+use crate::engine::{Blocked, Waiter};
 
 /// Bytes of a burst's head (at most the communicator's piece size).
 const HEAD_BYTES: usize = 1024;
@@ -759,7 +759,7 @@ impl Communicator {
                 } else if left <= head - HEAD_FIXED && ch.poll_acquire()?.is_some() {
                     0
                 } else {
-                    blocked.push((q as u32, Wait::Slot));
+                    blocked.push(Blocked::slot(q as u32));
                     continue;
                 };
                 // Fill the head (and pick the body) from the stream.
@@ -841,7 +841,7 @@ impl Communicator {
                     if ch.poll_peek_any()?.is_some() {
                         head_peers.push(s as u32);
                     } else {
-                        blocked.push((s as u32, Wait::Data));
+                        blocked.push(Blocked::data(s as u32));
                     }
                 } else if any_src && !gone[s] {
                     let Some(ch) = st.chans.recv[s].as_mut() else {
@@ -849,7 +849,7 @@ impl Communicator {
                     };
                     match ch.poll_peek_any() {
                         Ok(Some(_)) => head_peers.push(s as u32),
-                        Ok(None) => any_blocked.push((s as u32, Wait::Data)),
+                        Ok(None) => any_blocked.push(Blocked::data(s as u32)),
                         Err(e) => {
                             gone[s] = true;
                             note_gone(&mut gone_err, e);
@@ -873,8 +873,8 @@ impl Communicator {
                 // Ranks waited for only by a receive from any rank.
                 let any_only: Vec<u32> = any_blocked
                     .iter()
-                    .map(|b| b.0)
-                    .filter(|&q| !blocked.iter().any(|b| b.0 == q))
+                    .map(|b| b.peer)
+                    .filter(|&q| !blocked.iter().any(|b| b.peer == q))
                     .collect();
                 blocked.extend(any_blocked);
                 if blocked.is_empty() {

@@ -19,7 +19,7 @@ use braid_core::transport::{Incoming, SlotBuf};
 use braid_core::types::MemKind;
 use braid_core::{CoreError, DataType, RedOp};
 
-use super::{run_stages, Blocked, Channels, OpRunner, RawBuf, Wait, WaitPolicy, Waiter};
+use super::{run_stages, Blocked, Channels, OpRunner, RawBuf, WaitPolicy, Waiter};
 use crate::fingerprint::{self, Headers, HEADER_BYTES};
 use crate::progress::Progress;
 use crate::slot_stores::SlotStores;
@@ -164,7 +164,7 @@ fn drain_direct(
 ) -> Result<(), CoreError> {
     for &peer in direct {
         while !chans.sender(peer)?.poll_drained()? {
-            waiter.idle(chans, (peer, Wait::Drain), direct)?;
+            waiter.idle(chans, Blocked::drain(peer), direct)?;
         }
         waiter.progressed(chans);
     }
@@ -440,7 +440,7 @@ impl HostRun<'_> {
             let pending = self.hdr.pending(from);
             let ch = chans.receiver(from)?;
             let Some(inc) = ch.poll_peek_any()? else {
-                return Ok(ControlFlow::Break((from, Wait::Data)));
+                return Ok(ControlFlow::Break(Blocked::data(from)));
             };
             let kind = ch.mem_kind();
             host_slot(kind, from)?;
@@ -499,7 +499,7 @@ impl HostRun<'_> {
         let ex = self.ex;
         let ch = chans.sender(to)?;
         let Some(mut slot) = ch.poll_acquire()? else {
-            return Ok(ControlFlow::Break((to, Wait::Slot)));
+            return Ok(ControlFlow::Break(Blocked::slot(to)));
         };
         host_slot(ch.mem_kind(), to)?;
         // Not for RecvReduceSend: its output exists only in the slot it
@@ -544,7 +544,7 @@ impl HostRun<'_> {
                 ch.commit(HEADER_BYTES)?;
                 self.hdr.set(to, SENT, true);
                 match ch.poll_acquire()? {
-                    None => return Ok(ControlFlow::Break((to, Wait::Slot))),
+                    None => return Ok(ControlFlow::Break(Blocked::slot(to))),
                     Some(next) => slot = next,
                 }
             }
@@ -578,7 +578,7 @@ impl HostRun<'_> {
         let extra = header.map_or(0, |_| HEADER_BYTES);
         let ch = chans.sender(to)?;
         let Some(slot) = ch.poll_acquire_small(len + extra)? else {
-            return Ok(ControlFlow::Break((to, Wait::Slot)));
+            return Ok(ControlFlow::Break(Blocked::slot(to)));
         };
         host_slot(ch.mem_kind(), to)?;
         if slot.cap < len + extra {
@@ -619,7 +619,7 @@ impl HostRun<'_> {
             Op::Recv { dst, .. } | Op::RecvCopySend { dst, .. } => region_ptr(self.ex, dst)?,
             _ => {
                 if self.scratch_owner.is_some_and(|o| o != from) {
-                    return Ok(ControlFlow::Break((from, Wait::Data)));
+                    return Ok(ControlFlow::Break(Blocked::data(from)));
                 }
                 let words = len.div_ceil(8);
                 if chans.scratch.len() < words {
@@ -642,7 +642,7 @@ impl HostRun<'_> {
         // contract) or the scratch buffer of at least `len` bytes, which
         // nothing else touches until this read completes (`scratch_owner`).
         if !unsafe { rx.poll_read_remote(dest, len)? } {
-            return Ok(ControlFlow::Break((from, Wait::Data)));
+            return Ok(ControlFlow::Break(Blocked::data(from)));
         }
         Ok(ControlFlow::Continue(dest))
     }

@@ -260,7 +260,7 @@ impl<'a> Waiter<'a> {
     /// Takes this waiter off every doorbell it is armed on. Also needed
     /// before an error ends the operation with the waiter armed.
     pub(crate) fn disarm(&mut self, chans: &mut Channels) {
-        for ((peer, what), _) in self.armed.drain(..) {
+        for (Blocked { peer, wait: what }, _) in self.armed.drain(..) {
             if what == Wait::Data {
                 if let Ok(c) = chans.receiver(peer) {
                     c.disarm_wake();
@@ -307,7 +307,7 @@ impl<'a> Waiter<'a> {
         let Some(&first) = blocked.first() else {
             return Ok(());
         };
-        if !helping.is_empty() && first.1 != Wait::Data {
+        if !helping.is_empty() && first.wait != Wait::Data {
             for &peer in helping {
                 if let Some(d) = chans.sender(peer)?.direct() {
                     if d.poll_help()? {
@@ -354,7 +354,7 @@ impl<'a> Waiter<'a> {
             .is_none_or(|t| now.duration_since(t) >= Duration::from_millis(2))
         {
             self.last_check = Some(now);
-            for &(peer, what) in blocked {
+            for &Blocked { peer, wait: what } in blocked {
                 let r = if what != Wait::Data {
                     chans.sender(peer)?.check_peer()
                 } else {
@@ -373,7 +373,7 @@ impl<'a> Waiter<'a> {
                 }
             }
         }
-        let (peer, what) = first;
+        let Blocked { peer, wait: what } = first;
         let waited = now.duration_since(since);
         let mut transport = || -> Result<&'static str, CoreError> {
             Ok(if what != Wait::Data {
@@ -453,7 +453,7 @@ impl<'a> Waiter<'a> {
     /// a doorbell (otherwise none stays armed).
     fn arm(&mut self, chans: &mut Channels, blocked: &[Blocked]) -> Result<bool, CoreError> {
         for &b in blocked {
-            let (peer, what) = b;
+            let Blocked { peer, wait: what } = b;
             let w = if what == Wait::Data {
                 chans.receiver(peer)?.arm_wake()
             } else {
@@ -494,7 +494,39 @@ impl Wait {
 }
 
 /// A blocked op: the peer it waits for and what it waits for.
-pub(crate) type Blocked = (u32, Wait);
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Blocked {
+    /// The peer whose link holds the op up.
+    pub peer: u32,
+    /// What the op waits for on that link.
+    pub wait: Wait,
+}
+
+impl Blocked {
+    /// Waiting for data from `peer`.
+    pub(crate) const fn data(peer: u32) -> Blocked {
+        Blocked {
+            peer,
+            wait: Wait::Data,
+        }
+    }
+
+    /// Waiting for a free slot on the link to `peer`.
+    pub(crate) const fn slot(peer: u32) -> Blocked {
+        Blocked {
+            peer,
+            wait: Wait::Slot,
+        }
+    }
+
+    /// Waiting for `peer` to finish its single-copy read of our buffer.
+    pub(crate) const fn drain(peer: u32) -> Blocked {
+        Blocked {
+            peer,
+            wait: Wait::Drain,
+        }
+    }
+}
 
 /// What a stage runner drives: one engine's way of trying an op.
 pub(crate) trait OpRunner {
@@ -719,7 +751,7 @@ mod tests {
             let t = &mut self.tries[from as usize];
             *t += 1;
             if *t <= self.ready[from as usize] {
-                return Ok(Some((from, Wait::Data)));
+                return Ok(Some(Blocked::data(from)));
             }
             self.ran.push(from);
             Ok(None)
@@ -805,7 +837,7 @@ mod tests {
             if self.0.load(Ordering::SeqCst) {
                 Ok(None)
             } else {
-                Ok(Some((from, Wait::Data)))
+                Ok(Some(Blocked::data(from)))
             }
         }
     }

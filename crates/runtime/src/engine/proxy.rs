@@ -27,7 +27,7 @@ use braid_core::{CoreError, DataType, RedOp};
 use braid_cuda::{CudaStream, Device, DeviceBuffer, Event, HostFlag, Kernels};
 
 use super::stream::DevBuf;
-use super::{run_stages, Blocked, Channels, OpRunner, Wait, WaitPolicy, Waiter};
+use super::{run_stages, Blocked, Channels, OpRunner, WaitPolicy, Waiter};
 use crate::progress::Progress;
 
 /// One device collective for the proxy thread.
@@ -206,7 +206,7 @@ fn peek_input(
     };
     let ch = chans.receiver(from)?;
     let Some((slot, got)) = ch.poll_peek()? else {
-        return Ok(ControlFlow::Break((from, Wait::Data)));
+        return Ok(ControlFlow::Break(Blocked::data(from)));
     };
     if got != len {
         return Err(CoreError::Protocol {
@@ -235,7 +235,7 @@ fn acquire_output(
     };
     let ch = chans.sender(to)?;
     let Some(slot) = ch.poll_acquire()? else {
-        return Ok(ControlFlow::Break((to, Wait::Slot)));
+        return Ok(ControlFlow::Break(Blocked::slot(to)));
     };
     if slot.cap < len {
         return Err(CoreError::InvalidArgument(format!(
