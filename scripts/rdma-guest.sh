@@ -169,10 +169,17 @@ PY
 bench() {
     local perf=$1 size=$2 peer=${RDMA_VM_PEER:-}
     export BRAID_HOST_ID=rdma-node$node
-    # perftest's client gives up at once if the server is not listening yet.
+    # perftest's client gives up at once if the server is not listening yet;
+    # its out-of-band exchange also fails now and then under emulation
+    # ("Couldn't read remote address"): the server tries three times, the
+    # client retries until one of them serves it.
     wbw() {
         if [ "$node" = 0 ]; then
-            ib_write_bw -d rxe0 -x 1 -s 1048576 -D 6 "$@"
+            for _ in 1 2 3; do
+                ib_write_bw -d rxe0 -x 1 -s 1048576 -D 6 "$@" && return 0
+                sleep 1
+            done
+            return 1
         else
             for _ in $(seq 30); do
                 ib_write_bw -d rxe0 -x 1 -s 1048576 -D 6 "$@" "$peer" && return 0
