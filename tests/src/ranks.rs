@@ -60,12 +60,21 @@ pub fn wait_all(children: Vec<Child>, limit: Duration) -> Vec<(Option<i32>, Stri
         .collect()
 }
 
+/// Every rank exited 0 and said so; on failure the message holds every
+/// rank's output (the first cause is often another rank's).
 pub fn assert_all_ok(what: &str, res: &[(Option<i32>, String)]) {
+    let all = || {
+        res.iter()
+            .enumerate()
+            .map(|(r, (code, out))| format!("--- rank {r} (exit {code:?}):\n{out}"))
+            .collect::<Vec<_>>()
+            .join("\n")
+    };
     for (r, (code, out)) in res.iter().enumerate() {
-        assert_eq!(*code, Some(0), "{what}: rank {r} failed:\n{out}");
         assert!(
-            out.contains(&format!("rank {r}: ok")),
-            "{what}: rank {r}:\n{out}"
+            *code == Some(0) && out.contains(&format!("rank {r}: ok")),
+            "{what}: rank {r} failed (exit {code:?}); every rank's output:\n{}",
+            all()
         );
     }
 }
