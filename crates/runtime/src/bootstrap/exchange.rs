@@ -226,22 +226,19 @@ impl<'a> Exchange<'a> {
         Some((i, self.asks[i].peer, self.addrs[i]))
     }
 
+    /// Ask `slot`'s message as a frame of `kind`, bound to `nonce`.
+    fn seal(&self, slot: usize, kind: u8, nonce: [u8; 16]) -> Vec<u8> {
+        let a = &self.asks[slot];
+        PeerFrame::sealed(kind, &self.secret, self.rank, a.peer, a.tag, nonce, &a.msg)
+    }
+
     /// Ask `slot`'s connection is made; `nonce` (random) binds the answer
     /// to it.
     pub(super) fn handle_connected(&mut self, slot: usize, nonce: [u8; 16]) {
         if self.ended() || !matches!(self.states[slot], State::Dial) {
             return;
         }
-        let a = &self.asks[slot];
-        let out = PeerFrame::sealed(
-            K_XCHG,
-            &self.secret,
-            self.rank,
-            a.peer,
-            a.tag,
-            nonce,
-            &a.msg,
-        );
+        let out = self.seal(slot, K_XCHG, nonce);
         self.states[slot] = State::Asked {
             nonce,
             out,
@@ -269,16 +266,7 @@ impl<'a> Exchange<'a> {
         if self.ended() || !matches!(self.states[slot], State::Waiting) {
             return;
         }
-        let a = &self.asks[slot];
-        let out = PeerFrame::sealed(
-            K_XREPLY,
-            &self.secret,
-            self.rank,
-            a.peer,
-            a.tag,
-            nonce,
-            &a.msg,
-        );
+        let out = self.seal(slot, K_XREPLY, nonce);
         self.states[slot] = State::Answering {
             out,
             at: 0,
