@@ -103,6 +103,20 @@ impl ShmRecv {
         }
     }
 
+    /// Whether the next message is published and lies in the segment (not
+    /// peeked yet, not a direct message, which lives in the sender's
+    /// memory and needs the sender alive), so it can be read whatever
+    /// became of its sender.
+    fn message_waits(&self) -> bool {
+        if self.peeked || self.aborted.is_some() {
+            return false;
+        }
+        let bx = self.tail_box;
+        // Acquire: as in `poll_peek_any`.
+        self.seg.box_seq(bx).load(Ordering::Acquire) == self.tail + 1
+            && self.seg.len_word(bx).load(Ordering::Relaxed) & DIRECT_FLAG == 0
+    }
+
     /// Loads `head` (Acquire: pairs with the sender's Release in `commit`,
     /// making every committed payload and length visible) and validates it.
     fn load_head(&mut self) -> Result<u64> {
@@ -484,19 +498,20 @@ impl RecvChannel for ShmRecv {
         // A message that is published and in the segment can still be
         // read whatever became of its sender (which may have finished the
         // operation and exited): only its absence makes a dead or aborted
-        // sender an error. A direct message lives in the sender's memory:
-        // it needs the sender alive.
-        if !self.peeked && self.aborted.is_none() {
-            let bx = self.tail_box;
-            // Acquire: as in `poll_peek_any`.
-            if self.seg.box_seq(bx).load(Ordering::Acquire) == self.tail + 1
-                && self.seg.len_word(bx).load(Ordering::Relaxed) & DIRECT_FLAG == 0
-            {
-                return Ok(());
-            }
+        // sender an error.
+        if self.message_waits() {
+            return Ok(());
         }
         let sender = &self.seg.header().sender.0;
-        check_abort_and_process(sender, self.peer, self.peer_pid)?;
+        if let Err(e) = check_abort_and_process(sender, self.peer, self.peer_pid) {
+            // It may have published its last message and exited between
+            // the look above and this check (its stores came before its
+            // exit): look again before calling it an error.
+            if self.message_waits() {
+                return Ok(());
+            }
+            return Err(e);
+        }
         // Acquire: pairs with the Release in ShmSend::drop, so the `head`
         // loaded next is the sender's final one.
         let closed = sender.closed.load(Ordering::Acquire) != 0;
