@@ -851,10 +851,7 @@ impl SendChannel for IbSend {
                 return None;
             }
             if self.sh.released.load(Ordering::Acquire) == self.committed {
-                return Some(Resume {
-                    count: self.committed,
-                    drop_max: 0,
-                });
+                return Some(Resume::at(self.committed));
             }
             if Instant::now() >= until {
                 return None;
@@ -1083,10 +1080,7 @@ impl RecvChannel for IbRecv {
                 std::thread::sleep(Duration::from_micros(200));
             }
         }
-        Some(Resume {
-            count: self.head,
-            drop_max: 0,
-        })
+        Some(Resume::at(self.head))
     }
 
     fn resume(&mut self, peer: u32, at: u64) -> Result<()> {

@@ -343,11 +343,18 @@ pub enum CtrlKind {
     Abort = 2,
     /// Either way: the peer dropped its end normally.
     Close = 3,
+    /// Either way, on a resume after an abort: the frames before it are
+    /// the old link's; the value is the sender's count the link goes on
+    /// from, and the sender's payload the bytes it wrote on each data
+    /// socket (u64 little-endian, in socket order), where the new link's
+    /// streams begin.
+    Resync = 4,
 }
 
 /// Control frame header: kind, payload length, value.
 pub const CTRL_LEN: usize = 16;
-/// Longest abort reason sent.
+/// Longest control payload (an abort reason is cut to it; a resync's
+/// stream positions take at most 512 bytes).
 pub const MAX_REASON: usize = 1024;
 
 /// Serialises a control frame.
@@ -368,6 +375,7 @@ pub fn ctrl_decode(b: &[u8; CTRL_LEN]) -> Result<(CtrlKind, usize, u64), ParseEr
         1 => CtrlKind::Credit,
         2 => CtrlKind::Abort,
         3 => CtrlKind::Close,
+        4 => CtrlKind::Resync,
         k => return Err(format!("unknown control frame kind {k}")),
     };
     let len = u32::from_le_bytes([b[4], b[5], b[6], b[7]]) as usize;

@@ -62,8 +62,10 @@
 //!   is recorded by whoever saw it; `check_peer` and every poll then return
 //!   [`CoreError::Peer`] "connection lost: `<cause>`" (with the I/O error as
 //!   source). `abort(reason)` sends an abort frame with the reason over the
-//!   control socket (best effort, at most ~50 ms) and shuts every socket
-//!   down; the peer reports [`CoreError::PeerAborted`] with that reason (a
+//!   control socket (best effort, at most ~50 ms), stops writing (queued
+//!   pieces are dropped) and reading the data sockets, and keeps the
+//!   sockets for a resume; the peer reports [`CoreError::PeerAborted`] with
+//!   that reason (a
 //!   data socket's failure counts only once the control socket has had
 //!   200 ms to explain it, so the peer's reason wins over "connection
 //!   lost"; the progress thread never waits for that, it notes the time).
@@ -76,8 +78,20 @@
 //!   `MSG_NOSIGNAL`: a dead peer never raises SIGPIPE.
 //! - **Kept links** (a shrink): an idle link (nothing failed or aborted,
 //!   every message released; the sender waits up to 200 ms for the last
-//!   credits) goes on under its new peer rank. An abort shuts the sockets:
-//!   that link is made afresh.
+//!   credits) goes on under its new peer rank from where it stands. A link
+//!   that either end aborted (nothing else failed: no lost socket, no
+//!   close) goes on through a **resync**, whatever it was in the middle of:
+//!   each end counts the bytes each data socket took or gave since the
+//!   link started; the sender's `resume` drops what it still had queued
+//!   and writes a resync control frame carrying where it cut each data
+//!   stream, the receiver's `resume` writes one of its own (the sender
+//!   skips its old credits and abort up to it), waits for the sender's (at
+//!   most 10 s), reads and drops the old link's bytes up to each cut and
+//!   starts the new link's frames with every slot free (what it had not
+//!   released is dropped). Frames never straddle the cut: a stream may stop
+//!   in the middle of a piece, and the new link starts at the byte after.
+//!   Both ends offer [`Resume`](braid_core::transport::Resume)`::resync`
+//!   then, so the two ends of a kept link always go on the same way.
 //! - **Direct (zero-copy) transfers.** `can_send_direct` is true (unless
 //!   `BRAID_SOCKET_DIRECT` is off) and `direct_costs_receiver` false: the
 //!   receiver reads the same bytes from its sockets either way, so the

@@ -464,3 +464,202 @@ fn receiver_abort_during_a_direct_transfer() {
     );
     drop(v);
 }
+
+/// Sends messages `seq` in `from..to` (slot messages, with every fourth a
+/// direct one of several slots), as far as credits allow; returns the next.
+fn send_mixed(
+    tx: &mut dyn braid_core::transport::SendChannel,
+    from: u64,
+    to: u64,
+    keep: &mut Vec<Vec<u8>>,
+) -> u64 {
+    let mut seq = from;
+    while seq < to {
+        let Some(buf) = tx.poll_acquire().unwrap() else {
+            break;
+        };
+        if seq % 4 == 3 {
+            let v: Vec<u8> = (0..3 * buf.cap + 5).map(|i| byte(seq, i)).collect();
+            // SAFETY: `v` is kept in `keep` until the link drained.
+            unsafe { tx.direct().unwrap().commit_direct(v.as_ptr(), v.len()) }.unwrap();
+            keep.push(v);
+        } else {
+            let len = [5, buf.cap / 2 + 1, buf.cap][seq as usize % 3];
+            // SAFETY: a host slot of `cap >= len` bytes owned by us until commit.
+            let s = unsafe { std::slice::from_raw_parts_mut(buf.ptr, len) };
+            for (i, b) in s.iter_mut().enumerate() {
+                *b = byte(seq, i);
+            }
+            tx.commit(len).unwrap();
+        }
+        seq += 1;
+    }
+    seq
+}
+
+/// After a resume: messages `base..base + 20` arrive intact and in order,
+/// and nothing of the old link arrives.
+fn resumed_carries(
+    tx: &mut dyn braid_core::transport::SendChannel,
+    rx: &mut dyn RecvChannel,
+    base: u64,
+) {
+    let mut keep = Vec::new();
+    let (mut next, mut got) = (base, base);
+    let end = Instant::now() + Duration::from_secs(20);
+    while got < base + 20 {
+        assert!(Instant::now() < end, "the resumed link is stuck at {got}");
+        next = send_mixed(tx, next, base + 20, &mut keep);
+        match rx.poll_peek_any().unwrap() {
+            None => std::thread::yield_now(),
+            Some(Incoming::Inline(slot, len)) => {
+                // SAFETY: the peeked slot holds `len` bytes until release.
+                let s = unsafe { std::slice::from_raw_parts(slot.ptr, len) };
+                let want = [5, slot.cap / 2 + 1, slot.cap][got as usize % 3];
+                assert_eq!(len, want, "message {got}: length");
+                assert!(
+                    s.iter().enumerate().all(|(i, &b)| b == byte(got, i)),
+                    "message {got}: bytes"
+                );
+                rx.release().unwrap();
+                got += 1;
+            }
+            Some(Incoming::Remote(len)) => {
+                assert_eq!(got % 4, 3, "message {got} came direct");
+                let mut out = vec![0u8; len];
+                read_direct(rx, &mut out).unwrap();
+                assert!(
+                    out.iter().enumerate().all(|(i, &b)| b == byte(got, i)),
+                    "direct message {got}: bytes"
+                );
+                rx.release().unwrap();
+                got += 1;
+            }
+        }
+    }
+    wait("drain", || tx.poll_drained().unwrap().then_some(()));
+}
+
+/// A link aborted in the middle of frames (a large direct message half
+/// written, half read; slot messages unread) goes on after a resume: both
+/// ends give resync points that fit, the receiver drops the old link's
+/// bytes up to the sender's cut, and new messages arrive intact — whether
+/// both ends aborted, only the sender (the receiver saw its abort), or only
+/// the receiver.
+#[test]
+fn a_link_resumes_after_an_abort_in_the_middle_of_frames() {
+    for nsocks in [1usize, 3] {
+        for who in ["both", "sender", "receiver"] {
+            let (t0, t1) = (loopback(65536, 4, nsocks), loopback(65536, 4, nsocks));
+            let (mut tx, mut rx) = connect_pair(&t0, &t1, 0, 1);
+            // Two slot messages; the receiver takes the first.
+            let mut keep = Vec::new();
+            assert_eq!(send_mixed(&mut *tx, 0, 2, &mut keep), 2);
+            let _ = wait("message 0", || rx.poll_peek().unwrap());
+            rx.release().unwrap();
+            let _ = wait("message 1", || rx.poll_peek().unwrap());
+            rx.release().unwrap();
+            // A direct message far larger than the socket buffers.
+            let big = vec![3u8; 256 << 20];
+            let _ = wait("a credit", || tx.poll_acquire().unwrap());
+            // SAFETY: `big` outlives the sender's writes: the sender aborts
+            // (which stops them) or resumes (which drops them) before it goes.
+            unsafe { tx.direct().unwrap().commit_direct(big.as_ptr(), big.len()) }.unwrap();
+            let inc = wait("the direct message", || rx.poll_peek_any().unwrap());
+            assert!(
+                matches!(inc, Incoming::Remote(l) if l == big.len()),
+                "{inc:?}"
+            );
+            let mut out = vec![0u8; big.len()];
+            // Read a part of it (a few socket buffers' worth).
+            for _ in 0..4 {
+                std::thread::sleep(Duration::from_millis(1));
+                // SAFETY: `out` is valid for its length and not touched
+                // otherwise until the receiver resumed.
+                let done = unsafe {
+                    rx.direct()
+                        .unwrap()
+                        .poll_read_remote(out.as_mut_ptr(), out.len())
+                }
+                .unwrap();
+                if done {
+                    // All of it came (one call reads while bytes come): the
+                    // message is read and not released, another old state.
+                    break;
+                }
+            }
+            match who {
+                "both" => {
+                    tx.abort("the operation failed here");
+                    rx.abort("the operation failed there");
+                }
+                "sender" => {
+                    tx.abort("the sender gave up");
+                    let _ = wait("the sender's abort", || rx.check_peer().err());
+                }
+                _ => {
+                    rx.abort("the receiver gave up");
+                    let _ = wait("the receiver's abort", || tx.check_peer().err());
+                }
+            }
+            let (s, r) = (tx.resume_point(), rx.resume_point());
+            let (Some(s), Some(r)) = (s, r) else {
+                panic!("{who} aborted, {nsocks} sockets: no resume point: {s:?} {r:?}");
+            };
+            assert!(s.resync && r.resync, "{who}: {s:?} {r:?}");
+            assert!(
+                braid_core::transport::Resume::fits(s, r),
+                "{who}: {s:?} {r:?}"
+            );
+            assert_eq!((s.count, r.count), (3, 2), "{who}");
+            tx.resume(7, s.count).unwrap();
+            rx.resume(6, s.count).unwrap();
+            drop(big);
+            tx.check_peer().unwrap();
+            rx.check_peer().unwrap();
+            assert_eq!((tx.peer(), rx.peer()), (7, 6));
+            resumed_carries(&mut *tx, &mut *rx, 3);
+            // And once more: an abort of the resumed link resumes again.
+            tx.abort("again");
+            rx.abort("again");
+            let (Some(s), Some(r)) = (tx.resume_point(), rx.resume_point()) else {
+                panic!("{who}: no resume point the second time");
+            };
+            assert!(
+                braid_core::transport::Resume::fits(s, r),
+                "{who}: {s:?} {r:?}"
+            );
+            tx.resume(7, s.count).unwrap();
+            rx.resume(6, s.count).unwrap();
+            resumed_carries(&mut *tx, &mut *rx, s.count);
+            drop(keep);
+        }
+    }
+}
+
+/// A resume needs the sender's resync: a receiver whose sender never
+/// resumes (dropped its end) gets an error naming the peer, not a hang.
+#[test]
+fn a_resume_without_the_senders_resync_fails() {
+    let (t0, t1) = (loopback(65536, 4, 2), loopback(65536, 4, 2));
+    let (mut tx, mut rx) = connect_pair(&t0, &t1, 0, 1);
+    tx.abort("gone");
+    rx.abort("gone too");
+    let r = rx.resume_point().expect("a resume point after an abort");
+    assert!(r.resync);
+    drop(tx);
+    let start = Instant::now();
+    let e = rx.resume(0, 0).unwrap_err();
+    assert!(
+        start.elapsed() < Duration::from_secs(11),
+        "{:?}",
+        start.elapsed()
+    );
+    assert!(
+        matches!(
+            e,
+            CoreError::PeerAborted { peer: 0, .. } | CoreError::Peer { peer: 0, .. }
+        ),
+        "{e:?}"
+    );
+}

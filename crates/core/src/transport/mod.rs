@@ -295,14 +295,33 @@ pub struct Resume {
     /// [`RecvChannel::resume`] (the ones it has not released: 0 where the
     /// end can only go on from where it is). Sending end: 0.
     pub drop_max: u64,
+    /// The end goes on only through its transport's resynchronisation with
+    /// the other end (after an abort left the link in the middle of a
+    /// message: a socket link cuts its streams where each side stopped
+    /// writing); false where it goes on from where it stands. Both ends of
+    /// a kept link must say the same.
+    pub resync: bool,
 }
 
 impl Resume {
+    /// An end that goes on from where it stands, at `count` with nothing to
+    /// drop.
+    pub fn at(count: u64) -> Resume {
+        Resume {
+            count,
+            drop_max: 0,
+            resync: false,
+        }
+    }
+
     /// Whether a sending end at `send` and a receiving end at `recv` of the
     /// same link can go on together: the receiver released no more than
-    /// was committed and can drop the rest.
+    /// was committed and can drop the rest, and both ends go on the same
+    /// way (both resynchronise, or neither).
     pub fn fits(send: Resume, recv: Resume) -> bool {
-        recv.count <= send.count && send.count - recv.count <= recv.drop_max
+        recv.count <= send.count
+            && send.count - recv.count <= recv.drop_max
+            && send.resync == recv.resync
     }
 
     /// For an end that goes on only from where it stands (an idle link):

@@ -22,8 +22,9 @@
 //! go on and from which message (round 2); each member then resumes those
 //! ends under their new ranks and hands them to the new communicator, which
 //! connects only the links it lacks. Links a transport cannot keep are
-//! made afresh: socket and IB links after an abort (it shut a socket
-//! link's sockets, and sent an IB link's final notice).
+//! made afresh: IB links after an abort (it sent the link's final notice),
+//! and any link whose ends would go on differently (one end resynchronises
+//! after an abort, the other stands idle: [`Resume::resync`]).
 //!
 //! [`SendChannel::resume_point`]: braid_core::transport::SendChannel::resume_point
 
@@ -450,7 +451,7 @@ struct Offer {
     at: Resume,
 }
 
-const OFFER_BYTES: usize = 4 + 1 + 8 + 8;
+const OFFER_BYTES: usize = 4 + 1 + 8 + 8 + 1;
 
 /// The ends of this rank's links with the other `members` that can go on.
 fn offers(chans: &mut Channels, members: &[u32], me: u32) -> Vec<Offer> {
@@ -489,6 +490,7 @@ fn encode_offers(offers: &[Offer]) -> Vec<u8> {
         v.push(o.sends as u8);
         v.extend(o.at.count.to_le_bytes());
         v.extend(o.at.drop_max.to_le_bytes());
+        v.push(o.at.resync as u8);
     }
     v
 }
@@ -510,6 +512,11 @@ fn decode_offers(b: &[u8]) -> Option<Vec<Offer>> {
                 at: Resume {
                     count: u64_at(5),
                     drop_max: u64_at(13),
+                    resync: match c[21] {
+                        0 => false,
+                        1 => true,
+                        _ => return None,
+                    },
                 },
             })
         })
@@ -582,7 +589,14 @@ fn empty_channels(p: usize) -> Channels {
 /// place in `members`).
 fn resume_kept(old: &mut Channels, kept: &[Kept], members: &[u32]) -> Result<Channels> {
     let mut new = empty_channels(members.len());
-    for &(q, sends, at) in kept {
+    // Sending ends first: a receiving end's resume may wait for its
+    // sender's (a socket link after an abort waits for the sender's cut),
+    // and a sender's never waits, so no two members wait for each other.
+    let order = kept
+        .iter()
+        .filter(|k| k.1)
+        .chain(kept.iter().filter(|k| !k.1));
+    for &(q, sends, at) in order {
         let Some(nq) = members.iter().position(|&m| m == q) else {
             return Err(Error::Bootstrap(format!(
                 "shrink: told to keep a link with rank {q}, which does not stay"
@@ -684,14 +698,9 @@ mod tests {
         }
     }
 
-    /// Runs `f(comm)` on 4 thread ranks (a rank whose check fails makes
-    /// the others' operations fail within the timeout: no wait outside
-    /// braid's).
-    fn on_four<R: Send>(f: impl Fn(Communicator) -> R + Sync) -> Vec<R> {
-        on_four_with(&[], f)
-    }
-
-    /// [`on_four`] with these `BRAID_*` settings.
+    /// Runs `f(comm)` on 4 thread ranks with these `BRAID_*` settings (a
+    /// rank whose check fails makes the others' operations fail within the
+    /// timeout: no wait outside braid's).
     fn on_four_with<R: Send>(env: &[(&str, &str)], f: impl Fn(Communicator) -> R + Sync) -> Vec<R> {
         let settings = Settings::from_snapshot(crate::settings::Env::from_pairs(env)).unwrap();
         let comms = Communicator::init_threads_with(4, &config(), settings).unwrap();
@@ -706,7 +715,11 @@ mod tests {
         let o = |peer, sends, count, drop_max| Offer {
             peer,
             sends,
-            at: Resume { count, drop_max },
+            at: Resume {
+                count,
+                drop_max,
+                resync: false,
+            },
         };
         // Members 0, 2, 5 (old ranks).
         let members = [0u32, 2, 5];
@@ -734,15 +747,39 @@ mod tests {
             .collect();
         assert_eq!(kept[2], vec![(2, false, 9)]);
         assert_eq!(kept[1], vec![(0, false, 7), (5, true, 9)]);
+        // Ends that would go on differently (one resynchronises) do not fit;
+        // both resynchronising do.
+        offers[2][1].at.resync = true;
+        let keep = |offers: &[Vec<Offer>]| -> Vec<Vec<Kept>> {
+            let enc: Vec<Vec<u8>> = offers.iter().map(|v| encode_offers(v)).collect();
+            let all: Vec<&[u8]> = enc.iter().map(|v| v.as_slice()).collect();
+            kept_links(&members, &all)
+                .iter()
+                .map(|a| decode_kept(a).unwrap())
+                .collect()
+        };
+        assert_eq!(keep(&offers)[2], vec![]);
+        offers[1][1].at.resync = true;
+        assert_eq!(keep(&offers)[2], vec![(2, false, 9)]);
         // A malformed offer keeps nothing of its member's.
         let bad = [&enc[0][..], &enc[1][..3], &enc[2][..]];
         assert!(kept_links(&members, &bad).iter().all(|a| a.is_empty()));
         assert!(decode_offers(&[0; OFFER_BYTES + 1]).is_none());
+        let mut flag = encode_offers(&offers[0][..1]);
+        flag[OFFER_BYTES - 1] = 2;
+        assert!(decode_offers(&flag).is_none());
     }
 
     #[test]
     fn shrink_keeps_links_after_a_rank_died_mid_operation() {
-        let kept = on_four(|c| {
+        kept_after_a_death(&[]);
+    }
+
+    /// Rank 3 leaves in the middle of a large AllReduce on four ranks with
+    /// these settings; the three others shrink, keep every link between
+    /// them and run every collective on them.
+    fn kept_after_a_death(env: &[(&str, &str)]) {
+        let kept = on_four_with(env, |c| {
             let r = c.rank();
             // Every pair connected (AllToAll), then rank 3 leaves in the
             // middle of a large AllReduce that has pieces in flight.
@@ -791,27 +828,8 @@ mod tests {
     }
 
     #[test]
-    fn after_a_failure_socket_links_are_made_afresh() {
-        let fresh = on_four_with(&[("BRAID_TRANSPORT", "socket")], |c| {
-            let r = c.rank();
-            check(&c, &[0, 1, 2, 3]);
-            let before = ends(&c);
-            c.barrier().unwrap();
-            if r == 3 {
-                drop(c);
-                return true;
-            }
-            let mut v = vec![1.0f32; 1 << 20];
-            assert!(c.all_reduce_in_place(&mut v, RedOp::Sum).is_err());
-            let s = c.shrink(&[3]).unwrap();
-            check(&s, &[0, 1, 2]);
-            // The aborted socket links were not kept: new ones serve.
-            let after = ends(&s);
-            (0..3usize)
-                .filter(|&q| q != r as usize)
-                .all(|q| after.0[q] != before.0[q] && after.1[q] != before.1[q])
-        });
-        assert_eq!(fresh, vec![true; 4]);
+    fn after_a_failure_socket_links_are_kept() {
+        kept_after_a_death(&[("BRAID_TRANSPORT", "socket")]);
     }
 
     /// Rank 1 stays out of a shrink of a healthy communicator; the others'

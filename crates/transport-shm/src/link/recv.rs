@@ -558,6 +558,7 @@ impl RecvChannel for ShmRecv {
         peer_stays(&self.seg.header().sender.0, self.peer_pid).then_some(Resume {
             count: self.tail,
             drop_max: self.boxes,
+            resync: false,
         })
     }
 

@@ -286,10 +286,7 @@ impl SendChannel for ShmSend {
     /// Any sending end whose receiver is still there can go on: what an
     /// aborted operation left in the segment, the receiver drops.
     fn resume_point(&mut self) -> Option<Resume> {
-        peer_stays(&self.seg.header().receiver.0, self.peer_pid).then_some(Resume {
-            count: self.head,
-            drop_max: 0,
-        })
+        peer_stays(&self.seg.header().receiver.0, self.peer_pid).then_some(Resume::at(self.head))
     }
 
     fn resume(&mut self, peer: u32, at: u64) -> Result<()> {

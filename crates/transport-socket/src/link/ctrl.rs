@@ -131,12 +131,43 @@ pub(super) fn check_credit(v: u64, old: u64, committed: u64) -> std::result::Res
 pub(super) struct CtrlIn {
     buf: Vec<u8>,
     done: bool,
+    /// A resume waits for the peer's [`CtrlKind::Resync`]: the frames
+    /// before it (credits, an abort, from the old link) are skipped.
+    seeking: bool,
+    /// The peer's resync once it came: its value and payload.
+    resynced: Option<(u64, Vec<u8>)>,
+    /// The peer's resync came before this end resumed: what follows it is
+    /// the new link's, read only once this end resumes too.
+    held: bool,
 }
 
 impl CtrlIn {
-    /// Whether nothing more will be read.
+    /// Whether nothing more is read (for now: a resync that came early
+    /// holds the rest until this end resumes).
     pub(super) fn done(&self) -> bool {
-        self.done
+        self.done || self.held
+    }
+
+    /// Starts reading again for a resume after an abort (the peer's abort
+    /// stopped the reading, its later bytes kept), skipping every frame up
+    /// to the peer's resync, unless it came already.
+    pub(super) fn seek_resync(&mut self) {
+        self.done = false;
+        if self.held {
+            self.held = false;
+            self.seeking = false;
+        } else {
+            self.resynced = None;
+            self.seeking = true;
+        }
+    }
+
+    /// The peer's resync (value and payload), once it came; taken.
+    pub(super) fn take_resynced(&mut self) -> Option<(u64, Vec<u8>)> {
+        if self.seeking {
+            return None;
+        }
+        self.resynced.take()
     }
 
     /// Reads with `read` until it would block (or the stream ends) and
@@ -153,9 +184,9 @@ impl CtrlIn {
         closed_is_failure: bool,
     ) {
         let mut chunk = [0u8; 1024];
-        while !self.done {
+        while !self.done() {
             // Handle complete frames first.
-            while self.buf.len() >= CTRL_LEN && !self.done {
+            while self.buf.len() >= CTRL_LEN && !self.done() {
                 let mut hdr = [0u8; CTRL_LEN];
                 hdr.copy_from_slice(&self.buf[..CTRL_LEN]);
                 let (kind, len, value) = match ctrl_decode(&hdr) {
@@ -172,6 +203,24 @@ impl CtrlIn {
                 }
                 let payload: Vec<u8> = self.buf[CTRL_LEN..CTRL_LEN + len].to_vec();
                 self.buf.drain(..CTRL_LEN + len);
+                if self.seeking {
+                    match kind {
+                        CtrlKind::Resync => {
+                            self.seeking = false;
+                            self.resynced = Some((value, payload));
+                            health.ring();
+                        }
+                        CtrlKind::Close => {
+                            health.fail(Fail::PeerAborted(
+                                "the peer closed its end instead of resuming the link".into(),
+                            ));
+                            return self.finish(health);
+                        }
+                        // The old link's credits and abort.
+                        CtrlKind::Credit | CtrlKind::Abort => {}
+                    }
+                    continue;
+                }
                 match kind {
                     CtrlKind::Credit => match on_credit.as_mut() {
                         Some(f) => {
@@ -192,7 +241,16 @@ impl CtrlIn {
                         } else {
                             reason
                         }));
-                        return self.finish(health);
+                        // What follows stays for a resume ([`CtrlIn::seek_resync`]).
+                        self.done = true;
+                        health.ctrl_finished();
+                        return;
+                    }
+                    CtrlKind::Resync => {
+                        // The peer resumed first: the rest waits for ours.
+                        self.resynced = Some((value, payload));
+                        self.held = true;
+                        return;
                     }
                     CtrlKind::Close => {
                         health.peer_closed.store(true, Ordering::Release);
@@ -203,7 +261,7 @@ impl CtrlIn {
                     }
                 }
             }
-            if self.done {
+            if self.done() {
                 break;
             }
             let closing = health.local_closing.load(Ordering::Acquire)
@@ -242,6 +300,7 @@ impl CtrlIn {
 
     fn finish(&mut self, health: &Health) {
         self.done = true;
+        self.held = false;
         self.buf = Vec::new();
         health.ctrl_finished();
     }

@@ -102,6 +102,30 @@ impl Health {
             }
     }
 
+    /// Whether the link can be resynchronised after an abort: nothing
+    /// failed but an abort (this end's own or the peer's), the peer did
+    /// not close.
+    pub(super) fn resumable(&self) -> bool {
+        !self.peer_closed.load(Ordering::Acquire)
+            && !self.local_closing.load(Ordering::Acquire)
+            && {
+                let st = lock(&self.st);
+                st.pending.is_none() && matches!(st.fail, None | Some(Fail::PeerAborted(_)))
+            }
+    }
+
+    /// Whether the peer said it aborted.
+    pub(super) fn peer_aborted(&self) -> bool {
+        matches!(lock(&self.st).fail, Some(Fail::PeerAborted(_)))
+    }
+
+    /// Forgets the old link's abort (a resynchronised resume).
+    pub(super) fn reset(&self) {
+        let mut st = lock(&self.st);
+        *st = HealthState::default();
+        self.failed.store(false, Ordering::Release);
+    }
+
     pub(super) fn fail(&self, f: Fail) {
         let mut st = lock(&self.st);
         let replace = match (&st.fail, &f) {

@@ -36,6 +36,11 @@ const SMALL_READ_BYTES: usize = 4 * 1024;
 /// How long a blocking `read_remote` waits without a byte arriving.
 const REMOTE_STALL: Duration = Duration::from_secs(60);
 
+/// How long a resume after an abort waits for the sender's resync (which
+/// the sender writes when it resumes, at about the same time) and the old
+/// link's bytes before its cut.
+const RESYNC_WAIT: Duration = Duration::from_secs(10);
+
 #[derive(Debug, Default)]
 pub(super) struct Fill {
     /// The message being assembled in this slot.
@@ -98,6 +103,10 @@ pub(super) struct DataSock {
     /// The progress thread watches the socket (its reading is between or
     /// inside slot frames, not waiting for the engine).
     armed: bool,
+    /// Bytes read from the socket since the link started (by its reading
+    /// and by the engine's direct reads): where a resume after an abort
+    /// finds the sender's cut.
+    taken: u64,
 }
 
 #[derive(Debug)]
@@ -127,6 +136,9 @@ pub(super) struct RecvShared {
     pub(super) released: AtomicU64,
     /// Data sockets whose stream ended cleanly.
     pub(super) readers_done: AtomicUsize,
+    /// The data sockets are not read (an abort, or a resume point after
+    /// one): what comes next may be the new link's, after the sender's cut.
+    pub(super) paused: AtomicBool,
     pub(super) health: Arc<Health>,
     /// The data sockets (none in the fuzzing harness).
     pub(super) data: Box<[Mutex<DataSock>]>,
@@ -157,6 +169,7 @@ impl RecvShared {
             accept_direct,
             released: AtomicU64::new(0),
             readers_done: AtomicUsize::new(0),
+            paused: AtomicBool::new(false),
             health,
             data: Box::new([]),
             ctrl: None,
@@ -167,8 +180,16 @@ impl RecvShared {
     /// Reads what data socket `i` has; then has the progress thread watch
     /// it, unless the engine reads a direct payload from it (or it ended).
     fn pump_data(&self, d: &mut DataSock, i: usize) {
+        if self.paused.load(Ordering::Acquire) {
+            return;
+        }
         let sock = &d.sock;
-        let mut read = |b: &mut [u8]| (&*sock).read(b);
+        let taken = &mut d.taken;
+        let mut read = |b: &mut [u8]| {
+            let n = (&*sock).read(b)?;
+            *taken += n as u64;
+            Ok(n)
+        };
         d.rx.pump(i, self, &mut read);
         let wanted = matches!(d.rx.st, RxState::Header | RxState::Payload { .. });
         if wanted && !d.armed {
@@ -187,8 +208,10 @@ impl RecvShared {
             let mut read = |b: &mut [u8]| (&*sock).read(b);
             c.input.pump(&mut read, &self.health, None, false);
         }
-        if !c.out.pending.is_empty() {
-            let _ = c.out.flush(&c.sock);
+        if !c.out.pending.is_empty() && c.out.flush(&c.sock).is_err() {
+            // A broken socket takes nothing more: do not watch it for room.
+            c.out.pending.clear();
+            c.out.credit_owed = None;
         }
     }
 }
@@ -219,15 +242,19 @@ impl RecvShared {
     /// Watches the control socket again (after its event, or when credits
     /// wait for room).
     fn arm_ctrl(&self, c: &CtrlSock) {
-        if c.input.done() {
+        // Input until the peer's abort or close (or the end); output while
+        // frames wait (an abort's goodbye may outlive the peer's).
+        let mut want = nix::sys::epoll::EpollFlags::empty();
+        if !c.input.done() {
+            want |= IN;
+        }
+        if !c.out.pending.is_empty() {
+            want |= OUT;
+        }
+        if want.is_empty() {
             return;
         }
         if let Some(a) = self.armer.get() {
-            let want = if c.out.pending.is_empty() {
-                IN
-            } else {
-                IN | OUT
-            };
             a.arm(self.data.len(), c.sock.as_fd(), want);
         }
     }
@@ -593,6 +620,7 @@ impl SocketRecv {
                     sock,
                     rx: Rx::default(),
                     armed: true,
+                    taken: 0,
                 })
             })
             .collect();
@@ -757,6 +785,7 @@ impl SocketRecv {
                         return Err(read_failed(&self.shared.health, self.peer, *s, e));
                     }
                     Ok(Some(n)) => {
+                        d.taken += n as u64;
                         *got += n;
                         progressed = true;
                     }
@@ -823,6 +852,144 @@ impl SocketRecv {
                 peer: self.peer,
                 reason: "the sender closed its end".into(),
             });
+        }
+        Ok(())
+    }
+
+    /// Goes on after an abort from the sender's message `at`: tells the
+    /// sender where this end's old control frames end, waits (at most
+    /// [`RESYNC_WAIT`]) for the sender's resync, which says where it cut
+    /// each data stream, drops what it did not read up to there, and
+    /// starts reading the new link's frames with every slot free.
+    fn resync(&mut self, at: u64) -> Result<()> {
+        let sh = self.shared.clone();
+        let Some(ctrl) = &sh.ctrl else {
+            return Err(CoreError::Unavailable {
+                transport: NAME,
+                reason: "a link without a control socket cannot resynchronise".into(),
+            });
+        };
+        let until = Instant::now() + RESYNC_WAIT;
+        let failed = |what: String| CoreError::Peer {
+            transport: NAME,
+            peer: self.peer,
+            what: format!("resuming the link: {what}"),
+            source: None,
+        };
+        sh.paused.store(true, Ordering::Release);
+        sh.health.reset();
+        {
+            let mut guard = lock(ctrl);
+            let c = &mut *guard;
+            c.out.credit_owed = None;
+            c.out
+                .pending
+                .extend(crate::info::ctrl_frame(CtrlKind::Resync, at, &[]));
+            c.input.seek_resync();
+            sh.pump_ctrl(c);
+            sh.arm_ctrl(c);
+        }
+        // The sender's cut: where each data stream of the new link begins.
+        let cut = loop {
+            {
+                let mut guard = lock(ctrl);
+                let c = &mut *guard;
+                sh.pump_ctrl(c);
+                if let Some((value, payload)) = c.input.take_resynced() {
+                    if value != at || payload.len() != 8 * sh.data.len() {
+                        return Err(CoreError::Protocol {
+                            peer: self.peer,
+                            detail: format!(
+                                "socket link: the sender resumed at message {value} with {} stream positions, not at {at} with {}",
+                                payload.len() / 8,
+                                sh.data.len()
+                            ),
+                        });
+                    }
+                    break payload
+                        .chunks_exact(8)
+                        .map(|b| u64::from_le_bytes(b.try_into().unwrap_or_default()))
+                        .collect::<Vec<u64>>();
+                }
+                sh.arm_ctrl(c);
+            }
+            if let Some(e) = sh.health.error() {
+                return Err(e);
+            }
+            if Instant::now() >= until {
+                return Err(CoreError::Timeout {
+                    transport: NAME,
+                    peer: self.peer,
+                    waiting_for: "the sender's resync",
+                    after: RESYNC_WAIT,
+                });
+            }
+            std::thread::sleep(Duration::from_micros(200));
+        };
+        let mut junk = vec![0u8; 64 * 1024];
+        for (i, (d, &w)) in sh.data.iter().zip(&cut).enumerate() {
+            // The lock is not held while waiting (the progress thread may
+            // take it for an event of this socket, and finds it paused).
+            let watch = lock(d)
+                .sock
+                .try_clone()
+                .map_err(|e| failed(format!("data socket {i}: {e}")))?;
+            loop {
+                let mut d = lock(d);
+                if w < d.taken {
+                    return Err(CoreError::Protocol {
+                        peer: self.peer,
+                        detail: format!(
+                            "socket link: the sender cut data socket {i} at byte {w}, but {} were read",
+                            d.taken
+                        ),
+                    });
+                }
+                if d.taken == w {
+                    // What the buffer held was read before the cut: the
+                    // old link's.
+                    d.rx = Rx::default();
+                    break;
+                }
+                let n = ((w - d.taken) as usize).min(junk.len());
+                match (&d.sock).read(&mut junk[..n]) {
+                    Ok(0) => return Err(failed(format!("data socket {i} ended"))),
+                    Ok(k) => d.taken += k as u64,
+                    Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                        drop(d);
+                        if Instant::now() >= until {
+                            return Err(CoreError::Timeout {
+                                transport: NAME,
+                                peer: self.peer,
+                                waiting_for: "the old link's bytes before the sender's cut",
+                                after: RESYNC_WAIT,
+                            });
+                        }
+                        use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
+                        let mut fds = [PollFd::new(watch.as_fd(), PollFlags::POLLIN)];
+                        let _ = poll(&mut fds, PollTimeout::from(10u16));
+                    }
+                    Err(e) => return Err(failed(format!("data socket {i}: {e}"))),
+                }
+            }
+        }
+        for i in 0..sh.slots {
+            *lock(&sh.fill[i]) = Fill::default();
+            sh.ready[i].store(0, Ordering::Relaxed);
+            sh.lens[i].store(0, Ordering::Relaxed);
+            sh.remote[i].store(false, Ordering::Relaxed);
+        }
+        self.head = at;
+        self.rd = None;
+        self.aborted = None;
+        // Release: the cleared slots before a reader's Acquire in `claim`.
+        sh.released.store(at, Ordering::Release);
+        sh.paused.store(false, Ordering::Release);
+        for (i, d) in sh.data.iter().enumerate() {
+            let mut d = lock(d);
+            d.armed = false;
+            sh.pump_data(&mut d, i);
         }
         Ok(())
     }
@@ -955,6 +1122,9 @@ impl RecvChannel for SocketRecv {
     /// thread is made to watch every data socket that is not ended.
     fn arm_wake(&mut self) -> Option<WakeWord> {
         let w = self.shared.health.bell.arm(false);
+        if self.shared.paused.load(Ordering::Acquire) {
+            return Some(w);
+        }
         if let Some(a) = self.shared.armer.get() {
             for (i, d) in self.shared.data.iter().enumerate() {
                 let mut d = lock(d);
@@ -971,10 +1141,19 @@ impl RecvChannel for SocketRecv {
         self.shared.health.bell.disarm();
     }
 
+    /// Stops reading the data sockets (the sender's cut may be followed by
+    /// the new link's frames after a resume) and tells the peer why; the
+    /// sockets stay open for [`RecvChannel::resume`].
     fn abort(&mut self, reason: &str) {
-        if self.aborted.is_none() {
+        if self.aborted.is_none() && !self.stopped {
             self.aborted = Some(reason.to_owned());
-            self.stop(Some((CtrlKind::Abort, reason)));
+            self.shared.paused.store(true, Ordering::Release);
+            if let Some(c) = &self.shared.ctrl {
+                let mut guard = lock(c);
+                let c = &mut *guard;
+                c.out.goodbye(&c.sock, CtrlKind::Abort, reason);
+                self.shared.arm_ctrl(c);
+            }
         }
     }
 
@@ -982,22 +1161,45 @@ impl RecvChannel for SocketRecv {
         Some(self)
     }
 
-    /// An idle link can go on: nothing failed or aborted, nothing arrived
-    /// that was not released.
+    /// An idle link goes on from where it stands: nothing failed or
+    /// aborted, nothing arrived that was not released. After an abort (this
+    /// end's or the peer's, and nothing else failed) it goes on through a
+    /// resync, dropping whatever it did not release; it stops reading the
+    /// data sockets from here on (after the sender's cut come the new
+    /// link's frames).
     fn resume_point(&mut self) -> Option<Resume> {
-        if self.stopped || self.aborted.is_some() || self.rd.is_some() {
+        if self.stopped {
+            return None;
+        }
+        if let Some(c) = &self.shared.ctrl {
+            self.shared.pump_ctrl(&mut lock(c));
+        }
+        if self.aborted.is_some() || self.shared.health.peer_aborted() {
+            self.shared.paused.store(true, Ordering::Release);
+            return self.shared.health.resumable().then_some(Resume {
+                count: self.head,
+                drop_max: u64::MAX,
+                resync: true,
+            });
+        }
+        if self.rd.is_some() {
             return None;
         }
         self.pump_inline();
-        (self.shared.health.whole() && self.head_ready().is_none()).then_some(Resume {
-            count: self.head,
-            drop_max: 0,
-        })
+        (self.shared.health.whole() && self.head_ready().is_none()).then(|| Resume::at(self.head))
     }
 
     fn resume(&mut self, peer: u32, at: u64) -> Result<()> {
-        let point = self.resume_point();
-        Resume::expect(point, at, NAME, "the receiving end")?;
+        if self.stopped {
+            return Resume::expect(None, at, NAME, "the receiving end");
+        }
+        // The mode its resume point gave (which stays: an abort is not
+        // forgotten until a resume).
+        if self.aborted.is_some() || self.shared.health.peer_aborted() {
+            self.resync(at)?;
+        } else {
+            Resume::expect(self.resume_point(), at, NAME, "the receiving end")?;
+        }
         self.peer = peer;
         self.shared.health.set_peer(peer);
         Ok(())

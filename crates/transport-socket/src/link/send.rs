@@ -56,6 +56,9 @@ struct TxSock {
     /// The progress thread watches the socket for room (the queue is not
     /// empty).
     armed: bool,
+    /// Bytes the socket took since the link started: where a resume after
+    /// an abort cuts the stream.
+    written: u64,
 }
 
 /// The control socket of a sending end: credits and the peer's abort or
@@ -143,6 +146,7 @@ impl SendShared {
             let Some(p) = tx.items.front_mut() else { break };
             match write_piece(&tx.sock, p) {
                 Ok(n) if n == piece_bytes(p) => {
+                    tx.written += (n - p.sent) as u64;
                     let slot = p.slot;
                     tx.items.pop_front();
                     self.inflight[slot].fetch_sub(1, Ordering::Release);
@@ -150,6 +154,7 @@ impl SendShared {
                 }
                 Ok(n) => {
                     // The socket is full: the next writable edge goes on.
+                    tx.written += (n - p.sent) as u64;
                     p.sent = n;
                     break;
                 }
@@ -189,22 +194,28 @@ impl SendShared {
             c.input
                 .pump(&mut read, &self.health, Some(&mut on_credit), true);
         }
-        if !c.out.pending.is_empty() {
-            let _ = c.out.flush(&c.sock);
+        if !c.out.pending.is_empty() && c.out.flush(&c.sock).is_err() {
+            // A broken socket takes nothing more: do not watch it for room.
+            c.out.pending.clear();
+            c.out.credit_owed = None;
         }
     }
 
     /// Watches the control socket again (after its event).
     fn arm_ctrl(&self, c: &CtrlSock) {
-        if c.input.done() {
+        // Input until the peer's abort or close (or the end); output while
+        // frames wait (an abort's goodbye may outlive the peer's).
+        let mut want = nix::sys::epoll::EpollFlags::empty();
+        if !c.input.done() {
+            want |= IN;
+        }
+        if !c.out.pending.is_empty() {
+            want |= OUT;
+        }
+        if want.is_empty() {
             return;
         }
         if let Some(a) = self.armer.get() {
-            let want = if c.out.pending.is_empty() {
-                IN
-            } else {
-                IN | OUT
-            };
             a.arm(self.data.len(), c.sock.as_fd(), want);
         }
     }
@@ -289,6 +300,7 @@ impl SocketSend {
                         items: VecDeque::new(),
                         closing: false,
                         armed: false,
+                        written: 0,
                     })
                 })
                 .collect(),
@@ -372,10 +384,12 @@ impl SocketSend {
         }
         match write_piece(&tx.sock, &p) {
             Ok(n) if n == piece_bytes(&p) => {
+                tx.written += n as u64;
                 sh.inflight[p.slot].fetch_sub(1, Ordering::Release);
             }
             Ok(n) => {
                 // The rest when the socket has room.
+                tx.written += n as u64;
                 p.sent = n;
                 tx.items.push_back(p);
                 sh.arm_out(s, &mut tx);
@@ -419,6 +433,70 @@ impl SocketSend {
         let mut fds: Vec<BorrowedFd<'_>> = data.iter().map(|g| g.sock.as_fd()).collect();
         fds.push(c.sock.as_fd());
         self.poller.deregister(self.id, &fds);
+    }
+
+    /// An abort: nothing more is written (queued pieces are dropped, so the
+    /// caller's memory is not read after this returns), the peer is told
+    /// why, and the sockets stay open for a resume
+    /// ([`SendChannel::resume`]): a stream may stop in the middle of a
+    /// frame, and a resume starts the new link where each stopped.
+    fn halt(&mut self, reason: &str) {
+        let sh = &self.shared;
+        for d in sh.data.iter() {
+            let mut tx = lock(d);
+            tx.closing = true;
+            tx.items.clear();
+        }
+        let mut guard = lock(&sh.ctrl);
+        let c = &mut *guard;
+        c.out.goodbye(&c.sock, CtrlKind::Abort, reason);
+        // What the socket did not take goes when it has room.
+        sh.arm_ctrl(c);
+    }
+
+    /// Goes on after an abort (ours or the peer's) from message `at`: the
+    /// data streams restart where this end stopped writing them, which the
+    /// resync frame tells the receiver (it drops what it has not read of
+    /// the old link up to there); the receiver's frames up to its own
+    /// resync are skipped.
+    fn resync(&mut self, at: u64) -> Result<()> {
+        if at != self.committed {
+            return Err(CoreError::Unavailable {
+                transport: NAME,
+                reason: format!(
+                    "the sending end stands at message {}, not {at}: it cannot be kept",
+                    self.committed
+                ),
+            });
+        }
+        let sh = &self.shared;
+        let mut cut = Vec::with_capacity(8 * sh.data.len());
+        for d in sh.data.iter() {
+            let mut tx = lock(d);
+            // Pieces a healthy end still had queued belong to the old link.
+            tx.items.clear();
+            tx.closing = false;
+            cut.extend(tx.written.to_le_bytes());
+        }
+        for f in sh.inflight.iter() {
+            f.store(0, Ordering::Relaxed);
+        }
+        // Every slot is free: the receiver drops what it did not release.
+        sh.released.store(at, Ordering::Release);
+        sh.health.reset();
+        let mut guard = lock(&sh.ctrl);
+        let c = &mut *guard;
+        c.out.credit_owed = None;
+        c.out
+            .pending
+            .extend(crate::info::ctrl_frame(CtrlKind::Resync, at, &cut));
+        // The receiver's frames before its resync (credits, an abort of the
+        // old link) are skipped.
+        c.input.seek_resync();
+        sh.pump_ctrl(c);
+        sh.arm_ctrl(c);
+        self.aborted = None;
+        Ok(())
     }
 
     /// Publishes message `committed` of `len` bytes: from the slot, or from
@@ -544,9 +622,9 @@ impl SendChannel for SocketSend {
     }
 
     fn abort(&mut self, reason: &str) {
-        if self.aborted.is_none() {
+        if self.aborted.is_none() && !self.stopped {
             self.aborted = Some(reason.to_owned());
-            self.stop(Some((CtrlKind::Abort, reason)));
+            self.halt(reason);
         }
     }
 
@@ -558,11 +636,21 @@ impl SendChannel for SocketSend {
         }
     }
 
-    /// An idle link can go on: nothing failed or aborted, every message
-    /// released. (An abort shuts the sockets: that link is made afresh.)
+    /// An idle link goes on from where it stands: nothing failed or
+    /// aborted, every message released. After an abort (this end's or the
+    /// peer's, and nothing else failed) it goes on through a resync, from
+    /// what it committed.
     fn resume_point(&mut self) -> Option<Resume> {
-        if self.stopped || self.aborted.is_some() {
+        if self.stopped {
             return None;
+        }
+        self.pump_ctrl();
+        if self.aborted.is_some() || self.shared.health.peer_aborted() {
+            return self.shared.health.resumable().then_some(Resume {
+                count: self.committed,
+                drop_max: 0,
+                resync: true,
+            });
         }
         // The last credits may still be on their way (the receiver
         // released its messages before it came here): up to 200 ms.
@@ -573,10 +661,7 @@ impl SendChannel for SocketSend {
                 return None;
             }
             if self.shared.released.load(Ordering::Acquire) == self.committed {
-                return Some(Resume {
-                    count: self.committed,
-                    drop_max: 0,
-                });
+                return Some(Resume::at(self.committed));
             }
             if std::time::Instant::now() >= until {
                 return None;
@@ -586,8 +671,16 @@ impl SendChannel for SocketSend {
     }
 
     fn resume(&mut self, peer: u32, at: u64) -> Result<()> {
-        let point = self.resume_point();
-        Resume::expect(point, at, NAME, "the sending end")?;
+        if self.stopped {
+            return Resume::expect(None, at, NAME, "the sending end");
+        }
+        // The mode its resume point gave (which stays: an abort is not
+        // forgotten until a resume).
+        if self.aborted.is_some() || self.shared.health.peer_aborted() {
+            self.resync(at)?;
+        } else {
+            Resume::expect(self.resume_point(), at, NAME, "the sending end")?;
+        }
         self.peer = peer;
         self.shared.health.set_peer(peer);
         Ok(())
