@@ -248,3 +248,60 @@ fn ib_threads_do_not_grow_with_the_ranks() {
     println!("IB, most threads of a rank: {two} with 2 ranks, {four} with 4");
     assert!(four <= two, "{four} threads with 4 ranks, {two} with 2");
 }
+
+/// kill -9 one of three ranks in the middle of AllReduces over IB: the two
+/// survivors shrink it out, keep the IB link between them (an aborted link
+/// resynchronises: the shrink's log says `kept_links=2` on each), and their
+/// AllReduces on the new communicator give the right sums.
+#[test]
+fn ib_shrink_after_a_killed_rank_keeps_the_survivors_link() {
+    if !ib_here("ib_shrink_after_a_killed_rank_keeps_the_survivors_link") {
+        return;
+    }
+    let _g = serial();
+    let (n, victim) = (3u32, 2u32);
+    let dir = std::env::temp_dir().join(format!("braid-ib-shrink-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("log dir");
+    let (id, _root) = root();
+    let kids = (0..n)
+        .map(|r| {
+            let log = std::fs::File::create(dir.join(format!("rank{r}.log"))).expect("log");
+            Command::new(env!("CARGO_BIN_EXE_braid-testrank"))
+                .args(["elastic", &id.to_string(), &r.to_string(), &n.to_string()])
+                .arg(victim.to_string())
+                .arg("0")
+                .env("BRAID_TRANSPORT", "ib")
+                .env("BRAID_TIMEOUT", "60")
+                .env("BRAID_IB_TIMEOUT", "20")
+                .env("BRAID_IB_RETRY_CNT", "3")
+                .env("BRAID_SPIN", "0")
+                .env("BRAID_DEBUG", "INFO")
+                .stdout(Stdio::piped())
+                .stderr(Stdio::from(log))
+                .spawn()
+                .expect("spawn braid-testrank")
+        })
+        .collect();
+    let out = fault_run(
+        kids,
+        |k| {
+            let _ = k[victim as usize].kill();
+        },
+        Duration::from_secs(120),
+    );
+    for (r, (code, text)) in out.ranks.iter().enumerate() {
+        if r as u32 == victim {
+            continue;
+        }
+        let log = std::fs::read_to_string(dir.join(format!("rank{r}.log"))).unwrap_or_default();
+        println!("rank {r}: {text}");
+        assert_eq!(*code, Some(0), "rank {r} did not recover: {text}\n{log}");
+        assert!(text.contains("recovered 2"), "rank {r}: {text}");
+        assert!(
+            log.lines()
+                .any(|l| l.contains("braid: shrink") && l.contains("kept_links=2")),
+            "rank {r} did not keep its IB link with the other survivor:\n{log}"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -240,6 +240,10 @@ pub enum Imm {
     Close,
     /// The peer aborted; the reason was written into the control buffer.
     Abort,
+    /// A resume after an abort: the notices before it on this QP are the
+    /// old link's; the value is the sender's count the link goes on from
+    /// (mod 2^28).
+    Resync(u32),
 }
 
 const K_DATA: u32 = 0;
@@ -247,6 +251,7 @@ const K_CREDIT: u32 = 1;
 const K_READY: u32 = 2;
 const K_CLOSE: u32 = 3;
 const K_ABORT: u32 = 4;
+const K_RESYNC: u32 = 5;
 /// Mask of a data notice's message tag (sequence number modulo 2^12).
 pub const TAG_MASK: u32 = (1 << 12) - 1;
 /// Mask of a credit count.
@@ -266,6 +271,7 @@ impl Imm {
             Imm::Ready => K_READY << 28,
             Imm::Close => K_CLOSE << 28,
             Imm::Abort => K_ABORT << 28,
+            Imm::Resync(c) => (K_RESYNC << 28) | (c & CREDIT_MASK),
         }
     }
 
@@ -281,6 +287,7 @@ impl Imm {
             K_READY => Ok(Imm::Ready),
             K_CLOSE => Ok(Imm::Close),
             K_ABORT => Ok(Imm::Abort),
+            K_RESYNC => Ok(Imm::Resync(v & CREDIT_MASK)),
             k => Err(format!("immediate of unknown kind {k} ({v:#010x})")),
         }
     }
@@ -301,8 +308,16 @@ pub struct Arrivals {
 impl Arrivals {
     /// Nothing arrived yet in any of `slots` slots.
     pub fn new(slots: usize) -> Arrivals {
+        Arrivals::starting_at(slots, 0)
+    }
+
+    /// Nothing arrived yet, and message `at` is the next one (a resumed
+    /// link): each slot waits for the first message from `at` on that
+    /// lives in it.
+    pub fn starting_at(slots: usize, at: u64) -> Arrivals {
+        let n = slots as u64;
         Arrivals {
-            due: (0..slots as u64).map(|s| (0, s)).collect(),
+            due: (0..n).map(|s| (0, at + (s + n - at % n) % n)).collect(),
         }
     }
 
@@ -422,6 +437,14 @@ mod tests {
         let mut a = Arrivals::new(2);
         assert!(a.note(0, 1, 2).is_err(), "a message ahead of its turn");
         assert!(a.note(2, 1, 2).is_err(), "a slot out of range");
+        // A resumed link: message 7 is next, in slot 7 % 3 = 1; slot 2 waits
+        // for message 8, slot 0 for message 9.
+        let mut a = Arrivals::starting_at(3, 7);
+        assert!(a.note(0, 1, 6).is_err(), "a message of the old link");
+        assert_eq!(a.note(1, 1, 7), Ok(true));
+        assert_eq!(a.note(2, 1, 8), Ok(true));
+        assert_eq!(a.note(0, 1, 9), Ok(true));
+        assert_eq!(a.note(1, 1, 10), Ok(true));
         // Tags wrap at 4096.
         let mut a = Arrivals::new(1);
         for seq in 0..5000u32 {
@@ -452,6 +475,8 @@ mod tests {
             Imm::Ready,
             Imm::Close,
             Imm::Abort,
+            Imm::Resync(0),
+            Imm::Resync(CREDIT_MASK),
         ] {
             assert_eq!(Imm::decode(imm.encode()).unwrap(), imm);
         }

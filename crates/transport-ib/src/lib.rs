@@ -77,8 +77,20 @@
 //!   defaults): data is copied into a registered staging slot and written
 //!   by the HCA.
 //! - **Kept links** (a shrink): an idle link (nothing failed, aborted or
-//!   unreleased; the last credit sent) goes on under its new peer rank. An
-//!   aborted one sent its final notice and is made afresh.
+//!   unreleased; the last credit sent) goes on under its new peer rank from
+//!   where it stands. A link that either end aborted (nothing else failed:
+//!   the queue pairs still work, the peer did not close) goes on through a
+//!   **resync**: once an end gives its resume point, every notice from the
+//!   peer is skipped until the peer's resync notice on that QP (the
+//!   receiver's on QP 0 for the sender, the sender's on every QP for the
+//!   receiver). The sender's `resume` waits (at most 10 s) until every
+//!   write of the old link completed, so that none lands in a slot after
+//!   the new link's, then posts a resync notice carrying its count on
+//!   every QP; the first one the receiver's progress thread sees restarts
+//!   its count of data notices from there (writes on one QP land in order,
+//!   so what follows a QP's resync is the new link's); the receiver's
+//!   `resume` posts its own resync and waits for the sender's on every QP.
+//!   What the receiver had not released is dropped; every slot is free.
 //!
 //! # Soft-RoCE: retransmissions can break a connection
 //!

@@ -15,6 +15,10 @@ use braid_core::transport::{RecvChannel, Resume, SendChannel, SlotBuf};
 use braid_core::types::MemKind;
 
 use crate::info::{unwrap_credit, Arrivals, Imm, CREDIT_MASK, MAX_SLOTS, TAG_MASK};
+
+/// How long a resume after an abort waits for the old link's writes to
+/// finish (sending end) or for the sender's resync notices (receiving end).
+const RESYNC_WAIT: Duration = Duration::from_secs(10);
 use crate::verbs::{self, Cq, Mr, Qp, Wc};
 use crate::NAME;
 
@@ -41,6 +45,7 @@ const OP_READY: u64 = 4;
 const OP_CLOSE: u64 = 5;
 const OP_ABORT: u64 = 6;
 const OP_KEEPALIVE: u64 = 7;
+const OP_RESYNC: u64 = 8;
 
 fn wr_id(op: u64, qp: usize, aux: u64) -> u64 {
     (op << 56) | ((qp as u64 & 0xff) << 48) | (aux & 0xffff_ffff_ffff)
@@ -55,6 +60,7 @@ fn op_name(op: u64) -> &'static str {
         OP_CLOSE => "RDMA write of the close notice",
         OP_ABORT => "RDMA write of the abort notice",
         OP_KEEPALIVE => "keep-alive RDMA write",
+        OP_RESYNC => "RDMA write of the resync notice",
         _ => "work request",
     }
 }
@@ -99,6 +105,13 @@ pub(crate) struct Shared {
     failed: AtomicBool,
     failure: Mutex<Option<Failure>>,
     stop: AtomicBool,
+    /// A resume after an abort: the QPs (bit per QP) whose peer's resync
+    /// notice has not come yet; every other notice on them is the old
+    /// link's and is skipped.
+    seeking: AtomicU32,
+    /// Receiver: the sender's count the resumed link goes on from, once
+    /// its first resync notice came.
+    resync_at: AtomicU64,
     /// Completion polling state: whoever holds the lock polls (the
     /// progress thread, or the engine's thread inline from the `poll_*`
     /// calls, so progress never waits for a thread to be scheduled when
@@ -112,6 +125,10 @@ struct Poller {
     wcs: Vec<Wc>,
     /// Receiver: the data notices seen so far.
     got: Arrivals,
+    /// Receiver resuming after an abort: the count it stood at, until the
+    /// sender's first resync notice says where the link goes on (then the
+    /// notices are counted afresh from there).
+    resync_base: Option<u64>,
 }
 
 impl std::fmt::Debug for Shared {
@@ -160,10 +177,13 @@ impl Shared {
             failed: AtomicBool::new(false),
             failure: Mutex::new(None),
             stop: AtomicBool::new(false),
+            seeking: AtomicU32::new(0),
+            resync_at: AtomicU64::new(0),
             poller: Mutex::new(Poller {
                 buf: vec![verbs::ibv_wc::default(); 32],
                 wcs: Vec::with_capacity(32),
                 got: Arrivals::new(slots),
+                resync_base: None,
             }),
         })
     }
@@ -178,6 +198,57 @@ impl Shared {
         !self.failed.load(Ordering::Acquire)
             && self.error().is_none()
             && !self.peer_closed.load(Ordering::Acquire)
+    }
+
+    /// Whether the link can be resynchronised after an abort: nothing
+    /// failed but an abort (the peer's, or none), the peer did not close.
+    fn resumable(&self) -> bool {
+        let g = self.failure.lock().unwrap_or_else(|p| p.into_inner());
+        matches!(*g, None | Some(Failure::PeerAborted(_)))
+            && !self.peer_closed.load(Ordering::Acquire)
+    }
+
+    /// Whether the peer said it aborted.
+    fn peer_aborted(&self) -> bool {
+        let g = self.failure.lock().unwrap_or_else(|p| p.into_inner());
+        matches!(*g, Some(Failure::PeerAborted(_)))
+    }
+
+    /// Forgets the peer's abort (a resynchronised resume).
+    fn forget_abort(&self) {
+        let mut g = self.failure.lock().unwrap_or_else(|p| p.into_inner());
+        if matches!(*g, Some(Failure::PeerAborted(_))) {
+            *g = None;
+            self.failed.store(false, Ordering::Release);
+        }
+    }
+
+    /// Every QP's bit in [`Shared::seeking`].
+    fn all_qps(&self) -> u32 {
+        (1u32 << self.qps.len()) - 1
+    }
+
+    /// Waits (polling) until `done` or a failure other than the peer's
+    /// abort, at most [`RESYNC_WAIT`]; `what` names the wait in the error.
+    fn wait_resync(&self, what: &'static str, done: impl Fn() -> bool) -> Result<()> {
+        let start = Instant::now();
+        while !done() {
+            if !self.resumable() {
+                return Err(self.error().unwrap_or_else(|| self.closed_err()));
+            }
+            if start.elapsed() >= RESYNC_WAIT {
+                return Err(CoreError::Timeout {
+                    transport: NAME,
+                    peer: self.peer(),
+                    waiting_for: what,
+                    after: start.elapsed(),
+                });
+            }
+            if self.progress_once() == 0 {
+                std::thread::sleep(Duration::from_micros(200));
+            }
+        }
+        Ok(())
     }
 
     fn fail(&self, f: Failure) {
@@ -366,7 +437,7 @@ impl Shared {
             return 0;
         }
         for wc in p.wcs.iter().copied() {
-            handle(self, wc, &mut p.got);
+            handle(self, wc, &mut p.got, &mut p.resync_base);
         }
         p.wcs.len()
     }
@@ -495,7 +566,7 @@ fn run_progress(me: Weak<DeviceProgress>) {
     }
 }
 
-fn handle(sh: &Shared, wc: Wc, got: &mut Arrivals) {
+fn handle(sh: &Shared, wc: Wc, got: &mut Arrivals, resync_base: &mut Option<u64>) {
     tracing::trace!(peer = sh.peer(), "IB completion {wc:?}");
     let op = wc.wr_id >> 56;
     let q = ((wc.wr_id >> 48) & 0xff) as usize;
@@ -559,6 +630,30 @@ fn handle(sh: &Shared, wc: Wc, got: &mut Arrivals) {
         ));
         return;
     };
+    let bit = 1u32 << q;
+    if sh.seeking.load(Ordering::Acquire) & bit != 0 {
+        // A resume after an abort: the notices before the peer's resync on
+        // this QP are the old link's.
+        match Imm::decode(imm) {
+            Ok(Imm::Resync(v)) => {
+                if let Some(base) = resync_base.take() {
+                    // The first: what follows on a QP that has its resync
+                    // is the new link's, counted from the sender's count.
+                    let at = unwrap_credit(base, v);
+                    *got = Arrivals::starting_at(sh.slots, at);
+                    for l in &sh.slot_len {
+                        l.store(0, Ordering::Release);
+                    }
+                    sh.resync_at.store(at, Ordering::Release);
+                }
+                sh.seeking.fetch_and(!bit, Ordering::AcqRel);
+            }
+            // A peer that dropped its end instead of resuming.
+            Ok(Imm::Close) => sh.peer_closed.store(true, Ordering::Release),
+            _ => {}
+        }
+        return;
+    }
     match Imm::decode(imm) {
         Ok(Imm::Data { slot, pieces, tag }) => match got.note(slot, pieces, tag) {
             Ok(false) => {}
@@ -594,6 +689,9 @@ fn handle(sh: &Shared, wc: Wc, got: &mut Arrivals) {
             sh.ready_in.fetch_add(1, Ordering::AcqRel);
         }
         Ok(Imm::Close) => sh.peer_closed.store(true, Ordering::Release),
+        Ok(Imm::Resync(_)) => sh.fail(Failure::Protocol(
+            "a resync notice on a link that is not resuming".into(),
+        )),
         Ok(Imm::Abort) => {
             let b = sh.ctrl.read_at(0, (wc.byte_len as usize).min(REASON_BYTES));
             sh.fail(Failure::PeerAborted(
@@ -640,6 +738,9 @@ pub(crate) struct IbSend {
     fifo: RemoteFifo,
     committed: u64,
     aborted: bool,
+    /// A resume point after an abort was given: the link waits for a
+    /// resync.
+    resyncing: bool,
     last_keepalive: Instant,
 }
 
@@ -670,6 +771,7 @@ impl IbSend {
             fifo,
             committed: 0,
             aborted: false,
+            resyncing: false,
             last_keepalive: Instant::now(),
         })
     }
@@ -840,10 +942,29 @@ impl SendChannel for IbSend {
         }
     }
 
-    /// An idle link can go on: nothing failed or aborted (an abort sends
-    /// the final notice: that link is made afresh), every message
-    /// released (the last credits get up to 200 ms to arrive).
+    /// An idle link goes on from where it stands: nothing failed or
+    /// aborted, every message released (the last credits get up to 200 ms
+    /// to arrive). After an abort (this end's or the peer's, nothing else
+    /// failed) it goes on through a resync, from what it committed; from
+    /// here on the receiver's notices are skipped up to its resync.
     fn resume_point(&mut self) -> Option<Resume> {
+        self.sh.progress_once();
+        if self.aborted || self.sh.peer_aborted() {
+            if !self.sh.resumable() {
+                return None;
+            }
+            if !self.resyncing {
+                // Once per resume: a second call must not wait for a
+                // resync that came already.
+                self.resyncing = true;
+                self.sh.seeking.store(1, Ordering::Release);
+            }
+            return Some(Resume {
+                count: self.committed,
+                drop_max: 0,
+                resync: true,
+            });
+        }
         let until = Instant::now() + Duration::from_millis(200);
         loop {
             self.sh.progress_once();
@@ -861,9 +982,52 @@ impl SendChannel for IbSend {
     }
 
     fn resume(&mut self, peer: u32, at: u64) -> Result<()> {
-        let point = self.resume_point();
-        Resume::expect(point, at, NAME, "the sending end")?;
+        if self.resyncing || self.aborted || self.sh.peer_aborted() {
+            if !self.resyncing {
+                let _ = self.resume_point();
+            }
+            self.resync(at)?;
+        } else {
+            Resume::expect(self.resume_point(), at, NAME, "the sending end")?;
+        }
         self.sh.peer.store(peer, Ordering::Relaxed);
+        Ok(())
+    }
+}
+
+impl IbSend {
+    /// Goes on after an abort from message `at`: waits until every write
+    /// of the old link has landed (so none lands in a slot after the new
+    /// link's), then posts a resync notice on every QP, behind which the
+    /// receiver counts the new link's notices from `at`; every slot is
+    /// free (the receiver drops what it did not release).
+    fn resync(&mut self, at: u64) -> Result<()> {
+        if at != self.committed {
+            return Err(CoreError::Unavailable {
+                transport: NAME,
+                reason: format!(
+                    "the sending end stands at message {}, not {at}: it cannot be kept",
+                    self.committed
+                ),
+            });
+        }
+        let sh = &self.sh;
+        sh.wait_resync("the old link's writes to finish", || {
+            sh.outstanding
+                .iter()
+                .all(|o| o.load(Ordering::Acquire) == 0)
+        })?;
+        sh.forget_abort();
+        sh.released.store(at, Ordering::Release);
+        for q in 0..sh.qps.len() {
+            sh.notice(
+                q,
+                OP_RESYNC,
+                Imm::Resync((at & u64::from(CREDIT_MASK)) as u32),
+            )?;
+        }
+        self.aborted = false;
+        self.resyncing = false;
         Ok(())
     }
 }
@@ -886,6 +1050,8 @@ pub(crate) struct IbRecv {
     head: u64,
     credit_pending: bool,
     aborted: bool,
+    /// As for the sending end.
+    resyncing: bool,
     last_keepalive: Instant,
 }
 
@@ -934,6 +1100,7 @@ impl IbRecv {
             head: 0,
             credit_pending: false,
             aborted: false,
+            resyncing: false,
             last_keepalive: Instant::now(),
         };
         for q in 0..me.sh.qps.len() {
@@ -1059,10 +1226,31 @@ impl RecvChannel for IbRecv {
         }
     }
 
-    /// An idle link can go on: nothing failed or aborted, nothing landed
-    /// that was not released; the last credit goes out first.
+    /// An idle link goes on from where it stands: nothing failed or
+    /// aborted, nothing landed that was not released; the last credit goes
+    /// out first. After an abort (this end's or the peer's, nothing else
+    /// failed) it goes on through a resync, dropping what it did not
+    /// release; from here on the sender's notices are skipped up to its
+    /// resync on each QP.
     fn resume_point(&mut self) -> Option<Resume> {
         self.sh.progress_once();
+        if self.aborted || self.sh.peer_aborted() {
+            if !self.sh.resumable() {
+                return None;
+            }
+            if !self.resyncing {
+                // Once per resume (as for the sending end).
+                self.resyncing = true;
+                let mut p = self.sh.poller.lock().unwrap_or_else(|e| e.into_inner());
+                p.resync_base = Some(self.head);
+                self.sh.seeking.store(self.sh.all_qps(), Ordering::Release);
+            }
+            return Some(Resume {
+                count: self.head,
+                drop_max: u64::MAX,
+                resync: true,
+            });
+        }
         if self.aborted || !self.sh.whole() {
             return None;
         }
@@ -1084,9 +1272,48 @@ impl RecvChannel for IbRecv {
     }
 
     fn resume(&mut self, peer: u32, at: u64) -> Result<()> {
-        let point = self.resume_point();
-        Resume::expect(point, at, NAME, "the receiving end")?;
+        if self.resyncing || self.aborted || self.sh.peer_aborted() {
+            if !self.resyncing {
+                let _ = self.resume_point();
+            }
+            self.resync(at)?;
+        } else {
+            Resume::expect(self.resume_point(), at, NAME, "the receiving end")?;
+        }
         self.sh.peer.store(peer, Ordering::Relaxed);
+        Ok(())
+    }
+}
+
+impl IbRecv {
+    /// Goes on after an abort from the sender's message `at`: posts a
+    /// resync notice on QP 0 (the sender skips this end's old credits and
+    /// abort up to it) and waits for the sender's on every QP; the first
+    /// of them started counting the new link's notices from `at` (the
+    /// progress thread did, see `handle`).
+    fn resync(&mut self, at: u64) -> Result<()> {
+        let sh = &self.sh;
+        sh.wait_resync("room on QP 0 for the resync notice", || sh.has_room(0, 1))?;
+        sh.notice(
+            0,
+            OP_RESYNC,
+            Imm::Resync((at & u64::from(CREDIT_MASK)) as u32),
+        )?;
+        sh.wait_resync("the sender's resync notices", || {
+            sh.seeking.load(Ordering::Acquire) == 0
+        })?;
+        let theirs = sh.resync_at.load(Ordering::Acquire);
+        if theirs != at {
+            return Err(CoreError::Protocol {
+                peer: sh.peer(),
+                detail: format!("IB link: the sender resumed at message {theirs}, not {at}"),
+            });
+        }
+        sh.forget_abort();
+        self.head = at;
+        self.credit_pending = false;
+        self.aborted = false;
+        self.resyncing = false;
         Ok(())
     }
 }

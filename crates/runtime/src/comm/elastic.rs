@@ -21,10 +21,11 @@
 //! committed and it did not read) and tells each member which of its links
 //! go on and from which message (round 2); each member then resumes those
 //! ends under their new ranks and hands them to the new communicator, which
-//! connects only the links it lacks. Links a transport cannot keep are
-//! made afresh: IB links after an abort (it sent the link's final notice),
-//! and any link whose ends would go on differently (one end resynchronises
-//! after an abort, the other stands idle: [`Resume::resync`]).
+//! connects only the links it lacks. Shared-memory, socket and IB links
+//! are kept also after an abort (socket and IB links resynchronise: see
+//! [`Resume::resync`]); a link whose ends would go on differently (one
+//! resynchronises, the other stands idle), whose peer died, or that failed
+//! otherwise is made afresh.
 //!
 //! [`SendChannel::resume_point`]: braid_core::transport::SendChannel::resume_point
 
