@@ -96,7 +96,10 @@ iters_for() { # SIZE-BYTES -> "iters warmup": each cell a run of its own with it
 declare -A mpiname=([all_reduce]=allreduce [all_gather]=allgather [reduce_scatter]=reducescatter
   [broadcast]=bcast [reduce]=reduce [alltoall]=alltoall)
 rounds=${ROUNDS:-2}
+rm -f "$out/load.txt"
 for round in $(seq "$rounds"); do
+  # The machine's load as each round starts (other work skews both sides).
+  echo "round $round: load $(cut -d' ' -f1-3 /proc/loadavg)" >>"$out/load.txt"
   for np in $nps; do
     mkdir -p "$out/mpi_np$np.r$round"
     rm -f "$out/mpi_np$np.r$round/mpi.csv"
@@ -200,6 +203,8 @@ print(f"\n{rounds} alternating rounds per side; us: each side's median round; me
       f"best: of the best rounds; out of place, Broadcast in place (as MPI_Bcast)")
 print(f"braid-perf on 2 MiB huge pages with BRAID_SINGLE_COPY_MIN_BYTES={os.environ.get('BRAID_SINGLE_COPY_MIN_BYTES')}; "
       f"the MPI with glibc malloc on transparent huge pages")
+print("load averages (1, 5, 15 min) as rounds started:", "; ".join(open(os.path.join(out, "load.txt")).read().split("\n")[:-1]),
+      "| at the end:", " ".join(open("/proc/loadavg").read().split()[:3]))
 PY
 [ "$sweep" = 1 ] || exit 0
 # Plots: braid's last round against the MPI's, one picture per collective
