@@ -34,7 +34,7 @@ system)
   fi
   MPI_VENV=
   MPICC=mpicc
-  MPI_NAME="Open MPI $(mpirun --version 2>/dev/null | head -n 1 | awk '{print $NF}')"
+  MPI_NAME="Open MPI $(mpirun --version 2>/dev/null | awk 'NR == 1 {print $NF}')"
   mpi_launch() {
     local np=$1; shift
     mpirun --allow-run-as-root --oversubscribe --mca pml ob1 --mca btl vader,self \
