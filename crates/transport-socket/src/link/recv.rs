@@ -877,6 +877,13 @@ impl SocketRecv {
             source: None,
         };
         sh.paused.store(true, Ordering::Release);
+        if !sh.health.resumable() {
+            // Something else failed since the resume point (a lost socket).
+            return Err(sh.health.error().unwrap_or(CoreError::Unavailable {
+                transport: NAME,
+                reason: "the link failed since its resume point: it cannot be kept".into(),
+            }));
+        }
         sh.health.reset();
         {
             let mut guard = lock(ctrl);

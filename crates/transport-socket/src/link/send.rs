@@ -470,6 +470,13 @@ impl SocketSend {
             });
         }
         let sh = &self.shared;
+        if !sh.health.resumable() {
+            // Something else failed since the resume point (a lost socket).
+            return Err(sh.health.error().unwrap_or(CoreError::Unavailable {
+                transport: NAME,
+                reason: "the link failed since its resume point: it cannot be kept".into(),
+            }));
+        }
         let mut cut = Vec::with_capacity(8 * sh.data.len());
         for d in sh.data.iter() {
             let mut tx = lock(d);
