@@ -1002,15 +1002,12 @@ impl IbSend {
     /// receiver counts the new link's notices from `at`; every slot is
     /// free (the receiver drops what it did not release).
     fn resync(&mut self, at: u64) -> Result<()> {
-        if at != self.committed {
-            return Err(CoreError::Unavailable {
-                transport: NAME,
-                reason: format!(
-                    "the sending end stands at message {}, not {at}: it cannot be kept",
-                    self.committed
-                ),
-            });
-        }
+        Resume::expect(
+            Some(Resume::at(self.committed)),
+            at,
+            NAME,
+            "the sending end",
+        )?;
         let sh = &self.sh;
         sh.wait_resync("the old link's writes to finish", || {
             sh.outstanding

@@ -870,6 +870,12 @@ impl SocketRecv {
             });
         };
         let until = Instant::now() + RESYNC_WAIT;
+        let late = |waiting_for: &'static str| CoreError::Timeout {
+            transport: NAME,
+            peer: self.peer,
+            waiting_for,
+            after: RESYNC_WAIT,
+        };
         let failed = |what: String| CoreError::Peer {
             transport: NAME,
             peer: self.peer,
@@ -924,12 +930,7 @@ impl SocketRecv {
                 return Err(e);
             }
             if Instant::now() >= until {
-                return Err(CoreError::Timeout {
-                    transport: NAME,
-                    peer: self.peer,
-                    waiting_for: "the sender's resync",
-                    after: RESYNC_WAIT,
-                });
+                return Err(late("the sender's resync"));
             }
             std::thread::sleep(Duration::from_micros(200));
         };
@@ -966,12 +967,7 @@ impl SocketRecv {
                     Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
                         drop(d);
                         if Instant::now() >= until {
-                            return Err(CoreError::Timeout {
-                                transport: NAME,
-                                peer: self.peer,
-                                waiting_for: "the old link's bytes before the sender's cut",
-                                after: RESYNC_WAIT,
-                            });
+                            return Err(late("the old link's bytes before the sender's cut"));
                         }
                         use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
                         let mut fds = [PollFd::new(watch.as_fd(), PollFlags::POLLIN)];

@@ -460,15 +460,12 @@ impl SocketSend {
     /// the old link up to there); the receiver's frames up to its own
     /// resync are skipped.
     fn resync(&mut self, at: u64) -> Result<()> {
-        if at != self.committed {
-            return Err(CoreError::Unavailable {
-                transport: NAME,
-                reason: format!(
-                    "the sending end stands at message {}, not {at}: it cannot be kept",
-                    self.committed
-                ),
-            });
-        }
+        Resume::expect(
+            Some(Resume::at(self.committed)),
+            at,
+            NAME,
+            "the sending end",
+        )?;
         let sh = &self.shared;
         if !sh.health.resumable() {
             // Something else failed since the resume point (a lost socket).
