@@ -957,6 +957,11 @@ impl SendChannel for IbSend {
                 // Once per resume: a second call must not wait for a
                 // resync that came already.
                 self.resyncing = true;
+                // Under the poller's lock: a completion the progress thread
+                // is handling right now (the receiver's abort, read before
+                // this store) sets its failure before the resync forgets
+                // it, and every later one sees the bit and is skipped.
+                let _p = self.sh.poller.lock().unwrap_or_else(|e| e.into_inner());
                 self.sh.seeking.store(1, Ordering::Release);
             }
             return Some(Resume {
@@ -1236,7 +1241,8 @@ impl RecvChannel for IbRecv {
                 return None;
             }
             if !self.resyncing {
-                // Once per resume (as for the sending end).
+                // Once per resume, under the poller's lock (as for the
+                // sending end).
                 self.resyncing = true;
                 let mut p = self.sh.poller.lock().unwrap_or_else(|e| e.into_inner());
                 p.resync_base = Some(self.head);
