@@ -24,9 +24,14 @@ pub const TRIAL_BUDGET_US: f64 = 2e6;
 
 /// The largest collective (bytes, as [`estimate`] counts them) whose
 /// candidates are timed: trials run on scratch buffers as large as the
-/// call's, and at this size and above the estimates are bandwidth terms,
-/// where the model is most reliable.
-pub const TRIAL_MAX_BYTES: usize = 16 << 20;
+/// call's. Up to here, because the bandwidth terms are not reliable either
+/// where the network stack's work competes with the reductions for the
+/// same cores: between two emulated hosts over TCP the model picks
+/// recursive doubling for a 64 MiB AllReduce (estimated a tie with the
+/// ring, both bound by the wire), which ran at 0.43-0.65 of iperf3's
+/// speed both ways where the ring ran at 0.76-0.96; DDP's default bucket
+/// (25 MiB) falls in this range too.
+pub const TRIAL_MAX_BYTES: usize = 64 << 20;
 
 /// How much timing the tuner may do: [`TRIAL_MARGIN`] and
 /// [`TRIAL_BUDGET_US`] unless a rules file sets them

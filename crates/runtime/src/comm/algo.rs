@@ -606,7 +606,8 @@ impl Communicator {
     /// One-way latency (µs), bandwidth (GB/s) and per-message CPU cost (µs
     /// at each end) of the slowest ring hop: every rank sends to its ring
     /// successor and receives from its predecessor at once — 8 rounds of
-    /// one 8-byte message, 4 of a burst of 16, 2 of 1 MiB — and the ranks
+    /// one 8-byte message, 4 of a burst of 16, 8 of 1 MiB (the fastest
+    /// counts) — and the ranks
     /// agree on the slowest (an AllReduce of the maxima). The ring leaves
     /// each host once, so this is one stream through each host's network
     /// interface; the burst's extra time per message is what every
@@ -628,6 +629,7 @@ impl Communicator {
         };
         const BIG: usize = 1 << 20;
         const BURST: usize = 16;
+        const BIG_ROUNDS: usize = 8;
         // `k` messages of `n` bytes each way.
         let shift = |k: usize, n: usize| -> Result<Program> {
             let mut ops = Vec::with_capacity(2 * k);
@@ -682,7 +684,12 @@ impl Communicator {
             .map(|_| round(self, st, BURST, 8))
             .collect::<Result<_>>()?;
         let burst = median(burst);
-        let big = (0..2)
+        // Fresh TCP connections take several megabytes to reach their
+        // speed (slow start, buffer autotuning): between two network
+        // namespaces here the first four 1 MiB rounds took 1.2-1.7 ms, the
+        // next ones 0.25-0.37 ms. Eight rounds (the fastest counts) keep
+        // the model from taking the warm-up for the wire.
+        let big = (0..BIG_ROUNDS)
             .map(|_| round(self, st, 1, BIG))
             .collect::<Result<Vec<f64>>>()?
             .into_iter()
