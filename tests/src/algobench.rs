@@ -40,7 +40,7 @@ impl Cell {
             "all_gather" => &["ring", "direct", "bruck"],
             "reduce_scatter" => &["ring", "bruck"],
             "broadcast" => &["ring", "direct", "tree"],
-            "reduce" => &["ring", "tree"],
+            "reduce" => &["ring", "tree", "rabenseifner"],
             _ => &[],
         }
     }

@@ -233,6 +233,36 @@ impl Case {
                 }
             }
             (Kind::Broadcast, _) => assert_eq!(total, (p - 1) * bytes, "{name}: volume"),
+            (Kind::Reduce, Algo::Rabenseifner) => {
+                // The reduce-scatter: the power-of-two core's pairs send
+                // each range once per halving step, (p' − 1)·S in all; the
+                // binomial gather: S/2 per step (blocks of equal size);
+                // the ranks above p' fold S each into the core, and the
+                // root gets S back if it is one of them.
+                let pp = core(p);
+                let pos = if self.ring.is_empty() {
+                    self.root
+                } else {
+                    self.ring
+                        .iter()
+                        .position(|&r| r as usize == self.root)
+                        .unwrap()
+                };
+                let root_extra = pos as u64 >= pp;
+                if self.count.is_multiple_of(pp as usize) {
+                    let want = (p - pp) * bytes
+                        + (pp - 1) * bytes
+                        + pp.trailing_zeros() as u64 * bytes / 2
+                        + if root_extra { bytes } else { 0 };
+                    assert_eq!(total, want, "{name}: total volume");
+                    let root_sent = if root_extra {
+                        bytes
+                    } else {
+                        (pp - 1) * bytes / pp
+                    };
+                    assert_eq!(sent[self.root], root_sent, "{name}: root sent");
+                }
+            }
             (Kind::Reduce, _) => {
                 assert_eq!(sent[self.root], 0, "{name}: root sends nothing");
                 assert_eq!(total, (p - 1) * bytes, "{name}: volume");

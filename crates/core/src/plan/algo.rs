@@ -91,7 +91,9 @@ pub enum Algo {
     /// Recursive doubling AllReduce: log2 p exchanges of the whole buffer.
     Rd,
     /// Rabenseifner's AllReduce: reduce-scatter by recursive halving,
-    /// all-gather by recursive doubling; 2 log2 p steps, ring volume.
+    /// all-gather by recursive doubling; 2 log2 p steps, ring volume. Its
+    /// Reduce gathers to the root instead: the root reduces 1/p of the
+    /// buffer, not all of it as at the end of the ring's chain.
     Rabenseifner,
     /// Trees: NCCL's double binary tree for AllReduce, binomial trees for
     /// Broadcast and Reduce.
@@ -150,7 +152,8 @@ impl Algo {
         match self {
             Algo::Ring => &[AllReduce, ReduceScatter, AllGather, Broadcast, Reduce],
             Algo::Direct => &[AllGather, Broadcast],
-            Algo::Rd | Algo::Rabenseifner | Algo::Hier => &[AllReduce],
+            Algo::Rabenseifner => &[AllReduce, Reduce],
+            Algo::Rd | Algo::Hier => &[AllReduce],
             Algo::Tree => &[AllReduce, Broadcast, Reduce],
             Algo::Bruck => &[AllGather, ReduceScatter],
         }

@@ -2,7 +2,8 @@
 //! all-gather by recursive doubling (Thakur, Rabenseifner and Gropp,
 //! "Optimization of collective communication operations in MPICH", 2005).
 //! 2·log2 p steps, and every rank sends 2(p−1)/p of the buffer, as the ring
-//! does.
+//! does. Its Reduce: the same reduce-scatter, then a binomial gather to the
+//! root (the large-message Reduce of MPICH's paper above).
 
 use super::*;
 
@@ -28,6 +29,34 @@ impl Ctx<'_> {
     /// was sent to, after the partner reduced it, so pieces may go by
     /// reference.
     pub(super) fn all_reduce_rabenseifner(&self, prog: &mut Program, count: usize) {
+        self.rabenseifner(prog, count, None)
+    }
+
+    /// Rabenseifner's Reduce: the AllReduce's reduce-scatter (and fold),
+    /// then a binomial gather of the reduced blocks toward the root instead
+    /// of the doubling steps. At gather step `m` (the halving steps
+    /// backwards) the rank on the far side of bit `m` from the root (or
+    /// from the partner a root above `p'` folded into) sends what it holds
+    /// and is done; its partner receives it. The root reduces a `1/p'`
+    /// share of the buffer where the ring's chain has it reduce all of it.
+    /// Other ranks keep their partial results in [`SCRATCH`]: their
+    /// receive buffer is not theirs to write.
+    pub(super) fn reduce_rabenseifner(&self, prog: &mut Program, count: usize, root: u32) {
+        let mine = self.ring_pos(root) == self.pos;
+        let ctx = Ctx {
+            ring: self.ring,
+            pos: self.pos,
+            p: self.p,
+            es: self.es,
+            piece: self.piece,
+            sbuf: self.sbuf,
+            rbuf: if mine { self.rbuf } else { SCRATCH },
+        };
+        ctx.rabenseifner(prog, count, Some(root))
+    }
+
+    /// Rabenseifner's AllReduce (`root` `None`) or Reduce (see above).
+    fn rabenseifner(&self, prog: &mut Program, count: usize, root: Option<u32>) {
         let p = self.p;
         if p == 1 {
             return self.whole_copy(prog, count);
@@ -36,12 +65,19 @@ impl Ctx<'_> {
         let pos = self.pos;
         let (sb, rb) = (self.sbuf, self.rbuf);
         let all = self.pieces(0, count);
+        // Reduce: the root's position and the rank below p' that gathers
+        // the result for it.
+        let rpos = root.map(|r| self.ring_pos(r));
+        let gets_result = rpos.is_none_or(|r| r == pos);
         if pos >= pp {
             let partner = self.ring[pos - pp];
             self.stage_sends(prog, partner, sb, &all);
-            self.stage_recvs(prog, partner, rb, &all);
+            if gets_result {
+                self.stage_recvs(prog, partner, rb, &all);
+            }
             return;
         }
+        let vroot = rpos.map(|r| if r >= pp { r - pp } else { r });
         let (extra, mut cur) = self.fold_in_extra(prog, pp, &all);
         // Element offset of block b of pp.
         let start = |b: usize| b * count / pp;
@@ -82,23 +118,35 @@ impl Ctx<'_> {
             let partner = self.ring[pos ^ mask];
             let (plo, phi) = ranges.pop().unwrap_or((0, pp));
             let (olo, ohi) = if lo == plo { (hi, phi) } else { (plo, lo) };
-            for (o, n) in range(lo, hi) {
-                prog.push_in_stage(Op::Send {
-                    to: partner,
-                    src: self.reg(rb, o, n),
-                });
+            // A Reduce's rank across bit `mask` from the root's gatherer
+            // hands its blocks over and is done.
+            let hands_over = vroot.is_some_and(|v| (pos ^ v) & mask != 0);
+            if vroot.is_none() || hands_over {
+                for (o, n) in range(lo, hi) {
+                    prog.push_in_stage(Op::Send {
+                        to: partner,
+                        src: self.reg(rb, o, n),
+                    });
+                }
             }
-            for (o, n) in range(olo, ohi) {
-                prog.push_in_stage(Op::Recv {
-                    from: partner,
-                    dst: self.reg(rb, o, n),
-                });
+            if !hands_over {
+                for (o, n) in range(olo, ohi) {
+                    prog.push_in_stage(Op::Recv {
+                        from: partner,
+                        dst: self.reg(rb, o, n),
+                    });
+                }
             }
             prog.end_stage();
+            if hands_over {
+                return;
+            }
             (lo, hi) = (plo, phi);
         }
         if let Some(e) = extra {
-            self.stage_sends(prog, e, rb, &all);
+            if rpos.is_none_or(|r| r == pos + pp) {
+                self.stage_sends(prog, e, rb, &all);
+            }
         }
     }
 

@@ -689,6 +689,9 @@ pub fn plan_with(
         (Algo::Rabenseifner, &Collective::AllReduce { count, .. }) => {
             ctx.all_reduce_rabenseifner(pr, count)
         }
+        (Algo::Rabenseifner, &Collective::Reduce { count, root, .. }) => {
+            ctx.reduce_rabenseifner(pr, count, root)
+        }
         (Algo::Tree, &Collective::AllReduce { count, .. }) => ctx.all_reduce_tree(pr, count, hosts),
         (Algo::Tree, &Collective::Broadcast { count, root }) => {
             ctx.broadcast_binomial(pr, count, root, hosts)

@@ -280,6 +280,14 @@ impl Model<'_> {
 
     /// Rabenseifner over `p` ranks.
     fn rab(&self, p: usize, bytes: f64) -> f64 {
+        self.halving(p, bytes, false)
+    }
+
+    /// Rabenseifner's AllReduce over `p` ranks, or with `reduce` its
+    /// Reduce: the gather to the root costs as the all-gather's steps do
+    /// (each moves the same range, one way), the result goes back to a
+    /// folded root only.
+    fn halving(&self, p: usize, bytes: f64, reduce: bool) -> f64 {
         if p <= 1 {
             return 0.0;
         }
@@ -303,7 +311,7 @@ impl Model<'_> {
         }
         st.extend(rs);
         st.extend(ag);
-        if pp < p {
+        if pp < p && !reduce {
             st.push(fold);
         }
         self.steps(&st)
@@ -633,6 +641,7 @@ impl Model<'_> {
             (CollKind::Reduce, Algo::Ring) => self.ring_chain(bytes, true, self.s.piece),
             (CollKind::Broadcast, Algo::Tree) => self.binomial(bytes, false, self.s.move_piece),
             (CollKind::Reduce, Algo::Tree) => self.binomial(bytes, true, self.s.piece),
+            (CollKind::Reduce, Algo::Rabenseifner) => self.halving(p, bytes, true),
             _ => f64::INFINITY,
         }
     }
