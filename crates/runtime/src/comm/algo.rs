@@ -607,8 +607,8 @@ impl Communicator {
     /// at each end) of the slowest ring hop: every rank sends to its ring
     /// successor and receives from its predecessor at once — 8 rounds of
     /// one 8-byte message, 4 of a burst of 16, 8 of 1 MiB (the fastest
-    /// counts) — and the ranks
-    /// agree on the slowest (an AllReduce of the maxima). The ring leaves
+    /// counts) — and the ranks agree on the slowest (an AllReduce of the
+    /// maxima). The ring leaves
     /// each host once, so this is one stream through each host's network
     /// interface; the burst's extra time per message is what every
     /// message costs the CPUs at both ends while all ranks send at once

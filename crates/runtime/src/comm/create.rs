@@ -247,7 +247,7 @@ impl Communicator {
             oversubscribed = oversub,
             "braid: waits {}",
             if oversub {
-                "sleep at once (ranks here share CPUs)"
+                "yield up to 200 times, then sleep (ranks here share CPUs)"
             } else {
                 "spin up to 50 µs, then sleep"
             }
@@ -296,6 +296,7 @@ impl Communicator {
                 policy: WaitPolicy {
                     timeout,
                     spin: spin_budget(settings.spin, oversub),
+                    yields: yield_budget(settings.spin, oversub),
                     stall_warn: progress::stall_warn(settings.stall_warn, timeout),
                 },
                 abort,

@@ -26,6 +26,21 @@ pub(super) fn spin_budget(set: Option<u32>, oversubscribed: bool) -> u32 {
     })
 }
 
+/// How many times a waiting rank yields the CPU after its spin, before it
+/// sleeps: where ranks share CPUs (see [`spin_budget`]) the rank it waits
+/// for is likely runnable on this core, and a yield hands the core over
+/// at once. None otherwise, or with `BRAID_SPIN` set (`set`).
+pub(super) fn yield_budget(set: Option<u32>, oversubscribed: bool) -> u32 {
+    if oversubscribed && set.is_none() {
+        OVERSUBSCRIBED_YIELDS
+    } else {
+        0
+    }
+}
+
+/// [`yield_budget`] where ranks share CPUs.
+pub(super) const OVERSUBSCRIBED_YIELDS: u32 = 200;
+
 /// Whether this rank shares CPUs with more ranks than those CPUs can run at
 /// once. `sets` holds the CPUs each rank on this host may run on (`None`:
 /// unknown, taken as all `online` CPUs); `me` indexes ours. The ranks whose
@@ -156,6 +171,20 @@ mod tests {
 
     fn cpus(list: &str) -> Option<CpuSet> {
         Some(CpuSet::from_list(list).unwrap())
+    }
+
+    /// Ranks sharing CPUs spin not at all and yield before they sleep;
+    /// others spin and do not yield; BRAID_SPIN decides alone when set.
+    #[test]
+    fn sharing_ranks_yield_instead_of_spinning() {
+        assert_eq!(spin_budget(None, true), 0);
+        assert_eq!(yield_budget(None, true), OVERSUBSCRIBED_YIELDS);
+        assert!(spin_budget(None, false) > 0);
+        assert_eq!(yield_budget(None, false), 0);
+        assert_eq!(
+            (spin_budget(Some(7), true), yield_budget(Some(7), true)),
+            (7, 0)
+        );
     }
 
     #[test]
