@@ -218,7 +218,8 @@ pub(crate) struct Waiter<'a> {
     peer_error: Option<CoreError>,
     /// Sleeps on doorbells so far (for tests).
     pub(crate) sleeps: u64,
-    /// On ends without a doorbell: yields and short sleeps so far (tests).
+    /// Yields (before a doorbell sleep, or on ends without a doorbell)
+    /// and short sleeps so far (tests).
     pub(crate) yields: u64,
     pub(crate) naps: u64,
 }
@@ -956,8 +957,10 @@ mod tests {
             .join()
             .unwrap()
         };
+        // Fewer only if this thread was held off the CPU past YIELD_MAX
+        // (a loaded machine); never more.
         let (yields, sleeps) = wait(false);
-        assert_eq!(yields, 5, "caller: {sleeps} sleeps");
+        assert!((1..=5).contains(&yields), "caller: {yields} yields");
         assert!(sleeps >= 1, "caller never slept");
         let (yields, sleeps) = wait(true);
         assert_eq!(yields, 0, "background: {sleeps} sleeps");
