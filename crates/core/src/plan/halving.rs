@@ -65,8 +65,8 @@ impl Ctx<'_> {
         let pos = self.pos;
         let (sb, rb) = (self.sbuf, self.rbuf);
         let all = self.pieces(0, count);
-        // Reduce: the root's position and the rank below p' that gathers
-        // the result for it.
+        // Reduce: the root's ring position (`vroot` below: the rank under
+        // p' that gathers the result for it).
         let rpos = root.map(|r| self.ring_pos(r));
         let gets_result = rpos.is_none_or(|r| r == pos);
         if pos >= pp {
