@@ -381,9 +381,9 @@ impl Communicator {
     /// (`tune::runs_within`) follow, each after a barrier; the ranks agree
     /// on each one's slowest time and take the fastest. Answers once per
     /// collective kind and size class (the bit length of its bytes).
-    /// `None`: no trial (measuring is off, a clear winner, or too costly
-    /// to time by the estimates or by the first runs). `call`: as for
-    /// [`Communicator::pick`].
+    /// `None`: no trial (measuring is off, the communicator is being
+    /// created, a clear winner, or too costly to time by the estimates or
+    /// by the first runs). `call`: as for [`Communicator::pick`].
     fn timed(
         &self,
         st: &mut State,
@@ -399,6 +399,15 @@ impl Communicator {
         let (true, Some(kind)) = (a.measure, CollKind::of(coll)) else {
             return Ok(None);
         };
+        // At creation (`call` is `None`) programs are planned only to learn
+        // which links to connect, the AllReduce among them at 64 MiB: no
+        // trial there (with trials up to 64 MiB, one ran in every
+        // communicator's creation and took a shrink on 2 emulated hosts
+        // from 16 ms to 0.9 s). The first call of that size class times
+        // them.
+        if call.is_none() {
+            return Ok(None);
+        }
         let bytes = coll_bytes(coll, dt, sh.nranks) as usize;
         let class = tune::size_class(bytes);
         if let Some(&(_, _, c)) = st
@@ -606,7 +615,7 @@ impl Communicator {
     /// One-way latency (µs), bandwidth (GB/s) and per-message CPU cost (µs
     /// at each end) of the slowest ring hop: every rank sends to its ring
     /// successor and receives from its predecessor at once — 8 rounds of
-    /// one 8-byte message, 4 of a burst of 16, 8 of 1 MiB (the fastest
+    /// one 8-byte message, 4 of a burst of 16, 2 of 1 MiB (the fastest
     /// counts) — and the ranks agree on the slowest (an AllReduce of the
     /// maxima). The ring leaves
     /// each host once, so this is one stream through each host's network
@@ -629,7 +638,7 @@ impl Communicator {
         };
         const BIG: usize = 1 << 20;
         const BURST: usize = 16;
-        const BIG_ROUNDS: usize = 8;
+        const BIG_ROUNDS: usize = 2;
         // `k` messages of `n` bytes each way.
         let shift = |k: usize, n: usize| -> Result<Program> {
             let mut ops = Vec::with_capacity(2 * k);
@@ -687,8 +696,13 @@ impl Communicator {
         // Fresh TCP connections take several megabytes to reach their
         // speed (slow start, buffer autotuning): between two network
         // namespaces here the first four 1 MiB rounds took 1.2-1.7 ms, the
-        // next ones 0.25-0.37 ms. Eight rounds (the fastest counts) keep
-        // the model from taking the warm-up for the wire.
+        // next ones 0.25-0.37 ms, so two rounds put the network at 0.43
+        // GB/s where iperf3 measured 2.6 (eight measured 2.6-4.3). Eight
+        // cost too much where it matters most, though: a communicator made
+        // by a shrink measures again, and on 4-16 ranks over sockets on 2
+        // cores eight rounds took the kill-to-recovered time from 15-100
+        // ms to 0.65-1.6 s. Two stay; the trials (up to 64 MiB) time the
+        // close candidates where the model's bandwidth is off.
         let big = (0..BIG_ROUNDS)
             .map(|_| round(self, st, 1, BIG))
             .collect::<Result<Vec<f64>>>()?

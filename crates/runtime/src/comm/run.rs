@@ -498,7 +498,9 @@ impl Communicator {
                 Planned::new(plan::plan(coll, dt, &params)?, single_copy, algo, false)
             }
         };
-        if cacheable {
+        // Plans made at creation (`call` is `None`) are not kept: they skip
+        // the tuner's trials, which the first call of their shape runs.
+        if cacheable && call.is_some() {
             if st.cache.len() >= 256 {
                 st.cache.clear();
             }
