@@ -698,11 +698,13 @@ impl Communicator {
         // namespaces here the first four 1 MiB rounds took 1.2-1.7 ms, the
         // next ones 0.25-0.37 ms, so two rounds put the network at 0.43
         // GB/s where iperf3 measured 2.6 (eight measured 2.6-4.3). Eight
-        // cost too much where it matters most, though: a communicator made
-        // by a shrink measures again, and on 4-16 ranks over sockets on 2
-        // cores eight rounds took the kill-to-recovered time from 15-100
-        // ms to 0.65-1.6 s. Two stay; the trials (up to 64 MiB) time the
-        // close candidates where the model's bandwidth is off.
+        // were tried and dropped: this runs again in a communicator made by
+        // a shrink, and with them (together with a trial that then ran at
+        // creation, removed since; the two were not measured apart) the
+        // kill-to-recovered time over sockets on 4-16 ranks on 2 cores
+        // grew from 15-100 ms to 0.65-1.6 s. Two stay; the trials (up to
+        // 64 MiB) time the close candidates where the model's bandwidth
+        // is off.
         let big = (0..BIG_ROUNDS)
             .map(|_| round(self, st, 1, BIG))
             .collect::<Result<Vec<f64>>>()?
