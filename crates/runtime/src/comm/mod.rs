@@ -165,6 +165,15 @@ impl Shared {
         )
     }
 
+    /// A revocation learned from an operation's failure (a peer's abort
+    /// naming it): marks this communicator revoked, as the revoker's notice
+    /// does, without touching the links (the failing operation aborts
+    /// them).
+    fn revoked_here(&self, why: &str) {
+        let _ = self.abort_why.set(why.to_string());
+        self.abort.store(true, Ordering::SeqCst);
+    }
+
     /// A notice from rank `from` that it revoked this communicator.
     fn revoked_by(&self, from: u32, reason: &str) {
         if from < self.nranks && from != self.rank && reason.contains(elastic::REVOKED) {

@@ -359,6 +359,12 @@ impl Communicator {
             CoreError::Aborted(why) if why.contains(REVOKED) => why.clone(),
             other => format!("rank {}: {other}", sh.rank),
         };
+        if origin.contains(REVOKED) {
+            // A revocation that reached this rank over a link before the
+            // revoker's notice did: the communicator is revoked here too
+            // (`is_revoked`), as the notice would make it.
+            sh.revoked_here(&origin);
+        }
         st.chans.abort_all(&origin);
         st.broken = Some(msg);
         Error::Operation {
