@@ -174,6 +174,16 @@ pub(crate) fn set_background(on: bool) {
 /// The longest a wait yields ([`WaitPolicy::yields`]) before it sleeps.
 pub(crate) const YIELD_MAX: Duration = Duration::from_millis(1);
 
+/// How often a wait checks its peers' liveness (`check_peer`: on shm a
+/// `kill(pid, 0)` and a read of `/proc/<pid>/stat`, some microseconds of
+/// system calls). The first check comes this long after an operation first
+/// waited, not at once: checking at every wait's start cost each 8-byte
+/// AllReduce of 4 ranks sharing 2 cores tens of microseconds (85% of the
+/// run's CPU time in the kernel, reading `/proc`), where ranks wait at
+/// every step. A dead peer is still found within this, or within a
+/// doorbell sleep ([`SLEEP_MAX`]), of the wait that needs it.
+pub(crate) const CHECK_EVERY: Duration = Duration::from_millis(2);
+
 /// The longest sleep on a doorbell: a dead peer never rings, and the abort
 /// flag is a plain store, so the waiter looks at both at least this often.
 const SLEEP_MAX: Duration = Duration::from_millis(5);
@@ -198,7 +208,13 @@ pub(crate) struct Waiter<'a> {
     /// When this wait's spin began (read every 64 iterations).
     spin_start: Option<Instant>,
     since: Option<Instant>,
+    /// When the peers' liveness was last checked (or, before the first
+    /// check, when this operation first waited): checked every
+    /// [`CHECK_EVERY`] of waiting, never on a wait's first idle call.
     last_check: Option<Instant>,
+    /// Check at the next call whatever the time (a sending end's failure
+    /// seen once, to be confirmed).
+    recheck: bool,
     /// The stage being run (for the progress record).
     pub(crate) stage: usize,
     /// The current wait was published / logged as a stall.
@@ -247,6 +263,7 @@ impl<'a> Waiter<'a> {
             spin_start: None,
             since: None,
             last_check: None,
+            recheck: false,
             stage: 0,
             published: false,
             warned: false,
@@ -369,10 +386,9 @@ impl<'a> Waiter<'a> {
             self.disarm(chans);
             return Err(CoreError::Aborted("the communicator was aborted".into()));
         }
-        if self
-            .last_check
-            .is_none_or(|t| now.duration_since(t) >= Duration::from_millis(2))
-        {
+        let last = *self.last_check.get_or_insert(now);
+        if self.recheck || now.duration_since(last) >= CHECK_EVERY {
+            self.recheck = false;
             self.last_check = Some(now);
             for &Blocked { peer, wait: what } in blocked {
                 let r = if what != Wait::Data {
@@ -385,7 +401,7 @@ impl<'a> Waiter<'a> {
                         // Poll once more before failing (see `peer_error`),
                         // and check again at the next call.
                         self.peer_error = Some(e);
-                        self.last_check = None;
+                        self.recheck = true;
                         return Ok(());
                     }
                     self.disarm(chans);
@@ -1037,5 +1053,112 @@ mod tests {
         let e = run_stages(&prog, &mut chans(2), &mut waiter, &mut s).unwrap_err();
         assert!(matches!(e, CoreError::Aborted(_)), "{e}");
         assert!(t0.elapsed() < Duration::from_secs(5));
+    }
+
+    /// A receiving end that counts its liveness checks and, once `dead`,
+    /// fails them as a gone peer process would.
+    struct Checked {
+        peer: u32,
+        checks: Arc<std::sync::atomic::AtomicUsize>,
+        dead: bool,
+    }
+
+    impl RecvChannel for Checked {
+        fn peer(&self) -> u32 {
+            self.peer
+        }
+        fn transport(&self) -> &'static str {
+            "fake"
+        }
+        fn mem_kind(&self) -> MemKind {
+            MemKind::Host
+        }
+        fn slot_bytes(&self) -> usize {
+            4096
+        }
+        fn poll_peek(&mut self) -> braid_core::error::Result<Option<(SlotBuf, usize)>> {
+            Ok(None)
+        }
+        fn release(&mut self) -> braid_core::error::Result<()> {
+            Ok(())
+        }
+        fn check_peer(&mut self) -> braid_core::error::Result<()> {
+            self.checks.fetch_add(1, Ordering::SeqCst);
+            if self.dead {
+                return Err(CoreError::Peer {
+                    transport: "fake",
+                    peer: self.peer,
+                    what: "process 4242 is gone".into(),
+                    source: None,
+                });
+            }
+            Ok(())
+        }
+        fn abort(&mut self, _: &str) {}
+    }
+
+    /// Short waits do not check the peers' liveness (a system call or two
+    /// each on shm): operations whose every wait lasts a few polls, each
+    /// with a waiter of its own as the engine makes them, run without a
+    /// check. When a wait lasts, the peer is checked, and a dead one ends
+    /// it with the peer's error long before the timeout.
+    #[test]
+    fn liveness_is_checked_when_a_wait_lasts_not_at_every_wait() {
+        let checks = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let mut ch = chans(2);
+        ch.recv[1] = Some(Box::new(Checked {
+            peer: 1,
+            checks: checks.clone(),
+            dead: false,
+        }));
+        let policy = WaitPolicy {
+            spin: 0,
+            yields: 0,
+            ..WaitPolicy::default()
+        };
+        let abort = AtomicBool::new(false);
+        let ops = 100;
+        for _ in 0..ops {
+            let prog = program(vec![vec![recv(1)]]);
+            let mut waiter = Waiter::new(&policy, &abort, None);
+            let mut s = Script {
+                tries: vec![0; 2],
+                ready: vec![0, 2],
+                ran: Vec::new(),
+            };
+            run_stages(&prog, &mut ch, &mut waiter, &mut s).unwrap();
+            assert_eq!(s.ran, [1]);
+        }
+        // Checking at each operation's first wait made 100. A loaded
+        // machine may stretch a few waits past CHECK_EVERY.
+        let n = checks.load(Ordering::SeqCst);
+        assert!(
+            n <= ops / 10,
+            "{n} liveness checks in {ops} short operations"
+        );
+
+        ch.recv[1] = Some(Box::new(Checked {
+            peer: 1,
+            checks: checks.clone(),
+            dead: true,
+        }));
+        let policy = WaitPolicy {
+            timeout: Duration::from_secs(20),
+            ..policy
+        };
+        let prog = program(vec![vec![recv(1)]]);
+        let mut waiter = Waiter::new(&policy, &abort, None);
+        let mut s = Script {
+            tries: vec![0; 2],
+            ready: vec![0, u32::MAX],
+            ran: Vec::new(),
+        };
+        let t0 = Instant::now();
+        let e = run_stages(&prog, &mut ch, &mut waiter, &mut s).unwrap_err();
+        assert!(
+            matches!(e, CoreError::Peer { peer: 1, .. }),
+            "expected the dead peer's error, got {e}"
+        );
+        assert!(t0.elapsed() < Duration::from_secs(5), "{:?}", t0.elapsed());
     }
 }
