@@ -453,15 +453,19 @@ impl<'a> Waiter<'a> {
                 after: waited,
             });
         }
-        let same = self.armed.len() == blocked.len()
-            && self.armed.iter().zip(blocked).all(|(a, b)| a.0 == *b);
-        if same && self.yielded < self.yield_budget && waited < YIELD_MAX {
-            // Still armed: the peer's ring while we yield is harmless.
+        if self.armed.is_empty() && self.yielded < self.yield_budget && waited < YIELD_MAX {
+            // Yield before arming the doorbells, polling after each yield:
+            // a peer that publishes meanwhile has nobody to wake (a futex
+            // system call on its side). 4 ranks on 2 cores, 8-byte
+            // AllReduce: median 7.2 µs (5.8-11.7) against 10.9 (7.3-16.5)
+            // yielding armed, 5 alternated runs.
             self.yielded += 1;
             self.yields += 1;
             std::thread::yield_now();
             return Ok(());
         }
+        let same = self.armed.len() == blocked.len()
+            && self.armed.iter().zip(blocked).all(|(a, b)| a.0 == *b);
         if same {
             // Armed before the poll that just found these ends blocked:
             // anything that moves now rings.
