@@ -113,3 +113,46 @@ fn default_collectives_use_few_links() {
         }
     }
 }
+
+/// A small AllToAll (blocks up to 1 KiB) is one op per stage, in the
+/// pairwise order (sends to `rank + s`, our own copy, receives from
+/// `rank − s`), so the host engine's small-message fast path runs it; a
+/// larger one stays one stage, where the executor moves whichever piece is
+/// ready (a rank's sends through slots must not wait for its receives).
+#[test]
+fn small_alltoall_is_one_op_per_stage_and_large_one_stage() {
+    use braid_core::plan::Op;
+    for p in 2..=6u32 {
+        for (count, small) in [(1usize, true), (256, true), (257, false), (100_000, false)] {
+            for r in 0..p {
+                let prog = plan(
+                    &Collective::AllToAll { count },
+                    DataType::F32,
+                    &PlanParams::new(r, p, 4096),
+                )
+                .expect("plan");
+                if small {
+                    assert_eq!(prog.stage_ends.len(), prog.ops.len(), "p={p} count={count}");
+                    let want: Vec<String> = (1..p)
+                        .map(|s| format!("send {}", (r + s) % p))
+                        .chain(std::iter::once("copy".to_string()))
+                        .chain((1..p).map(|s| format!("recv {}", (r + p - s) % p)))
+                        .collect();
+                    let got: Vec<String> = prog
+                        .ops
+                        .iter()
+                        .map(|op| match op {
+                            Op::Send { to, .. } => format!("send {to}"),
+                            Op::Recv { from, .. } => format!("recv {from}"),
+                            Op::Copy { .. } => "copy".to_string(),
+                            other => format!("{other:?}"),
+                        })
+                        .collect();
+                    assert_eq!(got, want, "p={p} r={r} count={count}");
+                } else {
+                    assert_eq!(prog.stage_ends.len(), 1, "p={p} count={count}");
+                }
+            }
+        }
+    }
+}
