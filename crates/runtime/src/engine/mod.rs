@@ -672,10 +672,22 @@ mod tests {
     use braid_core::types::MemKind;
     use std::sync::Arc;
 
-    /// A link end that is always alive and never moves anything itself;
-    /// as a receiving end, with a doorbell if given one (rung by whoever
-    /// makes the data arrive).
-    struct Idle(u32, Option<Arc<braid_core::transport::Doorbell>>);
+    /// A link end that never moves anything itself and is alive unless
+    /// told otherwise; as a receiving end, with a doorbell if given one
+    /// (rung by whoever makes the data arrive), and counting its liveness
+    /// checks if given a [`Liveness`].
+    struct Idle(
+        u32,
+        Option<Arc<braid_core::transport::Doorbell>>,
+        Option<Liveness>,
+    );
+
+    /// A receiving end's liveness checks so far, and whether they fail as
+    /// a gone peer process would.
+    struct Liveness {
+        checks: Arc<std::sync::atomic::AtomicUsize>,
+        dead: bool,
+    }
 
     impl SendChannel for Idle {
         fn peer(&self) -> u32 {
@@ -728,6 +740,16 @@ mod tests {
             Ok(())
         }
         fn check_peer(&mut self) -> braid_core::error::Result<()> {
+            let Some(l) = &self.2 else { return Ok(()) };
+            l.checks.fetch_add(1, Ordering::SeqCst);
+            if l.dead {
+                return Err(CoreError::Peer {
+                    transport: "fake",
+                    peer: self.0,
+                    what: "process 4242 is gone".into(),
+                    source: None,
+                });
+            }
             Ok(())
         }
         fn abort(&mut self, _: &str) {}
@@ -744,10 +766,10 @@ mod tests {
     fn chans(p: u32) -> Channels {
         Channels {
             send: (0..p)
-                .map(|q| Some(Box::new(Idle(q, None)) as Box<dyn SendChannel>))
+                .map(|q| Some(Box::new(Idle(q, None, None)) as Box<dyn SendChannel>))
                 .collect(),
             recv: (0..p)
-                .map(|q| Some(Box::new(Idle(q, None)) as Box<dyn RecvChannel>))
+                .map(|q| Some(Box::new(Idle(q, None, None)) as Box<dyn RecvChannel>))
                 .collect(),
             scratch: Vec::new(),
         }
@@ -911,7 +933,7 @@ mod tests {
         let ready = Arc::new(AtomicBool::new(false));
         let bell = Arc::new(braid_core::transport::Doorbell::new());
         let mut ch = chans(2);
-        ch.recv[1] = Some(Box::new(Idle(1, Some(bell.clone()))));
+        ch.recv[1] = Some(Box::new(Idle(1, Some(bell.clone()), None)));
         let (r2, b2) = (ready.clone(), bell.clone());
         let peer = std::thread::spawn(move || {
             std::thread::sleep(Duration::from_millis(300));
@@ -955,7 +977,7 @@ mod tests {
                 let ready = Arc::new(AtomicBool::new(false));
                 let bell = Arc::new(braid_core::transport::Doorbell::new());
                 let mut ch = chans(2);
-                ch.recv[1] = Some(Box::new(Idle(1, Some(bell.clone()))));
+                ch.recv[1] = Some(Box::new(Idle(1, Some(bell.clone()), None)));
                 let (r2, b2) = (ready.clone(), bell.clone());
                 let peer = std::thread::spawn(move || {
                     std::thread::sleep(Duration::from_millis(50));
@@ -1059,48 +1081,6 @@ mod tests {
         assert!(t0.elapsed() < Duration::from_secs(5));
     }
 
-    /// A receiving end that counts its liveness checks and, once `dead`,
-    /// fails them as a gone peer process would.
-    struct Checked {
-        peer: u32,
-        checks: Arc<std::sync::atomic::AtomicUsize>,
-        dead: bool,
-    }
-
-    impl RecvChannel for Checked {
-        fn peer(&self) -> u32 {
-            self.peer
-        }
-        fn transport(&self) -> &'static str {
-            "fake"
-        }
-        fn mem_kind(&self) -> MemKind {
-            MemKind::Host
-        }
-        fn slot_bytes(&self) -> usize {
-            4096
-        }
-        fn poll_peek(&mut self) -> braid_core::error::Result<Option<(SlotBuf, usize)>> {
-            Ok(None)
-        }
-        fn release(&mut self) -> braid_core::error::Result<()> {
-            Ok(())
-        }
-        fn check_peer(&mut self) -> braid_core::error::Result<()> {
-            self.checks.fetch_add(1, Ordering::SeqCst);
-            if self.dead {
-                return Err(CoreError::Peer {
-                    transport: "fake",
-                    peer: self.peer,
-                    what: "process 4242 is gone".into(),
-                    source: None,
-                });
-            }
-            Ok(())
-        }
-        fn abort(&mut self, _: &str) {}
-    }
-
     /// Short waits do not check the peers' liveness (a system call or two
     /// each on shm): operations whose every wait lasts a few polls, each
     /// with a waiter of its own as the engine makes them, run without a
@@ -1110,11 +1090,14 @@ mod tests {
     fn liveness_is_checked_when_a_wait_lasts_not_at_every_wait() {
         let checks = Arc::new(std::sync::atomic::AtomicUsize::new(0));
         let mut ch = chans(2);
-        ch.recv[1] = Some(Box::new(Checked {
-            peer: 1,
-            checks: checks.clone(),
-            dead: false,
-        }));
+        ch.recv[1] = Some(Box::new(Idle(
+            1,
+            None,
+            Some(Liveness {
+                checks: checks.clone(),
+                dead: false,
+            }),
+        )));
         let policy = WaitPolicy {
             spin: 0,
             yields: 0,
@@ -1141,11 +1124,14 @@ mod tests {
             "{n} liveness checks in {ops} short operations"
         );
 
-        ch.recv[1] = Some(Box::new(Checked {
-            peer: 1,
-            checks: checks.clone(),
-            dead: true,
-        }));
+        ch.recv[1] = Some(Box::new(Idle(
+            1,
+            None,
+            Some(Liveness {
+                checks: checks.clone(),
+                dead: true,
+            }),
+        )));
         let policy = WaitPolicy {
             timeout: Duration::from_secs(20),
             ..policy
