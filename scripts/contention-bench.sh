@@ -66,13 +66,17 @@ for c in $colls; do
         for s in $sizes; do
             n=$(bytes "$s")
             # nccl-tests' sizes: the whole array for AllGather/ReduceScatter.
-            iters=$((n >= 16777216 ? 5 : n >= 1048576 ? 20 : 200))
-            "$perf" "$c" -np "$np" -b "$s" -e "$s" -n "$iters" -w 3 -H 1 2>/dev/null |
+            # Both sides time each size for 0.2 s (braid -D, the MPI
+            # benchmark -T without its 2000-iteration cap), so both average
+            # over as many scheduler slices: a few hundred iterations of an
+            # 8-byte call last under a millisecond, one slice or none.
+            iters=$((n >= 16777216 ? 3 : n >= 1048576 ? 10 : 100))
+            "$perf" "$c" -np "$np" -b "$s" -e "$s" -n "$iters" -D 0.2 -w 3 -H 1 2>/dev/null |
                 awk -v s="$n" '/^ +[0-9]/ {print s, $6; exit}' >>"$out/braid_$c"
         done
         mpirun --allow-run-as-root --oversubscribe --mca pml ob1 --mca btl vader,self \
             -x GLIBC_TUNABLES=glibc.malloc.hugetlb=1 -np "$np" \
-            "$build/mpi_coll_bench" -c "${mpiname[$c]}" -l "$(echo "$sizes" | tr ' ' ',')" -T 0.2 -H 1 2>/dev/null |
+            "$build/mpi_coll_bench" -c "${mpiname[$c]}" -l "$(echo "$sizes" | tr ' ' ',')" -T 0.2 -n 100000000 -H 1 2>/dev/null |
             awk '/^ +[0-9]/ {print $1, $6}' >>"$out/mpi_$c"
     done
     echo "# $c: median time per call (us)"

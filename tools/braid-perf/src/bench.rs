@@ -8,7 +8,7 @@ use std::time::Instant;
 use braid::{Collective, Communicator, CudaComm, DataType, RedOp};
 use braid_core::reference::{self, GARBAGE};
 
-use crate::cli::{Average, Bench, Opts, RootSel, Step, Timing};
+use crate::cli::{Average, Bench, Opts, RootSel, Step, Timing, MAX_DURATION_ITERS};
 use crate::format::{self, Meas};
 use crate::report::{JsonMeas, Report, Row};
 
@@ -704,6 +704,9 @@ impl<'a> Runner<'a> {
             Timing::Blocking => "# timing: one synchronising op and a barrier, then iters x agg ops back to back on the calling thread, no barrier inside the timing (-z 1: except a barrier after each iteration)\n",
             Timing::Stream => "# timing: one synchronising op and a barrier, then iters x agg ops back to back on the calling thread, no barrier inside the timing\n",
         };
+        if let Some(d) = o.duration {
+            h += &format!("# duration: each size timed for about {d} s: the iterations above, then more in chunks until the slowest rank has timed {d} s (the count in the JSON output)\n");
+        }
         if o.agg > 1 {
             h += "# agg iters: braid has no collective groups, so the ops of an iteration run one after another\n";
         }
@@ -754,8 +757,9 @@ impl<'a> Runner<'a> {
         Ok(v[0])
     }
 
-    /// Time one placement of one size; returns µs per operation.
-    fn time(&mut self, case: &Case, shape: &Shape) -> Result<f64, BenchError> {
+    /// Time one placement of one size; returns µs per operation and the
+    /// iterations timed.
+    fn time(&mut self, case: &Case, shape: &Shape) -> Result<(f64, u64), BenchError> {
         let comm = self.comm;
         let (iters, agg, timing) = (self.opts.iters, self.opts.agg, self.opts.timing);
         let (send, recv) = self.bufs.bytes();
@@ -776,37 +780,62 @@ impl<'a> Runner<'a> {
             d.sync()?;
         }
         comm.barrier()?;
-        if timing == Timing::Alone {
-            let mut total = 0.0;
-            for _ in 0..iters * agg {
-                comm.barrier()?;
-                let t0 = Instant::now();
-                run(send, recv)?;
-                if let Some(d) = dev {
-                    d.sync()?;
+        // Seconds `n` iterations took on this rank (-z 2: the ops' own
+        // times, without the barriers between them).
+        let mut batch = |n: u32| -> Result<f64, BenchError> {
+            if timing == Timing::Alone {
+                let mut total = 0.0;
+                for _ in 0..n * agg {
+                    comm.barrier()?;
+                    let t0 = Instant::now();
+                    run(send, recv)?;
+                    if let Some(d) = dev {
+                        d.sync()?;
+                    }
+                    total += t0.elapsed().as_secs_f64();
                 }
-                total += t0.elapsed().as_secs_f64();
+                return Ok(total);
             }
-            let us = total * 1e6 / (f64::from(iters) * f64::from(agg));
-            return Ok(self.combine(us)?);
-        }
-        let t0 = Instant::now();
-        for _ in 0..iters {
-            for _ in 0..agg {
-                run(send, recv)?;
-            }
-            if timing == Timing::Blocking {
-                if let Some(d) = dev {
-                    d.sync()?;
+            let t0 = Instant::now();
+            for _ in 0..n {
+                for _ in 0..agg {
+                    run(send, recv)?;
                 }
-                comm.barrier()?;
+                if timing == Timing::Blocking {
+                    if let Some(d) = dev {
+                        d.sync()?;
+                    }
+                    comm.barrier()?;
+                }
+            }
+            if let Some(d) = dev {
+                d.sync()?;
+            }
+            Ok(t0.elapsed().as_secs_f64())
+        };
+        // -D: chunks until the slowest rank has timed `want` seconds (each
+        // at most a quarter of it, from the time per iteration so far, so a
+        // slow first chunk cannot stretch the run); the ranks agree after
+        // each chunk, outside the timing.
+        let mut n = iters;
+        let mut secs = batch(n)?;
+        if let Some(want) = self.opts.duration {
+            loop {
+                let mut v = [secs];
+                comm.all_reduce_in_place(&mut v, RedOp::Max)?;
+                let left = MAX_DURATION_ITERS.saturating_sub(n);
+                if v[0] >= want || left == 0 {
+                    break;
+                }
+                let per = v[0].max(1e-9) / f64::from(n);
+                let next = ((want - v[0]).min(want / 4.0) / per).ceil();
+                let next = (next.min(f64::from(left)) as u32).max(1);
+                secs += batch(next)?;
+                n += next;
             }
         }
-        if let Some(d) = dev {
-            d.sync()?;
-        }
-        let us = t0.elapsed().as_secs_f64() * 1e6 / (f64::from(iters) * f64::from(agg));
-        Ok(self.combine(us)?)
+        let us = secs * 1e6 / (f64::from(n) * f64::from(agg));
+        Ok((self.combine(us)?, u64::from(n)))
     }
 
     /// Run `-c` checked operations; returns wrong elements summed over
@@ -845,19 +874,15 @@ impl<'a> Runner<'a> {
     }
 
     fn measure(&mut self, case: &Case, shape: &Shape) -> Result<Meas, BenchError> {
-        let t = self.time(case, shape)?;
+        let (t, iters) = self.time(case, shape)?;
         let wrong = if self.opts.check > 0 {
             Some(self.check(case, shape)?)
         } else {
             None
         };
-        Ok(Meas::new(
-            case.bench,
-            self.comm.nranks(),
-            shape.size,
-            t,
-            wrong,
-        ))
+        let mut m = Meas::new(case.bench, self.comm.nranks(), shape.size, t, wrong);
+        m.iters = iters;
+        Ok(m)
     }
 
     fn warmup(&mut self, case: &Case, sizes: &[u64]) -> Result<(), BenchError> {

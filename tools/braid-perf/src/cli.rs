@@ -201,6 +201,9 @@ pub struct Opts {
     pub max_bytes: u64,
     pub step: Step,
     pub iters: u32,
+    /// `-D`: time each size for about this many seconds (at least `iters`
+    /// iterations), the count agreed across ranks.
+    pub duration: Option<f64>,
     pub warmup: u32,
     pub agg: u32,
     /// 0 = forever.
@@ -242,6 +245,7 @@ impl Opts {
             max_bytes: 32 << 20,
             step: Step::Bytes(1 << 20),
             iters: 20,
+            duration: None,
             warmup: 1,
             agg: 1,
             cycles: 1,
@@ -370,6 +374,12 @@ pub const MIN_TIMEOUT_S: f64 = 0.001;
 /// The longest `-T` (a year), as `BRAID_TIMEOUT`.
 pub const MAX_TIMEOUT_S: f64 = 365.0 * 24.0 * 3600.0;
 
+/// The longest `-D` (an hour per size).
+pub const MAX_DURATION_S: f64 = 3600.0;
+
+/// The most iterations `-D` times at one size.
+pub const MAX_DURATION_ITERS: u32 = 100_000_000;
+
 /// `-T`'s seconds as a duration (clamped to the accepted range, so that it
 /// never panics).
 pub fn timeout_duration(secs: f64) -> std::time::Duration {
@@ -422,6 +432,11 @@ const FLAGS: &[Flag] = &[
     Flag {
         short: Some('n'),
         long: "iters",
+        takes_value: true,
+    },
+    Flag {
+        short: Some('D'),
+        long: "duration",
         takes_value: true,
     },
     Flag {
@@ -657,6 +672,15 @@ fn parse_bench(bench: Bench, args: &[String]) -> Result<Command, UsageError> {
             "stepfactor" => factor = Some(parse_num(&flag, &v, "an integer factor")?),
             "stepbytes" => step_bytes = Some(parse_size(&v)?),
             "iters" => o.iters = parse_num(&flag, &v, "a number of iterations")?,
+            "duration" => {
+                let d: f64 = parse_num(&flag, &v, "seconds")?;
+                if !(d.is_finite() && d > 0.0 && d <= MAX_DURATION_S) {
+                    return usage(format!(
+                        "{flag} '{v}': expected a positive number of seconds up to {MAX_DURATION_S}"
+                    ));
+                }
+                o.duration = Some(d);
+            }
             "warmup_iters" => o.warmup = parse_num(&flag, &v, "a number of iterations")?,
             "agg_iters" => o.agg = parse_num(&flag, &v, "a number of operations")?,
             "run_cycles" => o.cycles = parse_num(&flag, &v, "a number of cycles (0 = forever)")?,
@@ -916,6 +940,12 @@ OPTIONS (nccl-tests' names and defaults):
   -f, --stepfactor F        multiply the size by F each step
   -i, --stepbytes SIZE      add SIZE each step (default 1M; -f wins when > 1)
   -n, --iters N             timed iterations per size (default 20)
+  -D, --duration SECS       time each size for about SECS instead: N iterations
+                            are timed first, and from them the slowest rank's
+                            estimate sets the count of a second, reported run
+                            (at least N; what an MPI benchmark's time limit
+                            does: a few iterations of a fast call time its
+                            warm-up, and on busy CPUs a slice or none)
   -w, --warmup_iters N      warm-up iterations at the largest and the smallest
                             size before each sweep (default 1)
   -m, --agg_iters M         operations per timed iteration (default 1). braid has
@@ -1138,6 +1168,7 @@ mod tests {
         assert_eq!(o.average, Average::Max);
         assert_eq!(o.np, Some(3));
         assert_eq!(o.timeout, Some(2.5));
+        assert_eq!(o.duration, None);
         assert_eq!(o.label.as_deref(), Some("shm"));
         assert_eq!(o.effective_ops(), vec![RedOp::Sum]);
         // A nccl-tests binary name as argv[0].
@@ -1197,6 +1228,18 @@ mod tests {
             timeout_duration(2.5),
             std::time::Duration::from_millis(2500)
         );
+    }
+
+    #[test]
+    fn durations_are_positive_and_bounded() {
+        match parse("braid-perf", &s(&["all_reduce", "-D", "0.25"])).unwrap() {
+            Command::Bench(o) => assert_eq!(o.duration, Some(0.25)),
+            _ => panic!(),
+        }
+        for bad in ["0", "-1", "nan", "inf", "3601", "x"] {
+            let e = parse("braid-perf", &s(&["all_reduce", "--duration", bad])).unwrap_err();
+            assert!(e.0.contains("--duration"), "{bad}: {e}");
+        }
     }
 
     #[test]

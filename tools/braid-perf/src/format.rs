@@ -11,6 +11,8 @@ pub struct Meas {
     pub busbw: f64,
     /// `None` when checking is off (`-c 0`): prints N/A.
     pub wrong: Option<u64>,
+    /// Timed iterations (`-n`, or as many as `-D` took); 0 where unknown.
+    pub iters: u64,
 }
 
 impl Meas {
@@ -26,6 +28,7 @@ impl Meas {
             algbw,
             busbw: algbw * bench.bus_factor(nranks),
             wrong,
+            iters: 0,
         }
     }
 }
@@ -203,6 +206,7 @@ mod tests {
             algbw: a,
             busbw: b,
             wrong: w,
+            iters: 0,
         }
     }
 

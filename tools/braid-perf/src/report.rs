@@ -14,6 +14,10 @@ pub struct JsonMeas {
     pub busbw_gbps: f64,
     /// Wrong elements summed over ranks; null when not checked.
     pub wrong: Option<u64>,
+    /// Timed iterations (`-n`, or as many as `-D` took); 0 where unknown
+    /// (files from before it, MPI's CSV).
+    #[serde(default)]
+    pub iters: u64,
 }
 
 impl From<&Meas> for JsonMeas {
@@ -23,6 +27,7 @@ impl From<&Meas> for JsonMeas {
             algbw_gbps: m.algbw,
             busbw_gbps: m.busbw,
             wrong: m.wrong,
+            iters: m.iters,
         }
     }
 }
@@ -174,6 +179,7 @@ pub fn import_mpi_csv(text: &str, label: Option<&str>) -> Result<Report, String>
             algbw_gbps: num(get(c_alg)?, "algbw_GBps", lineno)?,
             busbw_gbps: num(get(c_bus)?, "busbw_GBps", lineno)?,
             wrong: u64::try_from(wrong).ok(),
+            iters: 0,
         });
         // MPI_Bcast works in place (one buffer): its rows compare with
         // braid's in-place Broadcast; every other MPI call here is out of

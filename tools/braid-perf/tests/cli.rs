@@ -402,6 +402,8 @@ fn usage_errors_exit_2_with_a_hint() {
         (&["al_reduce"], "unknown benchmark"),
         (&["all_reduce", "-b", "8"], "-np N"),
         (&["broadcast", "-np", "2", "-r", "2"], "root out of range"),
+        (&["all_reduce", "-D", "0"], "positive number of seconds"),
+        (&["all_reduce", "-D", "soon"], "seconds"),
     ] {
         let o = perf(args, &[]);
         let (_, err) = text(&o);
@@ -411,6 +413,56 @@ fn usage_errors_exit_2_with_a_hint() {
     let o = perf(&["--help"], &[]);
     assert!(o.status.success());
     assert!(text(&o).0.contains("--agg_iters"));
+}
+
+/// `-D` times each size for about that long: more iterations than `-n`,
+/// as many on every rank (else the ranks' calls would not match and the
+/// run would fail), the count in the JSON output; without it, `-n`.
+#[test]
+fn duration_times_each_size_for_about_that_long() {
+    for (dur, json) in [(Some("0.1"), tmp("dur.json")), (None, tmp("nodur.json"))] {
+        let mut args = vec![
+            "all_reduce",
+            "-np",
+            "2",
+            "-b",
+            "8",
+            "-e",
+            "64",
+            "-f",
+            "8",
+            "-n",
+            "3",
+            "-J",
+            json.to_str().unwrap(),
+            "-T",
+            "30",
+        ];
+        if let Some(d) = dur {
+            args.extend(["-D", d]);
+        }
+        let o = perf(&args, &[]);
+        let (out, err) = text(&o);
+        assert!(o.status.success(), "{out}\n{err}");
+        assert_eq!(out.contains("# duration: "), dur.is_some(), "{out}");
+        check_table(&out, true);
+        let v: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+        let rows = v["rows"].as_array().unwrap();
+        assert_eq!(rows.len(), 2);
+        for r in rows {
+            for col in ["out_of_place", "in_place"] {
+                let n = r[col]["iters"].as_u64().unwrap();
+                // An 8- or 64-byte AllReduce takes well under 10 ms even on
+                // a loaded machine, so 0.1 s is more than 10 of them.
+                if dur.is_some() {
+                    assert!(n > 10, "{col} of {}: {n} iterations", r["size"]);
+                } else {
+                    assert_eq!(n, 3, "{col} of {}", r["size"]);
+                }
+            }
+        }
+    }
 }
 
 /// The CPUs rank `r`'s line says it may run on.
