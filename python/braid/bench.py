@@ -11,7 +11,8 @@ Starts the ranks itself (one process each, ``OMP_NUM_THREADS=1`` as torchrun
 sets it), joins a braid default group and a gloo group over the same ranks,
 and for each collective and size times braid and gloo alternately on the
 same tensors (float32), in several alternating batches of which the fastest
-counts (the host may be shared): all_reduce (sum, in place), all_gather_into_tensor,
+counts (the host may be shared; with ``--duration``, default under
+``--load``, batches last that long and the median counts): all_reduce (sum, in place), all_gather_into_tensor,
 reduce_scatter_tensor (sum), broadcast (root 0, in place) and
 all_to_all_single. Tables follow nccl-tests: size in bytes (the whole array
 for all_gather, reduce_scatter and all_to_all), count of elements per rank,
@@ -40,6 +41,7 @@ import argparse
 import datetime
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -140,7 +142,25 @@ def _worker(rank: int, n: int, spec: dict) -> None:
         t0 = time.perf_counter()
         for _ in range(iters):
             call(coll, ts, g)
-        us = (time.perf_counter() - t0) / iters * 1e6
+        secs = time.perf_counter() - t0
+        want = spec["duration"]
+        while want > 0:
+            # More calls in chunks (each at most a quarter of the duration)
+            # until the slowest rank has timed `want` seconds; the ranks
+            # agree between chunks, outside the timing.
+            e = torch.tensor([secs], dtype=torch.float64)
+            dist.all_reduce(e, op=dist.ReduceOp.MAX, group=gloo)
+            slowest = float(e[0])
+            if slowest >= want:
+                break
+            per = max(slowest, 1e-9) / iters
+            more = max(1, int(min(want - slowest, want / 4) / per) + 1)
+            t0 = time.perf_counter()
+            for _ in range(more):
+                call(coll, ts, g)
+            secs += time.perf_counter() - t0
+            iters += more
+        us = secs / iters * 1e6
         # nccl-tests' default: the average over ranks.
         t = torch.tensor([us], dtype=torch.float64)
         dist.all_reduce(t, group=gloo)
@@ -151,10 +171,14 @@ def _worker(rank: int, n: int, spec: dict) -> None:
         for nbytes in spec["sizes"]:
             per, ts = tensors(coll, nbytes)
             iters = _iters(nbytes, spec["scale"])
-            best = {"braid": float("inf"), "gloo": float("inf")}
+            got = {"braid": [], "gloo": []}
             for _ in range(spec["rounds"]):
                 for name in ("braid", "gloo"):
-                    best[name] = min(best[name], timed(coll, ts, groups[name], iters))
+                    got[name].append(timed(coll, ts, groups[name], iters))
+            # The fastest round; with --duration (a batch that spans many
+            # scheduler slices) the median.
+            pick = statistics.median if spec["duration"] > 0 else min
+            best = {name: pick(v) for name, v in got.items()}
             whole = per * 4 * (n if coll in _WHOLE else 1)
             rows.append({"bytes": whole, "count": per, "braid_us": best["braid"], "gloo_us": best["gloo"]})
         res["colls"][coll] = rows
@@ -478,6 +502,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rounds", type=int, default=5,
                     help="timed batches per size and backend, alternating; the fastest counts (default 5)")
     ap.add_argument("--scale", type=float, default=1.0, help="iterations x this (default 1)")
+    ap.add_argument("--duration", type=float, default=None,
+                    help="time each batch for about this many seconds (more calls in chunks, "
+                         "the count agreed across ranks) and report the median round instead of "
+                         "the fastest; default 0.2 under --load (a batch of a few fast calls "
+                         "lands inside one scheduler slice or none), else off")
     ap.add_argument("--ddp-steps", type=int, default=30, help="timed DDP steps per model (0: none)")
     ap.add_argument("--timeout", type=float, default=3600.0, help="seconds per rank count")
     ap.add_argument("--json", help="also write the results here")
@@ -528,6 +557,7 @@ def main(argv: list[str] | None = None) -> None:
         "scale": a.scale,
         "ddp_steps": a.ddp_steps,
         "load": a.load,
+        "duration": max(0.0, a.duration if a.duration is not None else (0.2 if a.load != "none" else 0.0)),
     }
     import platform
 
@@ -539,6 +569,9 @@ def main(argv: list[str] | None = None) -> None:
           f"{os.cpu_count()} CPUs, {time.strftime('%Y-%m-%d %H:%M')}, load average {_load()}", flush=True)
     if a.load != "none":
         print(f"# under load: {_LOAD_TEXT[a.load]}", flush=True)
+    if spec["duration"] > 0:
+        print(f"# each batch timed for about {spec['duration']:g} s; the median of "
+              f"{spec['rounds']} rounds counts", flush=True)
     results = []
     for n in a.np:
         busy = _busy(os.cpu_count() or 1) if a.load == "busy" else []

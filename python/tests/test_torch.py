@@ -115,6 +115,19 @@ def test_bench_runs():
         assert [r["bytes"] for r in rows] == [8, 4096]
         assert all(r["braid_us"] > 0 and r["gloo_us"] > 0 for r in rows)
         assert res[0]["ddp"]
+        # Time-based batches (the default under --load): each of braid's and
+        # gloo's batches lasts about 0.1 s, so one size takes at least 0.2 s.
+        t0 = time.monotonic()
+        p = subprocess.run(
+            [sys.executable, "-m", "braid.bench", "--np", "2", "-b", "8", "-e", "8", "--rounds", "1",
+             "--duration", "0.1", "-c", "all_reduce", "--ddp-steps", "0", "--json", out],
+            capture_output=True, text=True, timeout=300, env=dict(os.environ, **TORCH_ENV),
+        )
+        assert p.returncode == 0, p.stdout + p.stderr
+        assert "# each batch timed for about 0.1 s" in p.stdout, p.stdout
+        rows = json.load(open(out))[0]["colls"]["all_reduce"]
+        assert [r["bytes"] for r in rows] == [8] and rows[0]["braid_us"] > 0, rows
+        assert time.monotonic() - t0 >= 0.2
         p = subprocess.run(
             [sys.executable, "-m", "braid.bench", "--api", "--np", "2", "-b", "8", "-e", "8", "--scale", "0.01"],
             capture_output=True, text=True, timeout=120,
