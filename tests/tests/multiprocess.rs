@@ -231,16 +231,21 @@ fn topology_file_is_merged_with_detection() {
 /// `BRAID_TEST_CPU`, `None`: unbound), run through a small matrix; returns
 /// what each rank reported as `oversubscribed`.
 fn oversubscription_seen(cpus: &[Option<usize>]) -> Vec<bool> {
+    oversubscription_seen_in(cpus, "matrix", &["1", "1023"])
+}
+
+/// The same, through `suite` at `sizes` (elements).
+fn oversubscription_seen_in(cpus: &[Option<usize>], suite: &str, sizes: &[&str]) -> Vec<bool> {
     let (id, _root) = root();
     let n = cpus.len() as u32;
-    let args = vec!["1".to_string(), "1023".to_string()];
+    let args: Vec<String> = sizes.iter().map(|s| s.to_string()).collect();
     let kids = cpus
         .iter()
         .enumerate()
         .map(|(r, cpu)| {
             let c = cpu.map(|c| c.to_string());
             let env: Vec<(&str, &str)> = c.iter().map(|c| ("BRAID_TEST_CPU", c.as_str())).collect();
-            spawn_rank_env("matrix", &id, r as u32, n, &args, 60, &env)
+            spawn_rank_env(suite, &id, r as u32, n, &args, 60, &env)
         })
         .collect();
     let res = wait_all(kids, Duration::from_secs(300));
@@ -288,6 +293,17 @@ fn bound_ranks_are_not_taken_for_oversubscribed() {
     // Unbound: oversubscribed exactly when there are more ranks than CPUs.
     let n = mine.len() + 1;
     assert_eq!(oversubscription_seen(&vec![None; n]), vec![true; n]);
+    // Where they disagree, the single-copy threshold that follows from it
+    // (`tuning::direct_min_default`: 16 KiB per rank on free CPUs, else 64)
+    // must still be one for all, or plans cut pieces differently: 40000
+    // elements put the 160 KB f32 Broadcast, AllGather and AllToAll on 3
+    // ranks between 3 x 16 KiB and 3 x 64 KiB, single-copy on the rank with
+    // a core of its own and not on the others had each kept its own (a
+    // wrong piece, every rank failing).
+    assert_eq!(
+        oversubscription_seen_in(&[Some(a), Some(b), Some(a)], "quick-matrix", &["40000"]),
+        [true, false, true]
+    );
 }
 
 /// A topology file that cannot be read is an error on every rank, naming the

@@ -190,8 +190,9 @@ settings! {
     /// Iterations a wait spins before it sleeps; unset: by CPU sharing
     /// (`comm::tuning::spin_budget`).
     spin: Option<u32> = "BRAID_SPIN", None => optional_number;
-    /// Pieces from this size go by reference on links that allow it.
-    direct_min: usize = "BRAID_DIRECT_MIN_BYTES", 64 * 1024 => number_or;
+    /// Pieces from this size go by reference on links that allow it;
+    /// unset: by CPU sharing (`comm::tuning::direct_min_default`).
+    direct_min: Option<usize> = "BRAID_DIRECT_MIN_BYTES", None => optional_number;
     /// Below this, reductions move data through slots; unset: by huge
     /// pages (`comm::tuning::single_copy_default`).
     single_copy_min: Option<usize> = "BRAID_SINGLE_COPY_MIN_BYTES", None => optional_number;
@@ -238,7 +239,7 @@ mod tests {
         let s = settings(&[]).unwrap();
         assert_eq!(s.host_id, None);
         assert_eq!(s.spin, None);
-        assert_eq!(s.direct_min, 64 * 1024);
+        assert_eq!(s.direct_min, None);
         assert_eq!(s.direct_piece, 2 << 20);
         assert_eq!(s.small_allreduce, 16 * 1024);
         assert!(s.check_headers && s.direct_moves);
@@ -264,7 +265,7 @@ mod tests {
         .unwrap();
         assert_eq!(s.host_id.as_deref(), Some("box7"));
         assert_eq!(s.spin, Some(5));
-        assert_eq!(s.direct_min, 4096);
+        assert_eq!(s.direct_min, Some(4096));
         assert!(!s.check_headers);
         assert_eq!(s.stall_warn, Some(Duration::from_millis(500)));
         assert_eq!(s.connect, ConnectMode::Eager);

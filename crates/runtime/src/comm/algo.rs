@@ -441,7 +441,7 @@ impl Communicator {
         // Each candidate runs as the call would: by reference where the
         // call may and the algorithm allows (its plan cuts pieces for that:
         // `move_piece_bytes`), else through slots.
-        let single_copy = self.single_copy(coll, dt);
+        let single_copy = self.single_copy(st, coll, dt);
         // A first run of each connects its links; its time (agreed on)
         // holds the rest to the budget in real time, whatever the
         // estimates said.

@@ -200,7 +200,10 @@ impl Communicator {
         // for the oversubscription test.
         let p = nranks as usize;
         let mode = settings.connect;
-        let direct_min = settings.direct_min;
+        // Pieces a link's sender would otherwise copy (sockets) go by
+        // reference from here; single-copy operations use the agreed
+        // `Moves::direct_min` (below).
+        let direct_min = settings.direct_min.unwrap_or(DIRECT_MIN);
         let slot_mode = settings.slot_stores;
         let chans = match kept {
             Some(kept) => planned_links(kept, &choice),
@@ -321,6 +324,7 @@ impl Communicator {
                     moves: Moves {
                         piece,
                         direct: false,
+                        direct_min,
                     },
                     links: connect::Connector {
                         me: me.clone(),
@@ -368,16 +372,16 @@ impl Communicator {
                 .flatten()
                 .all(|c| c.direct().is_some())
         };
-        // With whether its links pass references, each rank says where it
-        // hears revocations.
-        let mut mine = vec![local_direct as u8];
+        // With whether its links pass references and whether its ranks
+        // share CPUs, each rank says where it hears revocations.
+        let mut mine = vec![local_direct as u8, oversub as u8];
         if let Some(d) = &comm.shared.door {
             mine.extend(d.addr.to_string().bytes());
         }
         let all = comm.allgather_bytes(&mine)?;
         let doors = all
             .iter()
-            .map(|b| std::str::from_utf8(b.get(1..)?).ok()?.parse().ok())
+            .map(|b| std::str::from_utf8(b.get(2..)?).ok()?.parse().ok())
             .collect();
         let _ = comm.shared.doors.set(doors);
         // Whether every link passes references: then pieces of pure data
@@ -393,6 +397,10 @@ impl Communicator {
                 piece
             },
             direct: all_direct && direct_min <= piece && settings.direct_moves,
+            direct_min: direct_min_default(
+                settings.direct_min,
+                all.iter().any(|b| b.get(1) != Some(&0)),
+            ),
         };
         {
             // Plans made before this used the provisional pieces.

@@ -138,6 +138,9 @@ struct Moves {
     /// on more than two ranks read each block from its owner
     /// ([`PlanParams::direct_moves`]). `BRAID_DIRECT_MOVES=0` keeps the ring.
     direct: bool,
+    /// Pieces of single-copy operations from this size go by reference
+    /// (the same on every rank: [`tuning::direct_min_default`]).
+    direct_min: usize,
 }
 
 impl Shared {

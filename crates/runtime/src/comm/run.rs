@@ -103,6 +103,8 @@ pub(super) struct Engine<'s> {
     pub(super) plan_scratch: &'s mut Vec<u64>,
     pub(super) slot_stores: &'s SlotStores,
     pub(super) headers: &'s Headers,
+    /// `Moves::direct_min`.
+    pub(super) direct_min: usize,
 }
 
 impl State {
@@ -117,6 +119,7 @@ impl State {
                 plan_scratch: &mut self.plan_scratch,
                 slot_stores: &self.slot_stores,
                 headers: &self.headers,
+                direct_min: self.moves.direct_min,
             },
         )
     }
@@ -172,7 +175,7 @@ impl Engine<'_> {
             policy: &sh.policy,
             abort: &sh.abort,
             direct_min: if job.single_copy {
-                sh.direct_min
+                self.direct_min
             } else {
                 usize::MAX
             },
@@ -397,7 +400,7 @@ impl Communicator {
     /// always (their pieces are cut per message), collectives when their
     /// largest buffer reaches [`single_copy_threshold`]. The same answer on
     /// every rank, since the plans must cut pieces alike.
-    pub(super) fn single_copy(&self, coll: &Collective, dt: DataType) -> bool {
+    pub(super) fn single_copy(&self, st: &State, coll: &Collective, dt: DataType) -> bool {
         if matches!(coll, Collective::Group(_)) {
             return true;
         }
@@ -408,7 +411,8 @@ impl Communicator {
             .unwrap_or(0)
             .saturating_mul(dt.size());
         largest > 0
-            && largest >= single_copy_threshold(coll, sh.nranks, sh.single_copy_min, sh.direct_min)
+            && largest
+                >= single_copy_threshold(coll, sh.nranks, sh.single_copy_min, st.moves.direct_min)
     }
 
     /// Leaves the plan of `coll` (not a group) in `st.last`, where
@@ -452,7 +456,7 @@ impl Communicator {
                 return Ok(p.clone());
             }
         }
-        let single_copy = self.single_copy(coll, dt);
+        let single_copy = self.single_copy(st, coll, dt);
         let params = PlanParams {
             rank: sh.rank,
             ring: sh.ring.clone(),

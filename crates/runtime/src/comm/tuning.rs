@@ -11,6 +11,39 @@ use super::*;
 /// at 256 KiB no difference beyond the noise.
 pub(super) const FLAT_ALLGATHER_MAX_BYTES: usize = 64 * 1024;
 
+/// Pieces of single-copy operations go by reference from this size where
+/// some host's ranks share CPUs, and pieces a socket's sender would copy
+/// go by reference from it whatever the CPUs ([`direct_min_default`]).
+pub(super) const DIRECT_MIN: usize = 64 * 1024;
+
+/// The same where no rank's CPUs are shared with another's: so on 2 ranks a
+/// 32 KiB Broadcast or AllGather moves single-copy.
+pub(super) const FREE_CPUS_DIRECT_MIN: usize = 16 * 1024;
+
+/// The size from which single-copy operations pass pieces by reference
+/// (`BRAID_DIRECT_MIN_BYTES`, `set`, overrides), the same on every rank
+/// (`any_oversubscribed`: some rank's host is [`oversubscribed`]). A
+/// reference makes the sender wait until the receiver has read, where a
+/// slot lets it run ahead; with a core per rank that wait is short, and
+/// under load one read beats two copies with waits between them. The
+/// 2-core VM, braid-perf -D 0.2, medians of 3-5 alternated runs: with one
+/// busy process per core (what a training step does beside its
+/// collectives), 2 ranks, a 32 KiB Broadcast 9.5-14 µs against 13-40 at
+/// 64 KiB, AllGather 15-16 against 31-32 (huge pages or not); idle, within
+/// noise (Broadcast 3.5 against 4.8 on huge pages, 5.4 against 5.0 on 4 KiB
+/// pages; AllGather 32 KiB 4.9 against 4.0 on 4 KiB pages; AllToAll 64 KiB,
+/// Reduce and AllReduce 1 MiB alike). But 4 ranks on 2 cores, idle: a 64
+/// KiB Broadcast 22 against 11 µs, AllGather 38 against 14, AllToAll 33
+/// against 17: there a sender that waits for a descheduled reader loses
+/// its turn.
+pub(super) fn direct_min_default(set: Option<usize>, any_oversubscribed: bool) -> usize {
+    set.unwrap_or(if any_oversubscribed {
+        DIRECT_MIN
+    } else {
+        FREE_CPUS_DIRECT_MIN
+    })
+}
+
 /// How long a waiting rank spins before it sleeps (on its links' doorbells;
 /// see `engine::Waiter`). Spinning is what makes small operations fast (a
 /// flag in shared memory is seen in ~0.1 µs, a woken thread in 25–30 µs),
@@ -235,6 +268,14 @@ mod tests {
         ));
         // A rank alone never is.
         assert!(!oversubscribed(0, &[None], 1));
+    }
+
+    #[test]
+    fn direct_min_follows_cpu_sharing_unless_set() {
+        assert_eq!(direct_min_default(None, false), 16 * 1024);
+        assert_eq!(direct_min_default(None, true), 64 * 1024);
+        assert_eq!(direct_min_default(Some(4096), false), 4096);
+        assert_eq!(direct_min_default(Some(1 << 20), true), 1 << 20);
     }
 
     #[test]
