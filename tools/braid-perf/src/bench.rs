@@ -823,7 +823,8 @@ impl<'a> Runner<'a> {
             loop {
                 let mut v = [secs];
                 comm.all_reduce_in_place(&mut v, RedOp::Max)?;
-                let left = MAX_DURATION_ITERS.saturating_sub(n);
+                // Iterations x agg stays a u32 (the loops count operations).
+                let left = (MAX_DURATION_ITERS / agg.max(1)).saturating_sub(n);
                 if v[0] >= want || left == 0 {
                     break;
                 }
