@@ -306,6 +306,35 @@ fn bound_ranks_are_not_taken_for_oversubscribed() {
     );
 }
 
+/// Single-copy settings that differ between ranks are an error at creation
+/// on every rank, naming the variable and the ranks, within seconds: plans
+/// cut pieces by them, and different pieces left every rank waiting to the
+/// timeout for one that never came.
+#[test]
+fn different_single_copy_settings_are_named_at_creation() {
+    let _g = serial();
+    for var in ["BRAID_SINGLE_COPY_MIN_BYTES", "BRAID_DIRECT_MIN_BYTES"] {
+        let (id, _root) = root();
+        let args: Vec<String> = vec!["40000".into()];
+        let t0 = std::time::Instant::now();
+        let kids = (0..2u32)
+            .map(|r| {
+                let env: &[(&str, &str)] = if r == 1 { &[(var, "1048576")] } else { &[] };
+                spawn_rank_env("quick-matrix", &id, r, 2, &args, 60, env)
+            })
+            .collect();
+        let res = wait_all(kids, Duration::from_secs(120));
+        for (r, (code, out)) in res.iter().enumerate() {
+            assert_ne!(*code, Some(0), "rank {r} ran with {var} set on rank 1 only:\n{out}");
+            assert!(
+                out.contains(var) && out.contains("rank 0") && out.contains("rank 1"),
+                "rank {r}'s error does not name {var} and both ranks:\n{out}"
+            );
+        }
+        assert!(t0.elapsed() < Duration::from_secs(30), "{var}: {:?}", t0.elapsed());
+    }
+}
+
 /// A topology file that cannot be read is an error on every rank, naming the
 /// file; nothing falls back to detection silently.
 #[test]

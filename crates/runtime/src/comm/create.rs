@@ -204,6 +204,11 @@ impl Communicator {
         // reference from here; single-copy operations use the agreed
         // `Moves::direct_min` (below).
         let direct_min = settings.direct_min.unwrap_or(DIRECT_MIN);
+        // This host's single-copy threshold (see `single_copy_default`);
+        // the job's is agreed once the first links are connected.
+        let local_single_copy = settings
+            .single_copy_min
+            .unwrap_or_else(|| single_copy_default(THP_ENABLED));
         let slot_mode = settings.slot_stores;
         let chans = match kept {
             Some(kept) => planned_links(kept, &choice),
@@ -282,10 +287,6 @@ impl Communicator {
                 // and leaves the sender free: side by side it was faster for
                 // Broadcast, AllGather and AllToAll from 1 to 64 MiB.
                 direct_min,
-                // See `single_copy_default`.
-                single_copy_min: settings
-                    .single_copy_min
-                    .unwrap_or_else(|| single_copy_default(THP_ENABLED)),
                 stream_min: settings.stream_min.unwrap_or_else(|| {
                     stream_default(
                         std::path::Path::new(CPU0_CACHES),
@@ -325,6 +326,7 @@ impl Communicator {
                         piece,
                         direct: false,
                         direct_min,
+                        single_copy_min: local_single_copy,
                     },
                     links: connect::Connector {
                         me: me.clone(),
@@ -372,16 +374,28 @@ impl Communicator {
                 .flatten()
                 .all(|c| c.direct().is_some())
         };
-        // With whether its links pass references and whether its ranks
-        // share CPUs, each rank says where it hears revocations.
-        let mut mine = vec![local_direct as u8, oversub as u8];
+        // With whether its links pass references and its single-copy
+        // settings, each rank says where it hears revocations.
+        let say = CopySay {
+            oversubscribed: oversub,
+            single_copy_set: comm.shared.settings.single_copy_min,
+            single_copy: local_single_copy,
+            direct_set: comm.shared.settings.direct_min,
+        };
+        let mut mine = vec![local_direct as u8];
+        mine.extend(say.encode());
         if let Some(d) = &comm.shared.door {
             mine.extend(d.addr.to_string().bytes());
         }
         let all = comm.allgather_bytes(&mine)?;
         let doors = all
             .iter()
-            .map(|b| std::str::from_utf8(b.get(2..)?).ok()?.parse().ok())
+            .map(|b| {
+                std::str::from_utf8(b.get(1 + CopySay::LEN..)?)
+                    .ok()?
+                    .parse()
+                    .ok()
+            })
             .collect();
         let _ = comm.shared.doors.set(doors);
         // Whether every link passes references: then pieces of pure data
@@ -389,6 +403,16 @@ impl Communicator {
         // pieces below `direct_min` still fit a slot). Links connected later
         // are of the same transports, so they are alike.
         let all_direct = all.iter().all(|b| b.first() == Some(&1));
+        let says = all
+            .iter()
+            .enumerate()
+            .map(|(r, b)| {
+                b.get(1..).and_then(CopySay::decode).ok_or_else(|| {
+                    Error::Bootstrap(format!("rank {r} sent a malformed link summary"))
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let (single_copy_min, agreed_direct_min) = agree_copy(&says).map_err(Error::Env)?;
         let settings = &comm.shared.settings;
         let moves = Moves {
             piece: if all_direct && direct_min <= piece {
@@ -397,10 +421,8 @@ impl Communicator {
                 piece
             },
             direct: all_direct && direct_min <= piece && settings.direct_moves,
-            direct_min: direct_min_default(
-                settings.direct_min,
-                all.iter().any(|b| b.get(1) != Some(&0)),
-            ),
+            direct_min: agreed_direct_min,
+            single_copy_min,
         };
         {
             // Plans made before this used the provisional pieces.

@@ -88,10 +88,6 @@ struct Shared {
     /// Ranks on this host share CPUs ([`oversubscribed`]): waits yield.
     oversubscribed: bool,
     direct_min: usize,
-    /// Collectives whose largest buffer is smaller than this move their
-    /// data through the slots (two copies that stay in cache) instead of
-    /// single-copy.
-    single_copy_min: usize,
     /// Collectives whose buffers (this rank's, all together) take at least
     /// this many bytes copy with streaming stores (`braid_core::copy`).
     stream_min: usize,
@@ -139,8 +135,11 @@ struct Moves {
     /// ([`PlanParams::direct_moves`]). `BRAID_DIRECT_MOVES=0` keeps the ring.
     direct: bool,
     /// Pieces of single-copy operations from this size go by reference
-    /// (the same on every rank: [`tuning::direct_min_default`]).
+    /// (the same on every rank: [`tuning::agree_copy`]).
     direct_min: usize,
+    /// Collectives whose largest buffer reaches this may move data
+    /// single-copy ([`single_copy_threshold`]; the same on every rank).
+    single_copy_min: usize,
 }
 
 impl Shared {

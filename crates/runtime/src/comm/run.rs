@@ -412,7 +412,12 @@ impl Communicator {
             .saturating_mul(dt.size());
         largest > 0
             && largest
-                >= single_copy_threshold(coll, sh.nranks, sh.single_copy_min, st.moves.direct_min)
+                >= single_copy_threshold(
+                    coll,
+                    sh.nranks,
+                    st.moves.single_copy_min,
+                    st.moves.direct_min,
+                )
     }
 
     /// Leaves the plan of `coll` (not a group) in `st.last`, where

@@ -44,6 +44,91 @@ pub(super) fn direct_min_default(set: Option<usize>, any_oversubscribed: bool) -
     })
 }
 
+/// What a rank says about its single-copy settings once its first links are
+/// connected: plans cut pieces by them, so every rank must use the same.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct CopySay {
+    /// Its host's ranks share CPUs ([`oversubscribed`]).
+    pub oversubscribed: bool,
+    /// `BRAID_SINGLE_COPY_MIN_BYTES`, if set.
+    pub single_copy_set: Option<usize>,
+    /// The threshold it would use ([`single_copy_default`] unless set):
+    /// hosts may differ in their huge-page mode.
+    pub single_copy: usize,
+    /// `BRAID_DIRECT_MIN_BYTES`, if set.
+    pub direct_set: Option<usize>,
+}
+
+impl CopySay {
+    /// Bytes of [`CopySay::encode`].
+    pub(super) const LEN: usize = 25;
+
+    pub(super) fn encode(&self) -> [u8; Self::LEN] {
+        let opt = |v: Option<usize>| v.map_or(u64::MAX, |v| v as u64);
+        let mut b = [0u8; Self::LEN];
+        b[0] = self.oversubscribed as u8;
+        b[1..9].copy_from_slice(&opt(self.single_copy_set).to_le_bytes());
+        b[9..17].copy_from_slice(&(self.single_copy as u64).to_le_bytes());
+        b[17..25].copy_from_slice(&opt(self.direct_set).to_le_bytes());
+        b
+    }
+
+    pub(super) fn decode(b: &[u8]) -> Option<CopySay> {
+        let word = |i: usize| -> Option<u64> {
+            Some(u64::from_le_bytes(b.get(i..i + 8)?.try_into().ok()?))
+        };
+        let opt = |v: u64| (v != u64::MAX).then_some(v as usize);
+        Some(CopySay {
+            oversubscribed: *b.first()? != 0,
+            single_copy_set: opt(word(1)?),
+            single_copy: word(9)? as usize,
+            direct_set: opt(word(17)?),
+        })
+    }
+}
+
+/// The single-copy thresholds every rank uses, from what each said
+/// (`says[r]`: rank r's): `(single_copy_min, direct_min)`. Settings made
+/// differently on two ranks are an error naming the variable and both
+/// ranks (different pieces would leave every rank waiting for one that
+/// never comes). Unset, the single-copy threshold is the largest any rank
+/// would use (a host without huge pages keeps its slots) and the piece
+/// threshold follows CPU sharing anywhere ([`direct_min_default`]).
+pub(super) fn agree_copy(says: &[CopySay]) -> std::result::Result<(usize, usize), String> {
+    let first_set = |get: fn(&CopySay) -> Option<usize>,
+                     var: &str|
+     -> std::result::Result<Option<usize>, String> {
+        let mut seen: Option<(usize, usize)> = None;
+        for (r, s) in says.iter().enumerate() {
+            match (seen, get(s)) {
+                (None, v) => seen = Some((r, v.unwrap_or(usize::MAX))),
+                (Some((q, w)), v) if v.unwrap_or(usize::MAX) != w => {
+                    let show = |x: usize| {
+                        if x == usize::MAX {
+                            "unset".to_string()
+                        } else {
+                            x.to_string()
+                        }
+                    };
+                    return Err(format!(
+                        "{var} is {} on rank {q} but {} on rank {r}: set it alike on every rank (plans cut pieces by it)",
+                        show(w),
+                        show(v.unwrap_or(usize::MAX))
+                    ));
+                }
+                _ => {}
+            }
+        }
+        Ok(seen.and_then(|(_, v)| (v != usize::MAX).then_some(v)))
+    };
+    let single_set = first_set(|s| s.single_copy_set, "BRAID_SINGLE_COPY_MIN_BYTES")?;
+    let direct_set = first_set(|s| s.direct_set, "BRAID_DIRECT_MIN_BYTES")?;
+    let single =
+        single_set.unwrap_or_else(|| says.iter().map(|s| s.single_copy).max().unwrap_or(0));
+    let direct = direct_min_default(direct_set, says.iter().any(|s| s.oversubscribed));
+    Ok((single, direct))
+}
+
 /// How long a waiting rank spins before it sleeps (on its links' doorbells;
 /// see `engine::Waiter`). Spinning is what makes small operations fast (a
 /// flag in shared memory is seen in ~0.1 µs, a woken thread in 25–30 µs),
@@ -268,6 +353,47 @@ mod tests {
         ));
         // A rank alone never is.
         assert!(!oversubscribed(0, &[None], 1));
+    }
+
+    #[test]
+    fn ranks_agree_on_single_copy_or_name_the_setting_that_differs() {
+        let say = |o: bool, ss: Option<usize>, s: usize, ds: Option<usize>| CopySay {
+            oversubscribed: o,
+            single_copy_set: ss,
+            single_copy: s,
+            direct_set: ds,
+        };
+        for s in [
+            say(true, Some(7), 9, None),
+            say(false, None, 1 << 20, Some(4096)),
+        ] {
+            assert_eq!(CopySay::decode(&s.encode()), Some(s));
+        }
+        assert_eq!(CopySay::decode(&[0u8; 24]), None);
+        // Unset: the largest threshold (one host without huge pages), and
+        // 64 KiB pieces once any host shares CPUs.
+        let a = say(false, None, 512 << 10, None);
+        let b = say(false, None, 8 << 20, None);
+        assert_eq!(agree_copy(&[a, a]), Ok((512 << 10, 16 << 10)));
+        assert_eq!(agree_copy(&[a, b]), Ok((8 << 20, 16 << 10)));
+        let c = say(true, None, 512 << 10, None);
+        assert_eq!(agree_copy(&[a, c, a]), Ok((512 << 10, 64 << 10)));
+        // Set alike: the settings win.
+        let d = say(true, Some(1 << 20), 1 << 20, Some(4096));
+        assert_eq!(agree_copy(&[d, d]), Ok((1 << 20, 4096)));
+        // Set differently (or on one rank only): an error naming both.
+        let e = agree_copy(&[d, say(true, Some(2 << 20), 2 << 20, Some(4096))]).unwrap_err();
+        assert!(
+            e.contains("BRAID_SINGLE_COPY_MIN_BYTES")
+                && e.contains("rank 0")
+                && e.contains("rank 1"),
+            "{e}"
+        );
+        let e = agree_copy(&[a, a, say(false, None, 512 << 10, Some(4096))]).unwrap_err();
+        assert!(
+            e.contains("BRAID_DIRECT_MIN_BYTES is unset on rank 0 but 4096 on rank 2"),
+            "{e}"
+        );
     }
 
     #[test]
