@@ -325,13 +325,21 @@ fn different_single_copy_settings_are_named_at_creation() {
             .collect();
         let res = wait_all(kids, Duration::from_secs(120));
         for (r, (code, out)) in res.iter().enumerate() {
-            assert_ne!(*code, Some(0), "rank {r} ran with {var} set on rank 1 only:\n{out}");
+            assert_ne!(
+                *code,
+                Some(0),
+                "rank {r} ran with {var} set on rank 1 only:\n{out}"
+            );
             assert!(
                 out.contains(var) && out.contains("rank 0") && out.contains("rank 1"),
                 "rank {r}'s error does not name {var} and both ranks:\n{out}"
             );
         }
-        assert!(t0.elapsed() < Duration::from_secs(30), "{var}: {:?}", t0.elapsed());
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "{var}: {:?}",
+            t0.elapsed()
+        );
     }
 }
 
