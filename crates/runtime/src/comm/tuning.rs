@@ -95,34 +95,26 @@ impl CopySay {
 /// would use (a host without huge pages keeps its slots) and the piece
 /// threshold follows CPU sharing anywhere ([`direct_min_default`]).
 pub(super) fn agree_copy(says: &[CopySay]) -> std::result::Result<(usize, usize), String> {
-    let first_set = |get: fn(&CopySay) -> Option<usize>,
-                     var: &str|
+    // The value every rank set (or none), or an error naming the first
+    // rank whose value differs from rank 0's.
+    let alike = |get: fn(&CopySay) -> Option<usize>,
+                 var: &str|
      -> std::result::Result<Option<usize>, String> {
-        let mut seen: Option<(usize, usize)> = None;
-        for (r, s) in says.iter().enumerate() {
-            match (seen, get(s)) {
-                (None, v) => seen = Some((r, v.unwrap_or(usize::MAX))),
-                (Some((q, w)), v) if v.unwrap_or(usize::MAX) != w => {
-                    let show = |x: usize| {
-                        if x == usize::MAX {
-                            "unset".to_string()
-                        } else {
-                            x.to_string()
-                        }
-                    };
-                    return Err(format!(
-                        "{var} is {} on rank {q} but {} on rank {r}: set it alike on every rank (plans cut pieces by it)",
-                        show(w),
-                        show(v.unwrap_or(usize::MAX))
-                    ));
-                }
-                _ => {}
+        let want = says.first().and_then(get);
+        match says.iter().position(|s| get(s) != want) {
+            None => Ok(want),
+            Some(r) => {
+                let show = |v: Option<usize>| v.map_or("unset".to_string(), |v| v.to_string());
+                Err(format!(
+                    "{var} is {} on rank 0 but {} on rank {r}: set it alike on every rank (plans cut pieces by it)",
+                    show(want),
+                    show(get(&says[r]))
+                ))
             }
         }
-        Ok(seen.and_then(|(_, v)| (v != usize::MAX).then_some(v)))
     };
-    let single_set = first_set(|s| s.single_copy_set, "BRAID_SINGLE_COPY_MIN_BYTES")?;
-    let direct_set = first_set(|s| s.direct_set, "BRAID_DIRECT_MIN_BYTES")?;
+    let single_set = alike(|s| s.single_copy_set, "BRAID_SINGLE_COPY_MIN_BYTES")?;
+    let direct_set = alike(|s| s.direct_set, "BRAID_DIRECT_MIN_BYTES")?;
     let single =
         single_set.unwrap_or_else(|| says.iter().map(|s| s.single_copy).max().unwrap_or(0));
     let direct = direct_min_default(direct_set, says.iter().any(|s| s.oversubscribed));
