@@ -29,6 +29,11 @@ def test_bfloat16_and_float16_through_dlpack():
     assert r.results()[0]["checked"] == 2 * 5 * 2 * 4 + 6
 
 
+def test_torch_tensors_read_directly():
+    r = run("tensor_views", 2, timeout=120)
+    assert len(r.results()[0]["raised"]) == 6
+
+
 def test_buffer_kinds_p2p_groups_async_order():
     run("kinds", 3, timeout=180)
 

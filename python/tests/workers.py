@@ -236,6 +236,72 @@ def bf16(rank, p, spec):
 
 
 @scenario
+def tensor_views(rank, p, spec):
+    """torch tensors read from their own attributes (not through DLPack):
+    every datatype's name, views at an offset, and the tensors that must
+    still take DLPack's checks (autograd, not contiguous, negative views,
+    other dtypes) and their errors; a negative view, which DLPack would
+    export as its negated memory, is refused."""
+    import torch
+
+    comm = comm_of(rank, p, spec)
+
+    class NoDlpack(torch.Tensor):
+        """A tensor whose __dlpack__ fails: only the direct read works."""
+
+        def __dlpack__(self, *a, **k):
+            raise AssertionError("__dlpack__ was called")
+
+    names = {
+        torch.int8: "int8", torch.uint8: "uint8", torch.int32: "int32", torch.int64: "int64",
+        torch.float16: "half", torch.bfloat16: "bfloat16", torch.float32: "float",
+        torch.float64: "double",
+    }
+    for tdt, name in names.items():
+        t = torch.zeros(3, dtype=tdt)
+        assert braid.datatype_of(t) == name, (tdt, braid.datatype_of(t))
+        assert braid.datatype_of(t.as_subclass(NoDlpack)) == name, tdt
+    # A view into the middle of a buffer: only its elements change.
+    base = torch.arange(12, dtype=torch.float32) + 100 * rank
+    view = base[4:8].as_subclass(NoDlpack)
+    comm.all_reduce(view)
+    want = torch.arange(12, dtype=torch.float32) + 100 * rank
+    want[4:8] = sum(torch.arange(4, 8, dtype=torch.float32) + 100 * r for r in range(p))
+    assert torch.equal(base, want), (base, want)
+    # A row of a 2-d tensor, bf16 (the case DLPack made slow).
+    m = torch.full((3, 5), float(rank + 1), dtype=torch.bfloat16)
+    comm.all_reduce(m[1])
+    assert torch.equal(m[1], torch.full((5,), float(sum(range(1, p + 1))), dtype=torch.bfloat16))
+    assert torch.equal(m[0], torch.full((5,), float(rank + 1), dtype=torch.bfloat16))
+    raised = {}
+    cases = {
+        "transposed": torch.zeros(4, 3).t(),
+        "requires_grad": torch.zeros(4, requires_grad=True),
+        "neg_view": torch._neg_view(torch.zeros(4)),
+        "int16": torch.zeros(4, dtype=torch.int16),
+        "bool": torch.zeros(4, dtype=torch.bool),
+        "meta": torch.zeros(4, device="meta"),
+    }
+    for what, t in cases.items():
+        try:
+            comm.all_reduce(t)
+        except braid.InvalidArgumentError as e:
+            raised[what] = str(e)
+        else:
+            raise AssertionError(f"{what}: no error")
+    assert "not contiguous" in raised["transposed"], raised
+    assert "gradient" in raised["requires_grad"], raised
+    assert "negative view" in raised["neg_view"], raised
+    assert "int16" in raised["int16"] and "bool" in raised["bool"], raised
+    assert "meta" in raised["meta"] or "host memory" in raised["meta"], raised
+    # The communicator is still usable, on every rank alike.
+    x = torch.ones(2)
+    comm.all_reduce(x)
+    assert torch.equal(x, torch.full((2,), float(p)))
+    return {"raised": raised}
+
+
+@scenario
 def kinds(rank, p, spec):
     """Buffer kinds: bytearray, memoryview, array.array, bytes (send only),
     numpy, torch; point to point, groups, async ordering."""

@@ -5,6 +5,7 @@
 
 use braid::{DataType, RedOp};
 use pyo3::prelude::*;
+use pyo3::types::PyString;
 
 use crate::errors::invalid;
 
@@ -12,12 +13,14 @@ use crate::errors::invalid;
 /// `"float32"`, `"half"`, `"bfloat16"`, `"int64"`, ...) or its code in
 /// `datatypes()`.
 pub(crate) fn data_type(py: Python<'_>, dt: &Bound<'_, PyAny>) -> PyResult<DataType> {
-    if let Ok(code) = dt.extract::<i64>() {
-        if let Some(d) = u8::try_from(code).ok().and_then(DataType::from_u8) {
+    // A name is tried first, without a failed conversion (raising and
+    // dropping a TypeError cost more than the rest of a small call).
+    if let Ok(name) = dt.cast::<PyString>() {
+        if let Some(d) = name.to_str().ok().and_then(|n| n.trim().parse().ok()) {
             return Ok(d);
         }
-    } else if let Ok(name) = dt.extract::<String>() {
-        if let Ok(d) = name.trim().parse::<DataType>() {
+    } else if let Ok(code) = dt.extract::<i64>() {
+        if let Some(d) = u8::try_from(code).ok().and_then(DataType::from_u8) {
             return Ok(d);
         }
     }
@@ -38,16 +41,17 @@ pub(crate) fn opt_op(py: Python<'_>, op: Option<&Bound<'_, PyAny>>) -> PyResult<
 
 /// The operator: a `braid.Op`, its integer value, or its name.
 pub(crate) fn red_op(py: Python<'_>, op: &Bound<'_, PyAny>) -> PyResult<RedOp> {
-    if let Ok(code) = op.extract::<i64>() {
+    if let Ok(name) = op.cast::<PyString>() {
+        if let Some(o) = name.to_str().ok().and_then(|n| {
+            RedOp::ALL
+                .iter()
+                .find(|o| o.name().eq_ignore_ascii_case(n.trim()))
+        }) {
+            return Ok(*o);
+        }
+    } else if let Ok(code) = op.extract::<i64>() {
         if let Some(o) = u8::try_from(code).ok().and_then(RedOp::from_u8) {
             return Ok(o);
-        }
-    } else if let Ok(name) = op.extract::<String>() {
-        if let Some(o) = RedOp::ALL
-            .iter()
-            .find(|o| o.name().eq_ignore_ascii_case(name.trim()))
-        {
-            return Ok(*o);
         }
     }
     Err(invalid(

@@ -10,7 +10,10 @@ use std::ptr::NonNull;
 
 use braid::DataType;
 use pyo3::ffi;
+use pyo3::intern;
 use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
+use pyo3::types::PyString;
 
 use crate::errors::ErrInfo;
 
@@ -71,6 +74,8 @@ enum Keep {
     Buffer(Box<ffi::Py_buffer>),
     /// A DLPack capsule: its destructor calls the producer's deleter.
     Capsule(#[allow(dead_code)] Py<PyAny>),
+    /// A torch tensor read directly (its storage lives while it does).
+    Tensor(#[allow(dead_code)] Py<PyAny>),
 }
 
 /// A contiguous host buffer of one datatype, exported by a Python object.
@@ -125,6 +130,8 @@ impl View {
         let has_buffer = unsafe { ffi::PyObject_CheckBuffer(obj.as_ptr()) } != 0;
         let v = if has_buffer {
             Self::from_buffer(obj, what)?
+        } else if let Some(v) = Self::from_torch(obj, what) {
+            v?
         } else if obj.hasattr("__dlpack__").unwrap_or(false) {
             Self::from_dlpack(obj, what)?
         } else {
@@ -189,6 +196,60 @@ impl View {
             ErrInfo::invalid(format!("{what}: {} elements: {why}", type_name(obj)))
         })?;
         Ok(view)
+    }
+
+    /// A plain torch tensor (CPU, dense, contiguous, a braid datatype, no
+    /// autograd or conjugate view) read from its own attributes: torch's
+    /// `__dlpack__` costs about 4 µs a call, more than a small collective.
+    /// Anything else is None, and goes through DLPack, whose checks give
+    /// the errors; a negative view (which DLPack exports as its memory,
+    /// the negated values) is an error here.
+    fn from_torch(obj: &Bound<'_, PyAny>, what: &str) -> Option<Result<View, ErrInfo>> {
+        let py = obj.py();
+        let torch = TORCH.get(py).or_else(|| Torch::load(py))?;
+        if !obj.is_instance(torch.tensor.bind(py)).ok()? {
+            return None;
+        }
+        // Interned names: building the name strings cost as much as the reads.
+        fn get<'py>(
+            o: &Bound<'py, PyAny>,
+            name: &Bound<'py, PyString>,
+        ) -> Option<Bound<'py, PyAny>> {
+            o.getattr(name).ok()
+        }
+        let flag = |name| get(obj, name)?.is_truthy().ok();
+        let call = |name: &Bound<'_, PyString>| obj.call_method0(name).ok()?.is_truthy().ok();
+        if call(intern!(py, "is_neg"))? {
+            return Some(Err(ErrInfo::invalid(format!(
+                "{what}: the tensor is a negative view (its memory holds the negated values); pass tensor.resolve_neg()"
+            ))));
+        }
+        if !flag(intern!(py, "is_cpu"))?
+            || flag(intern!(py, "requires_grad"))?
+            || !call(intern!(py, "is_contiguous"))?
+            || !get(obj, intern!(py, "layout"))?.is(torch.strided.bind(py))
+            || call(intern!(py, "is_conj"))?
+        {
+            return None;
+        }
+        let dt = get(obj, intern!(py, "dtype"))?;
+        let dtype = torch
+            .dtypes
+            .iter()
+            .find(|(d, _)| dt.is(d.bind(py)))
+            .map(|&(_, t)| t)?;
+        let addr: usize = obj
+            .call_method0(intern!(py, "data_ptr"))
+            .ok()?
+            .extract()
+            .ok()?;
+        let len: usize = get(obj, intern!(py, "nbytes"))?.extract().ok()?;
+        Some(Ok(View {
+            raw: Raw { addr, len },
+            dtype,
+            readonly: false,
+            keep: Keep::Tensor(obj.clone().unbind()),
+        }))
     }
 
     fn from_dlpack(obj: &Bound<'_, PyAny>, what: &str) -> Result<View, ErrInfo> {
@@ -266,6 +327,47 @@ impl View {
             readonly: false,
             keep: Keep::Capsule(cap.unbind()),
         })
+    }
+}
+
+/// What [`View::from_torch`] compares with, read once torch is imported
+/// (braid never imports it).
+struct Torch {
+    tensor: Py<PyAny>,
+    strided: Py<PyAny>,
+    dtypes: Vec<(Py<PyAny>, DataType)>,
+}
+
+static TORCH: PyOnceLock<Torch> = PyOnceLock::new();
+
+impl Torch {
+    /// Torch's objects, if torch is imported; None (and looked up again on
+    /// the next call) if it is not.
+    fn load(py: Python<'_>) -> Option<&'static Torch> {
+        let modules = py.import("sys").ok()?.getattr("modules").ok()?;
+        let torch = modules.get_item("torch").ok()?;
+        let names = [
+            ("int8", DataType::I8),
+            ("uint8", DataType::U8),
+            ("int32", DataType::I32),
+            ("uint32", DataType::U32),
+            ("int64", DataType::I64),
+            ("uint64", DataType::U64),
+            ("float16", DataType::F16),
+            ("bfloat16", DataType::Bf16),
+            ("float32", DataType::F32),
+            ("float64", DataType::F64),
+        ];
+        let t = Torch {
+            tensor: torch.getattr("Tensor").ok()?.unbind(),
+            strided: torch.getattr("strided").ok()?.unbind(),
+            // Older torch has no uint32/uint64: those go through DLPack.
+            dtypes: names
+                .iter()
+                .filter_map(|&(n, d)| Some((torch.getattr(n).ok()?.unbind(), d)))
+                .collect(),
+        };
+        Some(TORCH.get_or_init(py, || t))
     }
 }
 

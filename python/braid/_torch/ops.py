@@ -120,7 +120,7 @@ class Ops:
             return self._device("all_reduce", t, t, dt, op, 0, tensors)
         a = opts.asyncOp
         h = c.raw("all_reduce", dt, addr, n, addr, n, op, 0, a, tensors if a else None)
-        return BraidWork(h, tensors)
+        return BraidWork.of(h, tensors)
 
     def _sparse_allreduce(self, tensors: list[torch.Tensor], opts: Any) -> BraidWork:
         """all_reduce of sparse COO tensors, as gloo's: the (summed,
@@ -218,7 +218,7 @@ class Ops:
             calls.append(("all_reduce", dt, addr, n, addr, n, op, 0))
         a = opts.asyncOp
         h = c.raw_seq(calls, a, list(tensors) if a else None)
-        return BraidWork(h, tensors)
+        return BraidWork.of(h, tensors)
 
     def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> BraidWork:
         c = self._core
@@ -236,7 +236,7 @@ class Ops:
             return self._device("reduce", t, t, dt, op, opts.rootRank, tensors)
         a = opts.asyncOp
         h = c.raw("reduce", dt, addr, n, addr, n, op, opts.rootRank, a, tensors if a else None)
-        return BraidWork(h, tensors)
+        return BraidWork.of(h, tensors)
 
     def reduce_scatter_single(
         self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
@@ -259,7 +259,7 @@ class Ops:
         a = opts.asyncOp
         keep = [output, input] if a else None
         h = c.raw("reduce_scatter", dt, sa, sn, ra, rn, op, 0, a, keep)
-        return BraidWork(h, [output])
+        return BraidWork.of(h, [output])
 
     _reduce_scatter_base = reduce_scatter_single
 
@@ -284,7 +284,7 @@ class Ops:
             keep += [out, inp]
         a = opts.asyncOp
         h = c.raw_seq(calls, a, keep if a else None)
-        return BraidWork(h, outputs)
+        return BraidWork.of(h, outputs)
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
@@ -335,7 +335,7 @@ class Ops:
         a = opts.asyncOp
         h = c.raw("broadcast", datatype(t), addr, n, addr, n, None, opts.rootRank, a,
                   tensors if a else None)
-        return BraidWork(h, tensors)
+        return BraidWork.of(h, tensors)
 
     def all_gather_single(
         self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
@@ -355,7 +355,7 @@ class Ops:
         a = opts.asyncOp
         h = c.raw("all_gather", datatype(input), sa, sn, ra, rn, None, 0, a,
                   [output, input] if a else None)
-        return BraidWork(h, [output])
+        return BraidWork.of(h, [output])
 
     _allgather_base = all_gather_single
 
@@ -375,7 +375,7 @@ class Ops:
             calls.append(("all_gather", datatype(inp), sa, sn, ra, rn, "sum", 0))
         a = opts.asyncOp
         h = c.raw_seq(calls, a, list(outputs) + list(inputs) if a else None)
-        return BraidWork(h, outputs)
+        return BraidWork.of(h, outputs)
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
@@ -473,7 +473,7 @@ class Ops:
                 keep.append(o)
         a = opts.asyncOp
         h = c.raw_blocks("gather", datatype(inp), [send], recvs, root, a, keep if a else None)
-        return BraidWork(h, output_tensors)
+        return BraidWork.of(h, output_tensors)
 
     def gather_single(
         self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
@@ -496,7 +496,7 @@ class Ops:
         a = opts.asyncOp
         h = c.raw("gather", datatype(input), sa, sn, ra, rn, None, root, a,
                   [output, input] if a else None)
-        return BraidWork(h, [output])
+        return BraidWork.of(h, [output])
 
     def scatter(
         self,
@@ -530,7 +530,7 @@ class Ops:
                 keep.append(t)
         a = opts.asyncOp
         h = c.raw_blocks("scatter", datatype(out), sends, [recv], root, a, keep if a else None)
-        return BraidWork(h, output_tensors)
+        return BraidWork.of(h, output_tensors)
 
     def all_to_all_single(
         self,
@@ -563,7 +563,7 @@ class Ops:
         p = c.size
         if not output_split_sizes and not input_split_sizes:
             h = c.raw("all_to_all", datatype(input), sa, sn, ra, rn, None, 0, a, keep)
-            return BraidWork(h, [output])
+            return BraidWork.of(h, [output])
         # Split sizes count rows (the first dimension).
         in_rows = input.shape[0] if input.dim() > 0 else 1
         out_rows = output.shape[0] if output.dim() > 0 else 1
@@ -588,7 +588,7 @@ class Ops:
             so += sb
             ro += rb
         h = c.raw_blocks("all_to_all_v", datatype(input), sends, recvs, 0, a, keep)
-        return BraidWork(h, [output])
+        return BraidWork.of(h, [output])
 
     alltoall_base = all_to_all_single
 
@@ -616,7 +616,7 @@ class Ops:
         a = opts.asyncOp
         keep = list(output_tensors) + list(input_tensors)
         h = c.raw_blocks("all_to_all_v", dt, sends, recvs, 0, a, keep if a else None)
-        return BraidWork(h, output_tensors)
+        return BraidWork.of(h, output_tensors)
 
     # ---- point to point -----------------------------------------------
 
@@ -663,7 +663,7 @@ class Ops:
         self._flush()
         a = bool(getattr(opts, "asyncOp", False)) if opts is not None else False
         h = c.comm.barrier(async_op=a)
-        return BraidWork(h, [])
+        return BraidWork.of(h, [])
 
     def monitored_barrier(self, opts: Any = None, wait_all_ranks: bool = False) -> None:
         self.barrier(opts).wait()

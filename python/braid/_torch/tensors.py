@@ -118,9 +118,12 @@ def split_sizes(sizes: Any, what: str) -> list[int]:
     return out
 
 
+_STRIDED = torch.strided
+
+
 def host(t: torch.Tensor, what: str = "tensor") -> tuple[int, int]:
     """(address, bytes) of a contiguous dense tensor."""
-    if t.layout != torch.strided:
+    if t.layout is not _STRIDED:
         kind = "sparse" if t.is_sparse or "sparse" in str(t.layout) else "not dense"
         raise InvalidArgumentError(
             f"braid: the {what} is {kind} ({t.layout}); braid takes dense (strided) tensors "
@@ -130,7 +133,7 @@ def host(t: torch.Tensor, what: str = "tensor") -> tuple[int, int]:
         raise InvalidArgumentError(
             f"braid: the {what} is not contiguous; pass tensor.contiguous()"
         )
-    return t.data_ptr(), t.numel() * t.element_size()
+    return t.data_ptr(), t.nbytes
 
 
 def premul(t: torch.Tensor, factor: Any, in_place: bool) -> torch.Tensor:
