@@ -147,9 +147,12 @@ def _worker(spec: dict) -> None:
                 for m in order:
                     if m == "rust":
                         # braid-perf (its own n processes) from rank 0 while
-                        # the others wait in the next gloo call.
+                        # the others sleep in gloo's barrier. (Waiting in the
+                        # next method's first call instead, DeepSpeed's
+                        # spinning one, halved braid-perf's speed above 1 MiB.)
                         if rank == 0:
                             mine[m] = _rust(perf, n, dtname, count * ELEM[dtname], max(20, iters), spec["bind"])
+                        dist.barrier()
                         continue
                     for _ in range(max(1, iters // 10)):
                         calls[m]()
