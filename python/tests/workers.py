@@ -302,6 +302,47 @@ def tensor_views(rank, p, spec):
 
 
 @scenario
+def async_waiter_runs(rank, p, spec):
+    """A handle waited at once may run its operation on the waiting thread
+    (the worker had not started it, nothing before it was unfinished):
+    results, callbacks and issue order are as on the worker."""
+    comm = comm_of(rank, p, spec)
+    me = threading.get_ident()
+    here = 0
+    for i in range(200):
+        # The other ranks come 1 ms late, so the operation is unfinished when
+        # the callback is added: it runs where the operation ran.
+        late = rank != i % p
+        if late:
+            time.sleep(0.001)
+        x = np.full(4, float(rank + i), dtype=np.float32)
+        ran = []
+        h = comm.all_reduce(x, async_op=True)
+        h.add_done_callback(lambda err, ran=ran: ran.append((err, threading.get_ident())))
+        h.wait()
+        assert ran and ran[0][0] is None, ran
+        here += not late and ran[0][1] == me
+        assert (x == sum(float(r + i) for r in range(p))).all(), (i, x)
+    # Waited out of order: the later one cannot run before the earlier.
+    a = np.full(1000, float(rank), dtype=np.float64)
+    b = np.full(3, 1.0)
+    ha = comm.all_reduce(a, async_op=True)
+    hb = comm.all_reduce(b, async_op=True)
+    hb.wait()
+    assert ha.done(), "a later operation finished before an earlier one"
+    ha.wait()
+    assert (a == sum(range(p))).all() and (b == p).all()
+    # A blocking call behind queued ones, then synchronize.
+    hs = [comm.all_reduce(np.full(50_000, 1.0), async_op=True) for _ in range(4)]
+    y = np.ones(2)
+    comm.all_reduce(y)
+    assert all(h.done() for h in hs) and (y == p).all()
+    comm.synchronize()
+    assert comm.pending == 0
+    return {"here": here}
+
+
+@scenario
 def kinds(rank, p, spec):
     """Buffer kinds: bytearray, memoryview, array.array, bytes (send only),
     numpy, torch; point to point, groups, async ordering."""

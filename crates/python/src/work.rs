@@ -1,6 +1,7 @@
 //! What an operation is once its arguments are checked ([`Job`]), and the
 //! handle of an asynchronous one ([`Handle`]).
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -220,6 +221,95 @@ fn send_blocks<'a>(
         .collect()
 }
 
+/// Held by whichever thread runs one of a communicator's queued
+/// operations, until its callbacks ran.
+#[derive(Debug, Default)]
+pub(crate) struct Exec {
+    lock: Mutex<()>,
+}
+
+/// An asynchronous operation queued on a communicator's worker thread. It
+/// runs once: on the worker, or on the thread that waits for it when that
+/// thread gets there first, every operation issued before it finished and
+/// nothing runs (then two thread wake-ups are saved: ~45 µs of a small call
+/// waited at once, where running it takes a microsecond). Either way it
+/// holds the `Exec` lock while it runs and while its callbacks run, so
+/// operations on one communicator never overlap, run in issue order, and
+/// each starts after the callbacks of those before it.
+pub(crate) struct Queued {
+    job: Mutex<Option<Job>>,
+    comm: Communicator,
+    done: Arc<Completion>,
+    /// The communicator's operations issued and not yet finished (this one
+    /// included): what its blocking calls check.
+    pending: Arc<AtomicUsize>,
+    exec: Arc<Exec>,
+}
+
+impl Queued {
+    pub(crate) fn new(
+        job: Job,
+        comm: Communicator,
+        done: Arc<Completion>,
+        pending: Arc<AtomicUsize>,
+        exec: Arc<Exec>,
+    ) -> Queued {
+        pending.fetch_add(1, Ordering::AcqRel);
+        Queued {
+            job: Mutex::new(Some(job)),
+            comm,
+            done,
+            pending,
+            exec,
+        }
+    }
+
+    /// The worker's turn: run the job unless a waiter took it (a taken one
+    /// still waits here until it finished, keeping later ones behind it).
+    pub(crate) fn run_on_worker(&self) {
+        let guard = self.exec.lock.lock().unwrap_or_else(|e| e.into_inner());
+        self.run_locked(guard);
+    }
+
+    /// The waiter's turn: run the job here if every earlier one finished
+    /// and nothing runs; whether it did.
+    pub(crate) fn run_here(&self) -> bool {
+        if self.pending.load(Ordering::Acquire) != 1 {
+            return false;
+        }
+        match self.exec.lock.try_lock() {
+            Ok(guard) => self.run_locked(guard),
+            Err(_) => false,
+        }
+    }
+
+    fn run_locked(&self, guard: std::sync::MutexGuard<'_, ()>) -> bool {
+        let job = self.job.lock().ok().and_then(|mut j| j.take());
+        let Some(job) = job else {
+            return false;
+        };
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| job.run(&self.comm)));
+        // Not pending before the callbacks run: one may issue a blocking
+        // call, which then runs on its thread instead of queueing behind.
+        self.pending.fetch_sub(1, Ordering::AcqRel);
+        self.done.complete(match r {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(e)) => Err(ErrInfo::from_braid(&e)),
+            Err(_) => Err(ErrInfo::new(
+                Kind::Unusable,
+                "braid panicked while running the operation (a bug: please report it)",
+            )),
+        });
+        drop(guard);
+        true
+    }
+}
+
+/// Behind every operation queued so far, and any a waiter runs.
+pub(crate) fn drain(exec: &Exec) {
+    drop(exec.lock.lock());
+}
+
 /// Where an asynchronous operation's outcome lands.
 ///
 /// The operation is *done* once its outcome is recorded and every callback
@@ -361,6 +451,8 @@ pub(crate) struct Handle {
     keep: Mutex<Option<Kept>>,
     /// The sender of each receive of a tagged batch (`_raw_tagged`).
     sources: OnceLock<Arc<Mutex<Vec<i64>>>>,
+    /// The queued operation, which `wait` may run itself.
+    queued: Option<Arc<Queued>>,
 }
 
 /// Buffer exports and memory owners an operation uses.
@@ -371,11 +463,13 @@ impl Handle {
         done: Arc<Completion>,
         keep: Vec<View>,
         keep_obj: Option<Py<PyAny>>,
+        queued: Option<Arc<Queued>>,
     ) -> Handle {
         Handle {
             done,
             keep: Mutex::new(Some((keep, keep_obj))),
             sources: OnceLock::new(),
+            queued,
         }
     }
 
@@ -393,6 +487,13 @@ impl Handle {
     /// error if it failed; the buffers are released once it is done.
     pub(crate) fn wait_inner(&self, py: Python<'_>, t: Option<Duration>) -> PyResult<()> {
         let d = self.done.clone();
+        // A wait without a limit runs the operation itself if it can (a
+        // wait with one must be able to give up).
+        if let (None, Some(q)) = (t, &self.queued) {
+            if !d.is_done() {
+                py.detach(|| q.run_here());
+            }
+        }
         if !d.is_done() && !py.detach(move || d.wait(t)) {
             return Err(ErrInfo::new(
                 Kind::Timeout,

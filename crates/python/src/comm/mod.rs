@@ -8,9 +8,10 @@
 //! anything is sent, so a bad call raises `InvalidArgumentError` and leaves
 //! the communicator usable. Blocking calls run on the calling thread with
 //! the GIL released; asynchronous ones run in issue order on the
-//! communicator's worker thread (a `braid::Stream`), and a blocking call
-//! issued while asynchronous ones are pending queues behind them, so every
-//! rank sees the same order.
+//! communicator's worker thread (a `braid::Stream`), or on the thread that
+//! waits for one before the worker started it once all before it finished
+//! (`work::Queued`), and a blocking call issued while asynchronous ones are
+//! pending queues behind them, so every rank sees the same order.
 //!
 //! `prep` checks each call's arguments and builds its job; `group` is
 //! `braid.Group`; this file holds the class and its Python methods.
@@ -44,6 +45,9 @@ pub(crate) struct PyComm {
     worker: Mutex<Option<Stream>>,
     /// Asynchronous operations issued and not yet finished.
     pending: Arc<AtomicUsize>,
+    /// Held while a queued operation runs (on the worker, or on a thread
+    /// waiting for it: `work::Queued`).
+    exec: Arc<crate::work::Exec>,
     closed: AtomicBool,
     /// The device communicator, once a CUDA tensor came (torch backend).
     cuda: Mutex<Option<crate::cuda::CudaState>>,
@@ -359,7 +363,12 @@ impl PyComm {
         let Some(stream) = worker.as_ref() else {
             return Ok(());
         };
-        let h = stream.submit(|_| Ok(()));
+        // Behind every queued operation, and any a waiter runs (`exec`).
+        let exec = self.exec.clone();
+        let h = stream.submit(move |_| {
+            crate::work::drain(&exec);
+            Ok(())
+        });
         drop(worker);
         py.detach(move || h.wait()).map_err(|e| py_err(py, &e))?;
         match self.comm.async_error() {

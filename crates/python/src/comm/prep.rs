@@ -11,7 +11,7 @@ use pyo3::prelude::*;
 
 use crate::errors::{invalid, py_err, ErrInfo, Kind};
 use crate::views::{Raw, View};
-use crate::work::{Completion, Handle, Job, P2pOp};
+use crate::work::{Completion, Exec, Handle, Job, P2pOp, Queued};
 
 use super::PyComm;
 
@@ -112,6 +112,7 @@ impl PyComm {
             comm,
             worker: Mutex::new(None),
             pending: Arc::new(AtomicUsize::new(0)),
+            exec: Arc::new(Exec::default()),
             closed: AtomicBool::new(false),
             cuda: Mutex::new(None),
             mailbox: None,
@@ -158,8 +159,8 @@ impl PyComm {
             keep,
             keep_obj,
         } = prep;
-        self.submit(py, job, done.clone())?;
-        let h = Handle::new(done, keep, keep_obj);
+        let q = self.submit(py, job, done.clone())?;
+        let h = Handle::new(done, keep, keep_obj, Some(q));
         if async_op {
             Ok(Some(h))
         } else {
@@ -168,7 +169,14 @@ impl PyComm {
         }
     }
 
-    pub(super) fn submit(&self, py: Python<'_>, job: Job, done: Arc<Completion>) -> PyResult<()> {
+    /// Queue `job` on the worker (started on first use); its outcome lands
+    /// in `done`.
+    pub(super) fn submit(
+        &self,
+        py: Python<'_>,
+        job: Job,
+        done: Arc<Completion>,
+    ) -> PyResult<Arc<Queued>> {
         let mut w = self
             .worker
             .lock()
@@ -176,26 +184,23 @@ impl PyComm {
         if w.is_none() {
             *w = Some(Stream::new(&self.comm).map_err(|e| py_err(py, &e))?);
         }
-        let pending = self.pending.clone();
-        pending.fetch_add(1, Ordering::AcqRel);
+        let q = Arc::new(Queued::new(
+            job,
+            self.comm.clone(),
+            done,
+            self.pending.clone(),
+            self.exec.clone(),
+        ));
         if let Some(stream) = w.as_ref() {
             // The handle returned by the stream is not needed: the outcome
             // lands in `done`.
-            let _ = stream.submit(move |c| {
-                let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| job.run(c)));
-                pending.fetch_sub(1, Ordering::AcqRel);
-                done.complete(match r {
-                    Ok(Ok(())) => Ok(()),
-                    Ok(Err(e)) => Err(ErrInfo::from_braid(&e)),
-                    Err(_) => Err(ErrInfo::new(
-                        Kind::Unusable,
-                        "braid panicked while running the operation (a bug: please report it)",
-                    )),
-                });
+            let on_worker = q.clone();
+            let _ = stream.submit(move |_| {
+                on_worker.run_on_worker();
                 Ok(())
             });
         }
-        Ok(())
+        Ok(q)
     }
 
     // ---- builders: checks and jobs -------------------------------------
