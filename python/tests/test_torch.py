@@ -164,3 +164,5 @@ def test_split_sizes_of_any_sequence_and_precise_messages():
                 assert "sparse" in v and "contiguous" not in v, (k, v)
             if k.startswith("meta"):
                 assert "meta tensor" in v and "CUDA tensor" not in v, (k, v)
+        assert "not contiguous" in m["transposed all_reduce"], m
+        assert "BAND" in m["BAND all_reduce of float"], m

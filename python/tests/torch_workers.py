@@ -685,6 +685,9 @@ def torch_args(rank, p, spec):
     msgs["meta all_to_all_single"] = err(
         lambda: dist.all_to_all_single(torch.empty(4, device="meta"), meta))
     msgs["meta isend"] = err(lambda: dist.isend(meta, (rank + 1) % p))
+    msgs["transposed all_reduce"] = err(lambda: dist.all_reduce(torch.zeros(3, 2).t()))
+    msgs["BAND all_reduce of float"] = err(
+        lambda: dist.all_reduce(torch.zeros(3), op=dist.ReduceOp.BAND))
     # Still usable.
     t = torch.ones(2)
     dist.all_reduce(t)
