@@ -255,9 +255,12 @@ impl Communicator {
             oversubscribed = oversub,
             "braid: waits {}",
             if oversub {
-                "yield up to 200 times, then sleep (ranks here share CPUs)"
+                format!(
+                    "yield up to {} times, then sleep (ranks here share CPUs)",
+                    super::tuning::OVERSUBSCRIBED_YIELDS
+                )
             } else {
-                "spin up to 50 µs, then sleep"
+                "spin up to 50 µs, then sleep".to_string()
             }
         );
         let piece = if piece == u64::MAX {
