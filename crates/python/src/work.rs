@@ -237,8 +237,9 @@ pub(crate) struct Exec {
 /// operations on one communicator never overlap, run in issue order, and
 /// each starts after the callbacks of those before it.
 pub(crate) struct Queued {
-    job: Mutex<Option<Job>>,
-    comm: Communicator,
+    /// The job and its communicator until it runs (a handle kept after
+    /// that does not keep the communicator alive).
+    job: Mutex<Option<(Job, Communicator)>>,
     done: Arc<Completion>,
     /// The communicator's operations issued and not yet finished (this one
     /// included): what its blocking calls check.
@@ -256,8 +257,7 @@ impl Queued {
     ) -> Queued {
         pending.fetch_add(1, Ordering::AcqRel);
         Queued {
-            job: Mutex::new(Some(job)),
-            comm,
+            job: Mutex::new(Some((job, comm))),
             done,
             pending,
             exec,
@@ -285,10 +285,11 @@ impl Queued {
 
     fn run_locked(&self, guard: std::sync::MutexGuard<'_, ()>) -> bool {
         let job = self.job.lock().ok().and_then(|mut j| j.take());
-        let Some(job) = job else {
+        let Some((job, comm)) = job else {
             return false;
         };
-        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| job.run(&self.comm)));
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| job.run(&comm)));
+        drop((job, comm));
         // Not pending before the callbacks run: one may issue a blocking
         // call, which then runs on its thread instead of queueing behind.
         self.pending.fetch_sub(1, Ordering::AcqRel);
