@@ -64,7 +64,18 @@ def test_torchft_ddp_example_kill_and_restart_matches_gloo():
 
     outs = {b: tempfile.mkdtemp(prefix=f"braid-torchft-{b}-") for b in ("braid", "gloo")}
     try:
-        res = {b: _train(b, outs[b]) for b in ("braid", "gloo")}
+        res = {"braid": _train("braid", outs["braid"])}
+        # The reference gets a second try: once in CI (2026-12-07) a gloo
+        # replica ended with SIGABRT ("terminate called without an active
+        # exception", a thread of torchft's or gloo's destroyed joinable at
+        # exit) after its last commit. braid's run gets one try.
+        try:
+            res["gloo"] = _train("gloo", outs["gloo"])
+        except AssertionError as e:
+            print(f"gloo's reference run failed, running it again: {str(e)[-2000:]}")
+            shutil.rmtree(outs["gloo"], ignore_errors=True)
+            outs["gloo"] = tempfile.mkdtemp(prefix="braid-torchft-gloo-")
+            res["gloo"] = _train("gloo", outs["gloo"])
         params = {b: [torch.load(os.path.join(outs[b], f"params{r}.pt")) for r in (0, 1)]
                   for b in outs}
     finally:
