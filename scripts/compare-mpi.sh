@@ -18,7 +18,8 @@
 # Knobs: SIZES="8 1M 16M 64M" (the table's cells; default for openmpi5 and
 # mpich "8 1K 64K 1M 8M 64M"; the whole-array collectives run at least 16
 # bytes per rank on both sides), COLLS="all_reduce all_gather" (default: all
-# six), SWEEP=1 (braid-perf's 1M..64M sweep and the plots; default for
+# six), DURATION=SECS (how long both sides time each cell, default 0.2),
+# SWEEP=1 (braid-perf's 1M..64M sweep and the plots; default for
 # system only), REG=1 (the moving collectives once more on registered
 # buffers, braid-perf -R 1; default for system only), PERF=/path/to/braid-perf
 # (that binary instead of building this tree's), PEERS=DIR (another copy of
@@ -85,7 +86,11 @@ cell() { # COLL NP SIZE -> the size both sides run (braid-perf rounds the whole-
   echo "$b"
 }
 iters_for() { # SIZE-BYTES -> "iters warmup": each cell a run of its own with its own
-  # warm-up and, as the MPI benchmark's timed loop (~0.2 s per size), many iterations
+  # warm-up and at least this many iterations; both sides then time each cell
+  # for DURATION seconds (default 0.2: braid-perf -D, the MPI benchmark -T
+  # without its 2000-iteration cap). With 2000 iterations alone an 8-byte
+  # call was timed for 0.3 ms, and braid's 8-byte Broadcast read 0.15 µs in
+  # one round and 0.32-0.42 in the next.
   local b=$1
   if [ "$b" -le 65536 ]; then echo "2000 100"; elif [ "$b" -le 1048576 ]; then echo "300 20"
   elif [ "$b" -le 16777216 ]; then echo "100 10"; else echo "30 3"; fi
@@ -96,6 +101,8 @@ iters_for() { # SIZE-BYTES -> "iters warmup": each cell a run of its own with it
 declare -A mpiname=([all_reduce]=allreduce [all_gather]=allgather [reduce_scatter]=reducescatter
   [broadcast]=bcast [reduce]=reduce [alltoall]=alltoall)
 rounds=${ROUNDS:-2}
+duration=${DURATION:-0.2}
+export MPI_SECONDS=$duration MPI_MAXITERS=100000000
 rm -f "$out/load.txt"
 for round in $(seq "$rounds"); do
   # The machine's load as each round starts (other work skews both sides).
@@ -112,13 +119,13 @@ for round in $(seq "$rounds"); do
         b=$(cell "$c" "$np" "$size")
         mpisizes=${mpisizes:+$mpisizes,}$b
         read -r n w <<<"$(iters_for "$b")"
-        "$perf" "$c" -np "$np" -b "$b" -e "$b" -n "$n" -w "$w" -H 1 -J "$out/braid_${c}_np${np}_$b.r$round.json" >/dev/null
+        "$perf" "$c" -np "$np" -b "$b" -e "$b" -n "$n" -w "$w" -D "$duration" -H 1 -J "$out/braid_${c}_np${np}_$b.r$round.json" >/dev/null
         # The moving collectives once more on registered buffers (-R 1:
         # braid::HostBuffer, which peers map and copy from without
         # process_vm_readv): a column of its own, next to the plain one.
         if [ "$reg" = 1 ]; then
           case $c in all_gather | broadcast | alltoall)
-            "$perf" "$c" -np "$np" -b "$b" -e "$b" -n "$n" -w "$w" -R 1 -J "$out/braid_${c}_np${np}_$b.reg.r$round.json" >/dev/null ;;
+            "$perf" "$c" -np "$np" -b "$b" -e "$b" -n "$n" -w "$w" -D "$duration" -R 1 -J "$out/braid_${c}_np${np}_$b.reg.r$round.json" >/dev/null ;;
           esac
         fi
       done
