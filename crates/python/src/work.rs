@@ -272,21 +272,20 @@ impl Queued {
     }
 
     /// The waiter's turn: run the job here if every earlier one finished
-    /// and nothing runs; whether it did.
-    pub(crate) fn run_here(&self) -> bool {
+    /// and nothing runs (else the worker runs it).
+    pub(crate) fn run_here(&self) {
         if self.pending.load(Ordering::Acquire) != 1 {
-            return false;
+            return;
         }
-        match self.exec.lock.try_lock() {
-            Ok(guard) => self.run_locked(guard),
-            Err(_) => false,
+        if let Ok(guard) = self.exec.lock.try_lock() {
+            self.run_locked(guard);
         }
     }
 
-    fn run_locked(&self, guard: std::sync::MutexGuard<'_, ()>) -> bool {
+    fn run_locked(&self, guard: std::sync::MutexGuard<'_, ()>) {
         let job = self.job.lock().ok().and_then(|mut j| j.take());
         let Some((job, comm)) = job else {
-            return false;
+            return;
         };
         let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| job.run(&comm)));
         drop((job, comm));
@@ -302,7 +301,6 @@ impl Queued {
             )),
         });
         drop(guard);
-        true
     }
 }
 
