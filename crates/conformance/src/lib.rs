@@ -353,15 +353,16 @@ fn wait_drained(tx: &mut dyn SendChannel) {
 // ------------------------------------------------------------------- cases
 
 /// Case 1: many messages (at least 10 × slots, wrapping around the ring)
-/// with lengths 0, 1, 40, 48, 49, 63, slot_bytes − 1 and slot_bytes arrive in order and
-/// intact.
+/// with lengths 0, 1, 40, 48, 49, 63, 112, 113, slot_bytes − 1 and slot_bytes arrive in
+/// order and intact.
 pub fn ordered_delivery(factory: &Factory) {
     let (mut tx, mut rx) = fresh_pair(factory);
     let sb = tx.slot_bytes();
     let slots = tx.slots();
-    // 40, 48, 49: around the smallest place a transport may carry small
-    // messages in (shm: 48 bytes in the slot's announcement line).
-    let lens = [0, 1, 40, 48, 49, 63, sb - 1, sb];
+    // 40, 48, 49 and 112, 113: around the places a transport may carry
+    // small messages in (shm: 48 bytes in the line of a box's `seq`, 112
+    // in its two lines).
+    let lens = [0, 1, 40, 48, 49, 63, 112, 113, sb - 1, sb];
     let n = (10 * slots).max(5 * lens.len()) as u64 + 3;
     let deadline = Instant::now() + WAIT;
     let (mut sent, mut got, mut round) = (0u64, 0u64, 0u64);
@@ -1281,20 +1282,22 @@ fn put_small(tx: &mut dyn SendChannel, buf: SlotBuf, seq: u64, len: usize) {
     });
 }
 
-/// Case 12: `poll_acquire_small`. A sender of small messages (0 to 48
+/// Case 12: `poll_acquire_small`. A sender of small messages (0 to 112
 /// bytes, what a transport may carry outside its slots) takes every credit
 /// it is granted without a release (at least `slots`), and then an
 /// ordinary `poll_acquire` grants nothing: small messages never let a
 /// sender overrun the slots. They all arrive in order and intact. Then
-/// small and ordinary acquisitions, mixed (small ones also of 49 and 200
+/// small and ordinary acquisitions, mixed (small ones also of 113 and 200
 /// bytes, which a transport must serve like ordinary ones), over many
 /// more messages than slots and than 256 (where the shm transport's
-/// boxes wrap), arrive in order and intact.
+/// boxes wrap), arrive in order and intact. Last, small messages committed
+/// shorter than asked for, each asked for twice before its commit (the
+/// same buffer both times).
 pub fn small_acquisitions(factory: &Factory) {
     let (mut tx, mut rx) = fresh_pair(factory);
     let slots = tx.slots();
     let sb = tx.slot_bytes();
-    let small = [8usize, 40, 48, 0];
+    let small = [8usize, 40, 48, 0, 96, 112];
     let mut sent = 0u64;
     loop {
         let len = small[sent as usize % small.len()];
@@ -1343,6 +1346,8 @@ pub fn small_acquisitions(factory: &Factory) {
         (49, true),
         (40, false),
         (200, true),
+        (112, true),
+        (113, true),
         (1, true),
         (sb - 1, false),
     ];
@@ -1377,6 +1382,41 @@ pub fn small_acquisitions(factory: &Factory) {
         let budget = 1 + round % (2 * slots as u64 + 3);
         round += 1;
         receive_some(&mut *rx, budget, &mut got, sent, |seq| kind(seq).0);
+    }
+    wait_drained(&mut *tx);
+
+    // Committed shorter than asked for (the contract's "at most `len`"),
+    // across the sizes where a transport may place small messages
+    // differently (the shm transport: 48 and 112 bytes), each asked for
+    // twice before its commit.
+    for (asked, committed) in [
+        (100, 20),
+        (112, 112),
+        (64, 49),
+        (49, 48),
+        (200, 40),
+        (48, 0),
+    ] {
+        let seq = sent;
+        let what = format!("a credit for small message {seq} ({asked} bytes asked)");
+        let first = wait_for(&what, WAIT, || {
+            tx.poll_acquire_small(asked)
+                .expect("conformance: poll_acquire_small")
+        });
+        let buf = tx
+            .poll_acquire_small(asked)
+            .expect("conformance: poll_acquire_small")
+            .unwrap_or_else(|| panic!("conformance: {what}: granted, then withdrawn"));
+        assert_eq!(
+            (buf.ptr, buf.cap),
+            (first.ptr, first.cap),
+            "conformance: poll_acquire_small({asked}) asked twice before the commit returned another buffer"
+        );
+        put_small(&mut *tx, buf, seq, committed);
+        sent += 1;
+        let (got, len) = wait_peek(&mut *rx, &format!("small message {seq}"));
+        check_msg(&*rx, got, len, 0, seq, committed);
+        rx.release().expect("conformance: release");
     }
     wait_drained(&mut *tx);
 }

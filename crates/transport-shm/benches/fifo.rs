@@ -233,6 +233,71 @@ fn stream(c: &mut Criterion) {
     g.finish();
 }
 
+/// Streaming rate of 24-byte messages (an 8-byte piece behind its 16-byte
+/// operation header), each in its box, sender thread → bench thread: the
+/// transport's floor under a small Broadcast.
+fn stream_small(c: &mut Criterion) {
+    const LEN: usize = 24;
+    let mut g = c.benchmark_group("shm_stream");
+    g.sample_size(10)
+        .warm_up_time(Duration::from_millis(500))
+        .measurement_time(Duration::from_secs(2));
+    let t = ShmTransport::with_params(ShmConfig::DEFAULT_SLOT_BYTES, ShmConfig::DEFAULT_SLOTS)
+        .expect("shm geometry");
+    g.throughput(Throughput::Elements(1));
+    std::thread::scope(|s| {
+        let (mut tx, mut rx) = connect_pair(&t, &t.clone(), 0, 1);
+        let (cmd, cmds) = mpsc::channel::<u64>();
+        s.spawn(move || {
+            let mut seq = 0u64;
+            for n in cmds {
+                for _ in 0..n {
+                    let mut spin = Spin::new("a free box", WAIT);
+                    let out = loop {
+                        if let Some(b) = tx.poll_acquire_small(LEN).expect("poll_acquire_small") {
+                            break b;
+                        }
+                        if spin.pause() {
+                            tx.check_peer().expect("check_peer");
+                        }
+                    };
+                    // SAFETY: an acquired box holds at least LEN bytes and is
+                    // 64-byte aligned.
+                    unsafe {
+                        std::ptr::write_bytes(out.ptr, 7, LEN);
+                        out.ptr.cast::<u64>().write(seq);
+                    }
+                    tx.commit(LEN).expect("commit");
+                    seq += 1;
+                }
+            }
+        });
+        let mut dst = [0u8; LEN];
+        let mut seq = 0u64;
+        g.bench_function("24B_inline", |b| {
+            b.iter_custom(|iters| {
+                let start = Instant::now();
+                cmd.send(iters).expect("sender thread is gone");
+                for _ in 0..iters {
+                    let (inb, len) = peek(&mut *rx, "the next message", WAIT);
+                    assert_eq!(len, LEN, "fifo bench: message length");
+                    // SAFETY: a committed message valid for reads of `len`
+                    // bytes until `release`; `dst` holds `len` bytes.
+                    unsafe { std::ptr::copy_nonoverlapping(inb.ptr, dst.as_mut_ptr(), len) };
+                    rx.release().expect("release");
+                    let got = u64::from_ne_bytes(dst[..8].try_into().unwrap());
+                    assert_eq!(got, seq, "fifo bench: message out of order");
+                    seq += 1;
+                }
+                black_box(&dst);
+                start.elapsed()
+            })
+        });
+        drop(cmd);
+    });
+    g.finish();
+}
+
 fn size_label(bytes: usize) -> String {
     if bytes & ((1 << 20) - 1) == 0 {
         format!("{}MiB", bytes >> 20)
@@ -243,6 +308,7 @@ fn size_label(bytes: usize) -> String {
 
 fn benches(c: &mut Criterion) {
     pingpong(c);
+    stream_small(c);
     stream(c);
     // Every segment was unlinked at connect and every channel is dropped.
     let mine = format!("braid-{}-", std::process::id());

@@ -22,16 +22,18 @@
 //!   a pending receiver is dropped, the receiver unlinks.
 //! - **Credits.** `head` counts messages the sender committed, `tail`
 //!   messages the receiver released; both only grow, and messages are
-//!   released in order. Message `n` is announced in *box* `n % boxes` (one
-//!   cache line each, at least 256 of them: see `segment::boxes_for`),
-//!   which holds its length word and `n + 1` (`seq`), stored last; the
-//!   receiver polls that one line instead of `head`. A message of at most
-//!   48 bytes (an 8-byte AllReduce with its operation header is 40) travels
-//!   inside the box, so it reaches the receiver in a single cache-line
-//!   transfer, as in Open MPI's fast boxes, and needs only a free box:
-//!   `head - tail < boxes` ([`SendChannel::poll_acquire_small`]). Any other
-//!   message also takes slot `n % slots`, free iff `head - tail < slots`
-//!   (message `n - slots`, its last user, was released).
+//!   released in order. Message `n` is announced in *box* `n % boxes` (two
+//!   cache lines each, at least 256 of them: see `segment::boxes_for`),
+//!   whose first line holds its length word and `n + 1` (`seq`), stored
+//!   last; the receiver polls that one line instead of `head`. A message of
+//!   at most 48 bytes (an 8-byte AllReduce with its operation header is 40)
+//!   travels in that line, so it reaches the receiver in a single
+//!   cache-line transfer, as in Open MPI's fast boxes; one of at most 112
+//!   (a 64-byte Broadcast with its header is 96) takes the box's second
+//!   line too. Either needs only a free box: `head - tail < boxes`
+//!   ([`SendChannel::poll_acquire_small`]). Any other message also takes
+//!   slot `n % slots`, free iff `head - tail < slots` (message `n - slots`,
+//!   its last user, was released).
 //! - **Data path.** `poll_acquire`/`commit`/`poll_peek`/`release`/
 //!   `poll_drained` are plain loads and stores on the mapping, never a system
 //!   call, so the engine can spin on them.

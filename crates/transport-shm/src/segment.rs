@@ -28,7 +28,7 @@
 //! | 1408 | `help`: the direct transfer shared with the sender (claim, done, failed) | both |
 //! | 1536 | `recv_bell`: the receiver's doorbell (the sender rings it after publishing a message, a helped chunk, its abort or close) | both |
 //! | 1664 | `send_bell`: the sender's doorbell (the receiver rings it after releasing, its abort or close) | both |
-//! | 1792 | `boxes[boxes]` ([`boxes_for`]`(slots)` of them), 64 bytes each: up to 48 bytes of inline payload, the length word and the message number (`seq`) of each message; message `n` is announced in box `n % boxes` | sender |
+//! | 1792 | `boxes[boxes]` ([`boxes_for`]`(slots)` of them), 128 bytes each: the length word and the message number (`seq`) of each message, then up to 112 bytes of inline payload (48 of them in the line of `seq`); message `n` is announced in box `n % boxes` | sender |
 //! | `data_offset` (multiple of 4096) | `slots` slots, each `stride` bytes apart (`stride` = `slot_bytes` rounded up to 4096) | sender writes, receiver reads |
 //!
 //! Fields that different processes write sit on separate 128-byte lines (two
@@ -51,11 +51,13 @@ use braid_core::types::Element;
 /// `"BRAIDSHM"` in ASCII: the first word of every segment.
 pub(crate) const HEADER_MAGIC: u64 = u64::from_be_bytes(*b"BRAIDSHM");
 /// Version of the in-memory layout (bumped on any change to [`Header`]).
-pub(crate) const LAYOUT_VERSION: u32 = 7;
+pub(crate) const LAYOUT_VERSION: u32 = 8;
 /// Page size the layout aligns to.
 pub(crate) const PAGE: usize = 4096;
 /// Payload bytes a message may carry inside its slot's box (see [`SlotBox`]).
-pub(crate) const INLINE_BYTES: usize = 48;
+pub(crate) const INLINE_BYTES: usize = 112;
+/// Inline bytes that share the line of a box's `seq` word (its second).
+pub(crate) const SEQ_LINE_BYTES: usize = 48;
 /// Bytes of abort reason kept in the segment (longer reasons are cut): room
 /// for a whole error message with the peer's own cause nested in it (the
 /// RDMA link keeps 512).
@@ -74,7 +76,7 @@ pub(crate) const SLOT_WORDS: usize = PAGE / 8;
 /// least one per slot. A message that fits its box
 /// ([`INLINE_BYTES`]) needs a free box only, not a free slot, so a sender
 /// of small messages can run up to `boxes` messages ahead of its receiver
-/// (16 KiB of boxes instead of 32 MiB of slots). That is what a stream of
+/// (32 KiB of boxes instead of 32 MiB of slots). That is what a stream of
 /// small Broadcasts or Reduces needs where ranks share cores and the
 /// receiver runs only now and then: 4 ranks on 2 cores, 8-byte Broadcast,
 /// 0.7-1.2 µs per operation with 16 boxes against 0.4-0.5 with 256.
@@ -173,14 +175,17 @@ pub(crate) struct Header {
     pub send_bell: Padded<Doorbell>,
 }
 
-/// The cache line that announces a slot's message: the receiver polls
-/// `seq` alone (no other line), and a message of at most
-/// [`INLINE_BYTES`] travels in the same line, so a small message costs one
-/// cache-line transfer from sender to receiver.
+/// The two cache lines that announce a slot's message. The receiver
+/// polls `seq`, in the second line, alone. A message of at most
+/// [`SEQ_LINE_BYTES`] (an 8-byte piece behind its 32-byte operation
+/// header) travels in that line, at its start, so it costs one cache-line
+/// transfer from sender to receiver; one of at most [`INLINE_BYTES`] (a
+/// 64-byte Broadcast with its header) starts at the first line, and needs
+/// neither a slot nor a slot's credit. Either start is 64-byte aligned,
+/// like a slot ([`Segment::inline_at`]).
 #[repr(C, align(64))]
 pub(crate) struct SlotBox {
-    /// Inline payload (raw bytes, handed out by [`Segment::inline_ptr`];
-    /// first, so that it is 64-byte aligned like a slot).
+    /// Inline payload (raw bytes, handed out by [`Segment::inline_at`]).
     pub inline: [u8; INLINE_BYTES],
     /// Byte length and flags of the message (see `link.rs`).
     pub word: AtomicU64,
@@ -479,7 +484,7 @@ impl Segment {
 
     fn box_ptr(&self, i: usize) -> *mut SlotBox {
         assert!(i < self.layout.boxes, "box index out of range");
-        // SAFETY: `boxes_offset + 64 * i` lies inside the box area reserved
+        // SAFETY: `boxes_offset + 128 * i` lies inside the box area reserved
         // by Layout::new (i < boxes); creating the pointer accesses nothing.
         unsafe {
             self.base
@@ -492,7 +497,8 @@ impl Segment {
     /// The message number of box `i` (`i < boxes`).
     pub(crate) fn box_seq(&self, i: usize) -> &AtomicU64 {
         // SAFETY: the box lies inside the mapping (box_ptr) and is 64-aligned
-        // (boxes_offset is a multiple of 128), so the field is 8-aligned;
+        // (boxes_offset is a multiple of 128, boxes 128 bytes each), so the
+        // field is 8-aligned;
         // AtomicU64 is valid for any bit pattern; the reference lives as
         // long as `self`.
         unsafe { &(*self.box_ptr(i)).seq }
@@ -504,13 +510,28 @@ impl Segment {
         unsafe { &(*self.box_ptr(i)).word }
     }
 
-    /// Start of box `i`'s inline payload ([`INLINE_BYTES`] bytes, 64-byte
-    /// aligned; `i < boxes`). Like slot memory, who may touch it when is decided by the
-    /// protocol in `link.rs`.
-    pub(crate) fn inline_ptr(&self, i: usize) -> *mut u8 {
-        // SAFETY: the field lies inside the box, inside the mapping;
-        // `addr_of_mut!` creates no reference, and nothing is accessed.
-        unsafe { std::ptr::addr_of_mut!((*self.box_ptr(i)).inline).cast::<u8>() }
+    /// Where a message of `len` bytes (at most [`INLINE_BYTES`]) lies in
+    /// box `i` (`i < boxes`), and the bytes from there to the end of the
+    /// payload area: in the line of `seq` if it fits there (at most
+    /// [`SEQ_LINE_BYTES`]), else from the box's start. Both are 64-byte
+    /// aligned. Sender and receiver place a message by its committed
+    /// length alike. Like slot memory, who may touch it when is decided by
+    /// the protocol in `link.rs`.
+    pub(crate) fn inline_at(&self, i: usize, len: usize) -> (*mut u8, usize) {
+        let off = if len <= SEQ_LINE_BYTES {
+            INLINE_BYTES - SEQ_LINE_BYTES
+        } else {
+            0
+        };
+        // SAFETY: the field lies inside the box, inside the mapping, and
+        // `off < INLINE_BYTES` stays inside the field; `addr_of_mut!`
+        // creates no reference, and nothing is accessed.
+        let p = unsafe {
+            std::ptr::addr_of_mut!((*self.box_ptr(i)).inline)
+                .cast::<u8>()
+                .add(off)
+        };
+        (p, INLINE_BYTES - off)
     }
 
     /// Start of slot `i` (`i < slots`), page-aligned, `slot_bytes` long.
@@ -542,15 +563,17 @@ impl Segment {
         unsafe { &*self.slot_ptr(i).cast::<AtomicU64>().add(w) }
     }
 
-    /// Copies the first `len` bytes of slot `slot` into box `bx`'s inline
-    /// payload (`len <=` [`INLINE_BYTES`]): a small message written into a
-    /// slot travels in the line the receiver polls.
+    /// Copies the first `len` bytes of slot `slot` into box `bx`, where a
+    /// message of `len` bytes lies ([`Segment::inline_at`]; `len <=`
+    /// [`INLINE_BYTES`]): a small message written into a slot travels in
+    /// the box the receiver polls.
     pub(crate) fn copy_slot_to_box(&self, slot: usize, bx: usize, len: usize) {
         assert!(len <= INLINE_BYTES, "{len} bytes do not fit a box");
-        let (src, dst) = (self.slot_ptr(slot), self.inline_ptr(bx));
+        let (src, dst) = (self.slot_ptr(slot), self.inline_at(bx, len).0);
         // SAFETY: both ranges lie inside the mapping (slot_ptr and
-        // inline_ptr check the indices; a slot holds at least 4096 bytes, a
-        // box INLINE_BYTES) and do not overlap (boxes end before
+        // inline_at check the indices; a slot holds at least 4096 bytes, a
+        // box from the returned start INLINE_BYTES or SEQ_LINE_BYTES, at
+        // least `len`) and do not overlap (boxes end before
         // `data_offset`). No reference to either range exists: this process
         // reaches slot and box memory only through raw pointers, and
         // `Segment` is not `Sync`, so no other thread uses these accessors
@@ -828,9 +851,12 @@ mod tests {
         assert_eq!(std::mem::offset_of!(Header, recv_bell), 1536);
         assert_eq!(std::mem::offset_of!(Header, send_bell), 1664);
         assert_eq!(size_of::<Header>(), 1792);
-        assert_eq!(size_of::<SlotBox>(), 64);
+        assert_eq!(size_of::<SlotBox>(), 128);
         assert_eq!(std::mem::align_of::<SlotBox>(), 64);
         assert_eq!(std::mem::offset_of!(SlotBox, inline), 0);
+        // A message in the second line shares it with `seq`, nothing more.
+        assert_eq!(std::mem::offset_of!(SlotBox, word), 64 + SEQ_LINE_BYTES);
+        assert_eq!(std::mem::offset_of!(SlotBox, seq), 120);
         assert_eq!(Layout::new(4096, 2).unwrap().boxes_offset, 1792);
     }
 

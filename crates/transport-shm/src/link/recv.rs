@@ -441,17 +441,15 @@ impl RecvChannel for ShmRecv {
                 self.peeked = false;
                 return Err(protocol(
                     self.peer,
-                    format!("shm box holds {len} bytes, more than 48 (corrupt segment)"),
+                    format!(
+                        "shm box holds {len} bytes, more than {} (corrupt segment)",
+                        segment::INLINE_BYTES
+                    ),
                 ));
             }
             self.remote = None;
-            return Ok(Some(Incoming::Inline(
-                SlotBuf {
-                    ptr: self.seg.inline_ptr(bx),
-                    cap: segment::INLINE_BYTES,
-                },
-                len,
-            )));
+            let (ptr, cap) = self.seg.inline_at(bx, len);
+            return Ok(Some(Incoming::Inline(SlotBuf { ptr, cap }, len)));
         }
         if word > self.slot_bytes as u64 {
             self.peeked = false;

@@ -19,8 +19,9 @@ enum Acquired {
     Nothing,
     /// Slot `head % slots` (and box `head % boxes`).
     Slot,
-    /// Only the inline payload of box `head % boxes`.
-    Inline,
+    /// Only the inline payload of box `head % boxes`, placed for a
+    /// message of this many bytes ([`Segment::inline_at`]).
+    Inline(usize),
 }
 
 /// The sending end of a connected segment.
@@ -185,7 +186,8 @@ impl SendChannel for ShmSend {
     /// A message of at most [`segment::INLINE_BYTES`] is written straight
     /// into its box and needs a free box only (`boxes` ≥ `slots` of them):
     /// a sender of small messages runs further ahead of a receiver that is
-    /// not running.
+    /// not running. Where in the box depends on `len`
+    /// ([`Segment::inline_at`]); a shorter commit moves it (`commit`).
     fn poll_acquire_small(&mut self, len: usize) -> Result<Option<SlotBuf>> {
         if len > segment::INLINE_BYTES {
             return self.poll_acquire();
@@ -194,21 +196,33 @@ impl SendChannel for ShmSend {
         if !self.credit(self.boxes)? {
             return Ok(None);
         }
-        self.acquired = Acquired::Inline;
-        Ok(Some(SlotBuf {
-            ptr: self.seg.inline_ptr(self.head_box),
-            cap: segment::INLINE_BYTES,
-        }))
+        // Asked again before the commit: the same place, if it holds `len`.
+        let asked = match self.acquired {
+            Acquired::Inline(prev) if len <= self.seg.inline_at(self.head_box, prev).1 => prev,
+            _ => len,
+        };
+        self.acquired = Acquired::Inline(asked);
+        let (ptr, cap) = self.seg.inline_at(self.head_box, asked);
+        Ok(Some(SlotBuf { ptr, cap }))
     }
 
     fn commit(&mut self, len: usize) -> Result<()> {
-        if self.acquired == Acquired::Inline {
+        if let Acquired::Inline(asked) = self.acquired {
             // Written in place by the caller.
-            if len > segment::INLINE_BYTES {
+            let (at, cap) = self.seg.inline_at(self.head_box, asked);
+            if len > cap {
                 return Err(CoreError::InvalidArgument(format!(
-                    "shm commit of {len} bytes into a box acquired for at most {}",
-                    segment::INLINE_BYTES
+                    "shm commit of {len} bytes into a box acquired for at most {cap}"
                 )));
+            }
+            let (to, _) = self.seg.inline_at(self.head_box, len);
+            if to != at {
+                // Acquired for more than the line of `seq` holds, committed
+                // for less: the receiver looks for it in that line.
+                // SAFETY: both ranges lie in the box's payload area
+                // (`inline_at`, `len <= cap`), which is ours until published;
+                // `copy` allows overlap.
+                unsafe { std::ptr::copy(at, to, len) };
             }
             return self.publish(len as u64 | INLINE_FLAG);
         }
