@@ -209,23 +209,7 @@ fn stream(c: &mut Criterion) {
             let mut dst = vec![0u8; slot_bytes];
             let mut seq = 0u64;
             g.bench_function(BenchmarkId::from_parameter(size_label(slot_bytes)), |b| {
-                b.iter_custom(|iters| {
-                    let start = Instant::now();
-                    cmd.send(iters).expect("sender thread is gone");
-                    for _ in 0..iters {
-                        let (inb, len) = peek(&mut *rx, "the next message", WAIT);
-                        assert_eq!(len, slot_bytes, "fifo bench: message length");
-                        // SAFETY: a committed slot valid for reads of `len`
-                        // bytes until `release`; `dst` holds `len` bytes.
-                        unsafe { std::ptr::copy_nonoverlapping(inb.ptr, dst.as_mut_ptr(), len) };
-                        rx.release().expect("release");
-                        let got = u64::from_ne_bytes(dst[..8].try_into().unwrap());
-                        assert_eq!(got, seq, "fifo bench: message out of order");
-                        seq += 1;
-                    }
-                    black_box(&dst);
-                    start.elapsed()
-                })
+                b.iter_custom(|iters| receive_stream(&mut *rx, &cmd, &mut dst, &mut seq, iters))
             });
             drop(cmd);
         });
@@ -233,9 +217,10 @@ fn stream(c: &mut Criterion) {
     g.finish();
 }
 
-/// Streaming rate of 24-byte messages (an 8-byte piece behind its 16-byte
-/// operation header), each in its box, sender thread → bench thread: the
-/// transport's floor under a small Broadcast.
+/// Streaming rate of 24-byte messages, each in the line of its box's `seq`
+/// (where braid's 8-byte piece travels behind its 32-byte operation
+/// header), sender thread → bench thread: the transport's floor under a
+/// stream of small Broadcasts.
 fn stream_small(c: &mut Criterion) {
     const LEN: usize = 24;
     let mut g = c.benchmark_group("shm_stream");
@@ -275,27 +260,38 @@ fn stream_small(c: &mut Criterion) {
         let mut dst = [0u8; LEN];
         let mut seq = 0u64;
         g.bench_function("24B_inline", |b| {
-            b.iter_custom(|iters| {
-                let start = Instant::now();
-                cmd.send(iters).expect("sender thread is gone");
-                for _ in 0..iters {
-                    let (inb, len) = peek(&mut *rx, "the next message", WAIT);
-                    assert_eq!(len, LEN, "fifo bench: message length");
-                    // SAFETY: a committed message valid for reads of `len`
-                    // bytes until `release`; `dst` holds `len` bytes.
-                    unsafe { std::ptr::copy_nonoverlapping(inb.ptr, dst.as_mut_ptr(), len) };
-                    rx.release().expect("release");
-                    let got = u64::from_ne_bytes(dst[..8].try_into().unwrap());
-                    assert_eq!(got, seq, "fifo bench: message out of order");
-                    seq += 1;
-                }
-                black_box(&dst);
-                start.elapsed()
-            })
+            b.iter_custom(|iters| receive_stream(&mut *rx, &cmd, &mut dst, &mut seq, iters))
         });
         drop(cmd);
     });
     g.finish();
+}
+
+/// Asks the sender for `iters` messages of `dst.len()` bytes and receives
+/// them in order into `dst` (each starts with its number, `seq` on);
+/// returns how long that took.
+fn receive_stream(
+    rx: &mut dyn RecvChannel,
+    cmd: &mpsc::Sender<u64>,
+    dst: &mut [u8],
+    seq: &mut u64,
+    iters: u64,
+) -> Duration {
+    let start = Instant::now();
+    cmd.send(iters).expect("sender thread is gone");
+    for _ in 0..iters {
+        let (inb, len) = peek(rx, "the next message", WAIT);
+        assert_eq!(len, dst.len(), "fifo bench: message length");
+        // SAFETY: a committed message valid for reads of `len` bytes until
+        // `release`; `dst` holds `len` bytes.
+        unsafe { std::ptr::copy_nonoverlapping(inb.ptr, dst.as_mut_ptr(), len) };
+        rx.release().expect("release");
+        let got = u64::from_ne_bytes(dst[..8].try_into().unwrap());
+        assert_eq!(got, *seq, "fifo bench: message out of order");
+        *seq += 1;
+    }
+    black_box(&dst);
+    start.elapsed()
 }
 
 fn size_label(bytes: usize) -> String {
