@@ -890,7 +890,6 @@ impl SocketRecv {
                 reason: "the link failed since its resume point: it cannot be kept".into(),
             }));
         }
-        sh.health.reset();
         {
             let mut guard = lock(ctrl);
             let c = &mut *guard;
@@ -898,7 +897,11 @@ impl SocketRecv {
             c.out
                 .pending
                 .extend(crate::info::ctrl_frame(CtrlKind::Resync, at, &[]));
+            // As the sender's resync: the old abort is forgotten under the
+            // control lock, once frames before the peer's resync are
+            // skipped.
             c.input.seek_resync();
+            sh.health.reset();
             sh.pump_ctrl(c);
             sh.arm_ctrl(c);
         }

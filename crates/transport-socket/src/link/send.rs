@@ -487,7 +487,6 @@ impl SocketSend {
         }
         // Every slot is free: the receiver drops what it did not release.
         sh.released.store(at, Ordering::Release);
-        sh.health.reset();
         let mut guard = lock(&sh.ctrl);
         let c = &mut *guard;
         c.out.credit_owed = None;
@@ -495,8 +494,12 @@ impl SocketSend {
             .pending
             .extend(crate::info::ctrl_frame(CtrlKind::Resync, at, &cut));
         // The receiver's frames before its resync (credits, an abort of the
-        // old link) are skipped.
+        // old link) are skipped. The old abort is forgotten only now, under
+        // the control lock: the progress thread reads frames under it, so a
+        // peer's abort still on its way can no longer fail the new link
+        // (forgotten before the lock, one read in between came back).
         c.input.seek_resync();
+        sh.health.reset();
         sh.pump_ctrl(c);
         sh.arm_ctrl(c);
         self.aborted = None;
