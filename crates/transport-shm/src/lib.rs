@@ -24,8 +24,8 @@
 //!   messages the receiver released; both only grow, and messages are
 //!   released in order. Message `n` is announced in *box* `n % boxes` (two
 //!   cache lines each, at least 256 of them: see `segment::boxes_for`),
-//!   whose first line holds its length word and `n + 1` (`seq`), stored
-//!   last; the receiver polls that one line instead of `head`. A message of
+//!   whose second line ends with its length word and `n + 1` (`seq`),
+//!   stored last; the receiver polls that one line instead of `head`. A message of
 //!   at most 48 bytes (an 8-byte AllReduce with its operation header is 40)
 //!   travels in that line, so it reaches the receiver in a single
 //!   cache-line transfer, as in Open MPI's fast boxes; one of at most 112

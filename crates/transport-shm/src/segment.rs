@@ -28,7 +28,7 @@
 //! | 1408 | `help`: the direct transfer shared with the sender (claim, done, failed) | both |
 //! | 1536 | `recv_bell`: the receiver's doorbell (the sender rings it after publishing a message, a helped chunk, its abort or close) | both |
 //! | 1664 | `send_bell`: the sender's doorbell (the receiver rings it after releasing, its abort or close) | both |
-//! | 1792 | `boxes[boxes]` ([`boxes_for`]`(slots)` of them), 128 bytes each: the length word and the message number (`seq`) of each message, then up to 112 bytes of inline payload (48 of them in the line of `seq`); message `n` is announced in box `n % boxes` | sender |
+//! | 1792 | `boxes[boxes]` ([`boxes_for`]`(slots)` of them), 128 bytes each: up to 112 bytes of inline payload (a message of at most 48 starts in the second line), then the length word and the message number (`seq`) of each message, both in the second line; message `n` is announced in box `n % boxes` | sender |
 //! | `data_offset` (multiple of 4096) | `slots` slots, each `stride` bytes apart (`stride` = `slot_bytes` rounded up to 4096) | sender writes, receiver reads |
 //!
 //! Fields that different processes write sit on separate 128-byte lines (two
