@@ -5,11 +5,15 @@ use super::*;
 const LENS: [usize; 6] = [0, 1, 7, 33, 1000, 4099];
 
 /// Run `f` on every code path this CPU can take: the run-time selected
-/// (AVX-512, AVX2/F16C) loops, the AVX2 ones, and the baseline ones.
+/// (AVX-512 with BF16, AVX2/F16C) loops, the AVX-512 ones without BF16,
+/// the AVX2 ones, and the baseline ones.
 fn on_every_path(f: impl Fn()) {
     f();
     #[cfg(target_arch = "x86_64")]
     {
+        x86::NO_AVX512_BF16.with(|b| b.set(true));
+        f();
+        x86::NO_AVX512_BF16.with(|b| b.set(false));
         x86::NO_AVX512.with(|b| b.set(true));
         f();
         x86::NO_AVX512.with(|b| b.set(false));
@@ -577,4 +581,74 @@ fn bf16_slice_conversions_match_half_crate() {
             );
         }
     });
+}
+
+/// The one-pass bf16 Sum and Prod give the baseline path's bits on every
+/// path, whatever the operands: arbitrary bit patterns (NaNs with payloads,
+/// infinities, signed zeros, subnormals) and pairs whose f32 result is
+/// subnormal, which `vcvtne2ps2bf16` would flush to zero (the AVX-512 BF16
+/// loop must round them as `narrow` does). Lengths cover whole 32-element
+/// blocks, the 16-element loop and the scalar tail; every form, in place
+/// included.
+#[test]
+fn fused_bf16_gives_the_baseline_bits_for_any_operands() {
+    let mut rng = Rng(0xb16f_10a7);
+    let mut a: Vec<u16> = (0..4099).map(|_| rng.next() as u16).collect();
+    let mut b: Vec<u16> = (0..4099).map(|_| rng.next() as u16).collect();
+    // Subnormal f32 results: the smallest normal magnitudes (2^-126 and a
+    // little above) summed with their near opposites, and small products.
+    for k in 0..64u16 {
+        let i = 200 + 2 * k as usize;
+        a[i] = 0x0080 + k; // 2^-126 * (1 + k/128)
+        b[i] = 0x8080 + k / 2; // -(2^-126 * (1 + (k/2)/128))
+        a[i + 1] = 0x2000 + k; // ~2^-63
+        b[i + 1] = 0x1f80 - k; // ~2^-64: the product is ~2^-127
+    }
+    // A block of subnormal sums only (the whole 32-element block falls back),
+    // and subnormal operands.
+    for i in 1024..1056 {
+        a[i] = 0x0081;
+        b[i] = 0x8080;
+    }
+    for i in 2048..2080 {
+        a[i] = 0x0001 + i as u16 % 7;
+        b[i] = 0x0040;
+    }
+    let bytes = |v: &[u16]| -> Vec<u8> { v.iter().flat_map(|h| h.to_ne_bytes()).collect() };
+    let (ab, bb) = (bytes(&a), bytes(&b));
+    for op in [RedOp::Sum, RedOp::Prod, RedOp::Avg] {
+        for n in [0, 1, 15, 16, 31, 32, 33, 47, 64, 100, 1040, 4099] {
+            let (x, y) = (&ab[..2 * n], &bb[..2 * n]);
+            let run = |x: &[u8], y: &[u8]| -> [Vec<u8>; 3] {
+                let mut dst = vec![0u8; x.len()];
+                reduce_bytes(&mut dst, x, y, DataType::Bf16, op).unwrap();
+                let mut acc = x.to_vec();
+                reduce_into_bytes(&mut acc, y, DataType::Bf16, op).unwrap();
+                let mut acc_b = y.to_vec();
+                let p = acc_b.as_mut_ptr();
+                // SAFETY: dst == b; `x` and `acc_b` hold n elements each.
+                unsafe { reduce_raw(p, x.as_ptr(), p, n, DataType::Bf16, op) };
+                [dst, acc, acc_b]
+            };
+            #[cfg(target_arch = "x86_64")]
+            x86::BASELINE_ONLY.with(|f| f.set(true));
+            let want = run(x, y);
+            #[cfg(target_arch = "x86_64")]
+            x86::BASELINE_ONLY.with(|f| f.set(false));
+            on_every_path(|| {
+                let got = run(x, y);
+                for (form, (g, w)) in ["binary", "accumulate", "dst==b"]
+                    .iter()
+                    .zip(got.iter().zip(&want))
+                {
+                    if let Some(e) = (0..n).find(|&e| g[2 * e..2 * e + 2] != w[2 * e..2 * e + 2]) {
+                        panic!(
+                            "bf16 {op} {form} n={n}: element {e}: {:#06x} {op} {:#06x} gave {:#04x?}, baseline {:#04x?}",
+                            a[e], b[e], &g[2 * e..2 * e + 2], &w[2 * e..2 * e + 2]
+                        );
+                    }
+                }
+            });
+        }
+    }
 }
