@@ -263,15 +263,17 @@ unsafe fn tail<H: Narrow>(d: *mut H, x: *const H, y: *const H, from: usize, n: u
     }
 }
 
-/// 32 elements at a time with AVX-512 BF16: the even and odd elements of
-/// a 64-byte block are widened in place (a shift, a mask: a bfloat16 is the
-/// top half of its f32), combined, and rounded back together by
-/// `vcvtne2ps2bf16`, which rounds to nearest even and quietens a NaN as
-/// the scalar `narrow` does, and a permutation puts them back in order.
-/// The instruction flushes subnormal results to zero where `narrow` rounds
-/// them, so a block with a subnormal f32 result (rare: magnitudes below
-/// 2^-126) takes [`run_bf16_512`]'s integer rounding instead; the results
-/// are bit for bit those of every other path. On the Zen 4 VM this was
+/// 32 elements at a time with AVX-512 BF16: each half of a 64-byte block
+/// is widened (a bfloat16 is the top half of its f32), combined, and both
+/// halves are rounded back at once by `vcvtne2ps2bf16`, which rounds to
+/// nearest even and quietens a NaN as the scalar `narrow` does. (Widening
+/// the even and odd elements in place instead, a shift and a mask, needs a
+/// word permutation to put the results back in order, and measured slower:
+/// 18-20 GiB/s at 4 MiB against 20-21.) The instruction flushes subnormal
+/// results to zero where `narrow` rounds them, so a block with a subnormal
+/// f32 result (rare: magnitudes below 2^-126) takes [`run_bf16_512`]'s
+/// integer rounding instead; the results are bit for bit those of every
+/// other path. On the Zen 4 VM this was
 /// developed on (`cargo bench -p braid-core --bench reduce`), a 64 KiB sum
 /// took 12.2 GiB/s with the integer rounding and takes 21.5 (f32: 35); a
 /// 2-rank AllReduce of bf16 from 256 KiB to 4 MiB took 1.3-1.45x f32's
@@ -284,25 +286,10 @@ unsafe fn tail<H: Narrow>(d: *mut H, x: *const H, y: *const H, from: usize, n: u
 #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512bf16")]
 unsafe fn run_bf16_512_bf16(d: *mut bf16, x: *const bf16, y: *const bf16, n: usize, op: Fused) {
     use std::arch::x86_64::{
-        __m512i, _mm512_add_ps, _mm512_and_si512, _mm512_castsi512_ps, _mm512_cvtne2ps_pbh,
-        _mm512_fpclass_ps_mask, _mm512_loadu_si512, _mm512_mul_ps, _mm512_permutexvar_epi16,
-        _mm512_set1_epi32, _mm512_slli_epi32, _mm512_storeu_si512,
+        __m256i, __m512i, _mm256_loadu_si256, _mm512_add_ps, _mm512_castsi512_ps,
+        _mm512_cvtepu16_epi32, _mm512_cvtne2ps_pbh, _mm512_fpclass_ps_mask, _mm512_mul_ps,
+        _mm512_slli_epi32, _mm512_storeu_si512,
     };
-    // `vcvtne2ps2bf16 (odd, even)` gives the 16 even results, then the 16
-    // odd ones; element 2k of the block is even result k, 2k+1 odd result k.
-    const ORDER: [u16; 32] = {
-        let mut o = [0u16; 32];
-        let mut k = 0;
-        while k < 16 {
-            o[2 * k] = k as u16;
-            o[2 * k + 1] = 16 + k as u16;
-            k += 1;
-        }
-        o
-    };
-    // SAFETY: `ORDER` is 64 bytes, read unaligned.
-    let order = unsafe { _mm512_loadu_si512(ORDER.as_ptr().cast::<__m512i>()) };
-    let high = _mm512_set1_epi32(0xffff_0000_u32 as i32);
     // `vfpclassps` category 0x20: subnormal.
     const SUBNORMAL: i32 = 0x20;
     let mut i = 0;
@@ -312,16 +299,13 @@ unsafe fn run_bf16_512_bf16(d: *mut bf16, x: *const bf16, y: *const bf16, n: usi
         // accesses; both loads happen before the store, so `d` may alias
         // them, and the fallback reads the same unchanged elements.
         unsafe {
-            let a = _mm512_loadu_si512(x.add(i).cast::<__m512i>());
-            let b = _mm512_loadu_si512(y.add(i).cast::<__m512i>());
-            let (ae, ao) = (
-                _mm512_castsi512_ps(_mm512_slli_epi32::<16>(a)),
-                _mm512_castsi512_ps(_mm512_and_si512(a, high)),
-            );
-            let (be, bo) = (
-                _mm512_castsi512_ps(_mm512_slli_epi32::<16>(b)),
-                _mm512_castsi512_ps(_mm512_and_si512(b, high)),
-            );
+            let wide = |p: *const bf16| {
+                _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(
+                    _mm256_loadu_si256(p.cast::<__m256i>()),
+                )))
+            };
+            let (ae, ao) = (wide(x.add(i)), wide(x.add(i + 16)));
+            let (be, bo) = (wide(y.add(i)), wide(y.add(i + 16)));
             let (re, ro) = match op {
                 Fused::Add => (_mm512_add_ps(ae, be), _mm512_add_ps(ao, bo)),
                 Fused::Mul => (_mm512_mul_ps(ae, be), _mm512_mul_ps(ao, bo)),
@@ -332,10 +316,7 @@ unsafe fn run_bf16_512_bf16(d: *mut bf16, x: *const bf16, y: *const bf16, n: usi
                 run_bf16_512(d.add(i), x.add(i), y.add(i), 32, op);
             } else {
                 let h: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(ro, re));
-                _mm512_storeu_si512(
-                    d.add(i).cast::<__m512i>(),
-                    _mm512_permutexvar_epi16(order, h),
-                );
+                _mm512_storeu_si512(d.add(i).cast::<__m512i>(), h);
             }
         }
         i += 32;
