@@ -254,6 +254,25 @@ def torch_vs_gloo(rank, p, spec):
     assert torch.equal(f2.wait(), torch.full((4,), 2.0 * p))
     c.checked.append("future.then")
 
+    # A blocking call's Work, as torch's C++ callers get it (asyncOp false):
+    # finished, and its future holds that call's output when taken before
+    # the next call (braid reuses one such Work per thread).
+    def blocking_work(g):
+        pg = g if g is not None else dist.group.WORLD
+        outs = []
+        for k in range(3):
+            t = vals((5,), torch.float32, rank, k)
+            opts = dist.AllreduceOptions()
+            opts.asyncOp = False
+            w = pg.allreduce([t], opts)
+            w.wait()
+            assert w.is_completed()
+            v = w.get_future().wait()
+            assert torch.equal(v[0], t), "a blocking call's future is not its output"
+            outs.append(t)
+        return outs
+    c.both("blocking Work", blocking_work)
+
     # Subgroups: braid and gloo subgroups of the same ranks.
     sub_ranks = list(range(0, p, 2)) if p > 2 else [0, 1]
     bsub = dist.new_group(sub_ranks)

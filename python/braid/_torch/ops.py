@@ -24,8 +24,17 @@ from .. import _braid
 from ..errors import InvalidArgumentError, UnusableError
 from . import NAME
 from .core import Core
-from .tables import U8, datatype, op_name, reduction
-from .tensors import Cuda, any_cuda, check_device, host, map_tensors, premul, split_sizes
+from .tables import SUM_OF, SUM_OP, U8, datatype, op_name, reduction
+from .tensors import (
+    STRIDED,
+    Cuda,
+    any_cuda,
+    check_device,
+    host,
+    map_tensors,
+    premul,
+    split_sizes,
+)
 from .work import BraidWork, seconds
 
 # Dimensions a sparse all_reduce's metadata has room for.
@@ -102,6 +111,24 @@ class Ops:
             c.flush()
         if opts is None:
             opts = AllreduceOptions()
+        if len(tensors) == 1:
+            # The usual call, one dense contiguous CPU tensor summed, without
+            # the helpers' calls (each Python call or attribute read is about
+            # 0.1 µs of an 8-byte all_reduce's 4); its datatype and operator
+            # are in SUM_OF once `reduction` has seen its dtype.
+            t = tensors[0]
+            if t.layout is STRIDED and t.is_contiguous() and t.is_cpu and opts.reduceOp == SUM_OP:
+                hit = SUM_OF.get(t.dtype)
+                if hit is not None:
+                    a = opts.asyncOp
+                    addr, n = t.data_ptr(), t.nbytes
+                    keep = tensors if a else None
+                    h = c.raw("all_reduce", hit[0], addr, n, addr, n, hit[1], 0, a, keep)
+                    return BraidWork.of(h, tensors)
+        return self._allreduce(tensors, opts)
+
+    def _allreduce(self, tensors: list[torch.Tensor], opts: Any) -> BraidWork:
+        c = self._core
         if len(tensors) != 1:
             if any(t.layout == torch.sparse_coo for t in tensors):
                 return self._sparse_allreduce(tensors, opts)

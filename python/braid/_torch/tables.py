@@ -56,8 +56,10 @@ def datatype(t: torch.Tensor) -> str:
 # by the value, which reads in a fraction of the name's time (the name cost
 # a small all_reduce about a microsecond).
 _BY_CODE: dict[tuple[torch.dtype, int], tuple[str, str]] = {}
+# The SUM entries by dtype alone (the torch backend's all_reduce reads it).
+SUM_OF: dict[torch.dtype, tuple[str, str]] = {}
 _PREMUL = int(dist.ReduceOp.RedOpType.PREMUL_SUM.value)
-_SUM = dist.ReduceOp.RedOpType.SUM
+_SUM = SUM_OP = dist.ReduceOp.RedOpType.SUM
 _SUM_CODE = int(_SUM.value)
 
 
@@ -75,6 +77,8 @@ def reduction(t: torch.Tensor, reduce_op: Any) -> tuple[str, str, Any]:
         dt, bop, _ = _reduction(t, reduce_op)
         if type(code) is int:
             _BY_CODE[(t.dtype, code)] = (dt, bop)
+            if code == _SUM_CODE:
+                SUM_OF[t.dtype] = (dt, bop)
         return dt, bop, None
     return _reduction(t, reduce_op)
 

@@ -118,7 +118,7 @@ def split_sizes(sizes: Any, what: str) -> list[int]:
     return out
 
 
-_STRIDED = torch.strided
+_STRIDED = STRIDED = torch.strided
 
 
 def host(t: torch.Tensor, what: str = "tensor") -> tuple[int, int]:

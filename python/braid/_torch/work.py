@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -140,11 +141,13 @@ class BraidWork(_Work):
     @staticmethod
     def of(handle: _braid.Handle | None, result: Any) -> BraidWork:
         """The Work of an operation: its handle's, or (None: a blocking call,
-        already done) one made without running ``__init__``, which costs a
-        small call a third of a microsecond."""
+        already done) this thread's shared finished Work (see ``_Done``)."""
         if handle is not None:
             return BraidWork(handle, result)
-        w = _Finished()
+        try:
+            w = _done.w
+        except AttributeError:
+            w = _done.w = _Done()
         w._result = result
         return w
 
@@ -162,8 +165,26 @@ class BraidWork(_Work):
         return self._fut
 
 
-class _Finished(BraidWork):
-    """A done BraidWork: torch's own constructor only, no handle."""
+class _Done(BraidWork):
+    """The Work of a blocking call, one per thread and reused: a blocking
+    call is finished when it returns, and torch's functions wait on its
+    Work and drop it, so making a Work for each (torch's constructor: 0.6-0.7
+    µs of a 5 µs 8-byte ``all_reduce``) bought nothing. ``result()`` and
+    ``get_future()`` give the thread's last blocking call's output, so a
+    caller that wants them takes them before its next call, as torch's C++
+    callers do."""
 
     __init__ = _Work.__init__
     _h = None
+
+    def wait(self, timeout: Any = None) -> bool:
+        return True
+
+    def get_future(self) -> torch.futures.Future:
+        fut: torch.futures.Future = torch.futures.Future()
+        fut.set_result(self._result)
+        return fut
+
+
+# This thread's `_Done` (attribute `w`).
+_done = threading.local()
