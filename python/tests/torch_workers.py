@@ -8,9 +8,11 @@ exactly representable, so every summation order gives the same bits).
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import signal
 import time
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -255,8 +257,9 @@ def torch_vs_gloo(rank, p, spec):
     c.checked.append("future.then")
 
     # A blocking call's Work, as torch's C++ callers get it (asyncOp false):
-    # finished, and its future holds that call's output when taken before
-    # the next call (braid reuses one such Work per thread).
+    # its future, taken before its wait, holds that call's output; once
+    # waited on and dropped it keeps no tensor alive (braid reuses one such
+    # Work per thread).
     def blocking_work(g):
         pg = g if g is not None else dist.group.WORLD
         outs = []
@@ -265,11 +268,20 @@ def torch_vs_gloo(rank, p, spec):
             opts = dist.AllreduceOptions()
             opts.asyncOp = False
             w = pg.allreduce([t], opts)
+            fut = w.get_future()
             w.wait()
             assert w.is_completed()
-            v = w.get_future().wait()
-            assert torch.equal(v[0], t), "a blocking call's future is not its output"
+            assert torch.equal(fut.wait()[0], t), "a blocking call's future is not its output"
             outs.append(t)
+        t = vals((1 << 16,), torch.float32, rank, 9)
+        gone = weakref.ref(t)
+        opts = dist.AllreduceOptions()
+        opts.asyncOp = False
+        w = pg.allreduce([t], opts)
+        w.wait()
+        del w, t
+        gc.collect()
+        assert gone() is None, "a waited blocking call's Work keeps its tensor alive"
         return outs
     c.both("blocking Work", blocking_work)
 

@@ -170,14 +170,15 @@ class _Done(BraidWork):
     call is finished when it returns, and torch's functions wait on its
     Work and drop it, so making a Work for each (torch's constructor: 0.6-0.7
     µs of a 5 µs 8-byte ``all_reduce``) bought nothing. ``result()`` and
-    ``get_future()`` give the thread's last blocking call's output, so a
-    caller that wants them takes them before its next call, as torch's C++
-    callers do."""
+    ``get_future()`` give the call's output until its ``wait()`` (which
+    torch's functions call at once) or the thread's next blocking call: the
+    shared Work must not keep a caller's tensors alive after that."""
 
     __init__ = _Work.__init__
     _h = None
 
     def wait(self, timeout: Any = None) -> bool:
+        self._result = None
         return True
 
     def get_future(self) -> torch.futures.Future:
