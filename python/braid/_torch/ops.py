@@ -67,11 +67,14 @@ class Ops:
 
         host_args = [map_tensors(a, to_host) for a in args]
         w = method(*host_args)
+        # The result before the wait: a blocking call's shared Work drops it
+        # when waited on.
+        res = w.result()
         w.wait()
         back = {id(h): dev for dev, h in pairs}
         for dev, h in pairs:
             dev.copy_(h)
-        return BraidWork(None, map_tensors(w.result(), lambda t: back.get(id(t), t)))
+        return BraidWork(None, map_tensors(res, lambda t: back.get(id(t), t)))
 
     def _device(
         self,
