@@ -59,14 +59,14 @@ _BY_CODE: dict[tuple[torch.dtype, int], tuple[str, str]] = {}
 # The SUM entries by dtype alone (the torch backend's all_reduce reads it).
 SUM_OF: dict[torch.dtype, tuple[str, str]] = {}
 _PREMUL = int(dist.ReduceOp.RedOpType.PREMUL_SUM.value)
-_SUM = SUM_OP = dist.ReduceOp.RedOpType.SUM
-_SUM_CODE = int(_SUM.value)
+SUM_OP = dist.ReduceOp.RedOpType.SUM
+_SUM_CODE = int(SUM_OP.value)
 
 
 def reduction(t: torch.Tensor, reduce_op: Any) -> tuple[str, str, Any]:
     """(braid datatype, braid operator, PREMUL_SUM factor or None) for
     reducing `t` with torch's `reduce_op`; raises for what braid cannot."""
-    if reduce_op == _SUM:  # cheaper than reading the op (the usual case)
+    if reduce_op == SUM_OP:  # cheaper than reading the op (the usual case)
         code: Any = _SUM_CODE
     else:
         code = getattr(getattr(reduce_op, "op", reduce_op), "value", None)

@@ -118,12 +118,12 @@ def split_sizes(sizes: Any, what: str) -> list[int]:
     return out
 
 
-_STRIDED = STRIDED = torch.strided
+STRIDED = torch.strided
 
 
 def host(t: torch.Tensor, what: str = "tensor") -> tuple[int, int]:
     """(address, bytes) of a contiguous dense tensor."""
-    if t.layout is not _STRIDED:
+    if t.layout is not STRIDED:
         kind = "sparse" if t.is_sparse or "sparse" in str(t.layout) else "not dense"
         raise InvalidArgumentError(
             f"braid: the {what} is {kind} ({t.layout}); braid takes dense (strided) tensors "

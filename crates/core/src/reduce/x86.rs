@@ -273,9 +273,9 @@ unsafe fn tail<H: Narrow>(d: *mut H, x: *const H, y: *const H, from: usize, n: u
 /// results to zero where `narrow` rounds them, so a block with a subnormal
 /// f32 result (rare: magnitudes below 2^-126) takes [`run_bf16_512`]'s
 /// integer rounding instead; the results are bit for bit those of every
-/// other path. On the Zen 4 VM this was
-/// developed on (`cargo bench -p braid-core --bench reduce`), a 64 KiB sum
-/// took 12.2 GiB/s with the integer rounding and takes 21.5 (f32: 35); a
+/// other path. On the Zen 4 VM this was developed on (`cargo bench -p
+/// braid-core --bench reduce`), a 64 KiB sum took 12.2 GiB/s with the
+/// integer rounding and takes 21.5 (f32: 35); a
 /// 2-rank AllReduce of bf16 from 256 KiB to 4 MiB took 1.3-1.45x f32's
 /// time for the same bytes and now takes about the same.
 ///
