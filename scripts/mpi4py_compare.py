@@ -7,9 +7,12 @@ Every rank joins MPI_COMM_WORLD (mpi4py) and a braid communicator over the same
 ranks (rank 0's braid.UniqueId goes out with an MPI broadcast). For each
 collective and size, ROUNDS rounds; in each round one timed batch of braid and
 one of MPI on the same arrays, which of the two goes first alternating from
-round to round. A batch: an MPI barrier, 2 warm-up calls, then ITERS calls
-back to back (ITERS from rank 0's warm-up estimate, about BATCH seconds per
-batch, 3 to 2000); its time is the loop's time per call averaged over ranks
+round to round. A batch: an MPI barrier, warm-up calls (2, then as many as
+take about WARM seconds by their estimate: the first calls of a process or a
+size pay first-use costs, such as a link's first pages, that the 2 alone
+left in the estimate, which then timed as few as 3 calls), then ITERS calls
+back to back (ITERS from rank 0's estimate over the last warm-up calls,
+about BATCH seconds per batch, 3 to 2000); its time is the loop's time per call averaged over ranks
 (as nccl-tests and tools/peers/mpi_coll_bench.c). Out of place, Broadcast in
 place (as MPI_Bcast); float32 sum; root 0. Sizes follow nccl-tests: bytes of
 the whole array per rank (AllGather, ReduceScatter, AllToAll: the total
@@ -118,13 +121,28 @@ class Cell:
         return bad
 
 
+# Seconds of warm-up calls before each timed batch.
+WARM = 0.005
+
+
+def calls(mpi: MPI.Comm, call, seconds: float, est: float, most: int) -> float:
+    """Run as many calls as take about `seconds` by the estimate `est`
+    (rank 0's, so every rank runs the same number; at least 3, at most
+    `most`); the time per call here."""
+    k = mpi.bcast(max(3, min(most, int(seconds / max(est, 1e-7)))), root=0)
+    t0 = time.perf_counter()
+    for _ in range(k):
+        call()
+    return (time.perf_counter() - t0) / k
+
+
 def batch(mpi: MPI.Comm, call, seconds: float) -> float:
     """Microseconds per call, averaged over ranks."""
     mpi.Barrier()
     t0 = time.perf_counter()
     call()
     call()
-    est = (time.perf_counter() - t0) / 2
+    est = calls(mpi, call, WARM, (time.perf_counter() - t0) / 2, 1000)
     iters = mpi.bcast(max(3, min(2000, int(seconds / max(est, 1e-7)))), root=0)
     mpi.Barrier()
     t0 = time.perf_counter()
