@@ -143,6 +143,12 @@ class Communicator:
         """The transport to each rank (``"shm"``, ``"socket"``, ``"ib"``,
         ``"self"``)."""
     @property
+    def cpu_share(self) -> tuple[int, int]:
+        """``(ranks, cpus)``: the ranks of this host that may run on this
+        rank's CPUs (itself included) and how many CPUs they have together.
+        More threads per rank than ``cpus / ranks`` (torch's intra-op
+        threads, OpenMP) oversubscribe them."""
+    @property
     def pending(self) -> int:
         """Asynchronous operations issued and not yet finished."""
     @property

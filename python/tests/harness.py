@@ -63,7 +63,7 @@ def run(
     nranks: int,
     *,
     timeout: float = 120.0,
-    env: dict[str, str] | None = None,
+    env: dict[str, str | None] | None = None,
     spec: dict | None = None,
     uid: bool = True,
     check: bool = True,
@@ -74,7 +74,8 @@ def run(
     With ``uid`` the harness creates a braid unique id (this process hosts
     the rendezvous) and passes its text to the ranks; ``spec`` is passed as
     JSON. ``check`` fails the test unless every rank (other than those in
-    ``allow_fail``) exited 0 with a result.
+    ``allow_fail``) exited 0 with a result. ``env`` adds to this
+    process's environment; a variable mapped to None is left out.
     """
     import braid
 
@@ -89,8 +90,11 @@ def run(
     penv.setdefault("BRAID_TIMEOUT", "60")
     penv["PYTHONUNBUFFERED"] = "1"
     penv.pop("BRAID_DEBUG", None)
-    if env:
-        penv.update(env)
+    for k, v in (env or {}).items():
+        if v is None:
+            penv.pop(k, None)
+        else:
+            penv[k] = v
     procs = []
     t0 = time.monotonic()
     for r in range(nranks):

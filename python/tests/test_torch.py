@@ -166,3 +166,24 @@ def test_split_sizes_of_any_sequence_and_precise_messages():
                 assert "meta tensor" in v and "CUDA tensor" not in v, (k, v)
         assert "not contiguous" in m["transposed all_reduce"], m
         assert "BAND" in m["BAND all_reduce of float"], m
+
+
+def test_init_warns_when_torch_threads_oversubscribe_the_cpus():
+    # Neither OMP_NUM_THREADS nor OMP_WAIT_POLICY.
+    env = {"OMP_NUM_THREADS": None, "OMP_WAIT_POLICY": None}
+    r = run("torch_threads", 2, uid=False, env=env, timeout=300)
+    for res in r.results():
+        cpus = res["cpus"]
+        # Two unbound ranks on this host share its CPUs.
+        assert res["share"] == [2, cpus], res
+        # cpus threads each: 2 * cpus threads for cpus CPUs, said once.
+        assert len(res["said"]) == 1, res
+        msg = res["said"][0]
+        assert f"2 ranks of this host share {cpus} CPUs" in msg, msg
+        assert f"OMP_NUM_THREADS={max(1, cpus // 2)}" in msg, msg
+        assert res["again"] == msg, res
+        # One thread each fits any host of 2 or more CPUs; a user's
+        # OpenMP settings are theirs.
+        if cpus >= 2:
+            assert res["one thread"] is None, res
+        assert res["OMP_NUM_THREADS"] is None and res["OMP_WAIT_POLICY"] is None, res

@@ -653,6 +653,37 @@ def torch_sparse(rank, p, spec):
 
 
 @scenario
+def torch_threads(rank, p, spec):
+    """The warning init_process_group gives when torch's intra-op threads
+    outnumber this rank's share of the CPUs (set here to one per CPU this
+    process may run on, torch's default where nothing sets it), and the
+    advice's answer in the cases it must stay silent."""
+    import warnings
+
+    from braid._torch import core
+
+    cpus = len(os.sched_getaffinity(0))
+    torch.set_num_threads(cpus)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        init(rank, p, spec)
+    said = [str(w.message) for w in caught if "braid:" in str(w.message)]
+    comm = dist.distributed_c10d._get_default_group()._core.comm
+    out = {"cpus": cpus, "share": list(comm.cpu_share), "said": said}
+    torch.set_num_threads(1)
+    out["one thread"] = core.threads_advice(comm)
+    torch.set_num_threads(cpus)
+    out["again"] = core.threads_advice(comm)
+    for var, val in (("OMP_NUM_THREADS", str(cpus)), ("OMP_WAIT_POLICY", "passive")):
+        os.environ[var] = val
+        out[var] = core.threads_advice(comm)
+        del os.environ[var]
+    dist.barrier()
+    dist.destroy_process_group()
+    return out
+
+
+@scenario
 def torch_args(rank, p, spec):
     """all_to_all_single's split sizes as any sequence of ints (against
     gloo's result with lists), and argument errors that name their cause."""

@@ -5,7 +5,9 @@ mailbox)."""
 from __future__ import annotations
 
 import datetime
+import os
 import threading
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -31,6 +33,51 @@ class _Unconfigured:
 
     def __getattr__(self, name: str) -> Any:
         return self.refuse()
+
+
+def threads_advice(comm: Any) -> str | None:
+    """What to do when torch runs more intra-op threads per rank than this
+    rank's share of the CPUs it shares with the other ranks of its host
+    (``comm.cpu_share``: ``cpus // ranks``, at least one), and
+    the user set neither ``OMP_NUM_THREADS`` nor ``OMP_WAIT_POLICY``; None
+    otherwise. torch's default is one thread per core in every process, so
+    ranks started without torchrun (``mp.spawn``, a plain ``python``) run
+    that many threads each, and OpenMP's waiting threads spin: on a 2-CPU
+    host, 2 ranks of 2 threads took 3-4x longer per DDP step than with one
+    thread each, on braid and on gloo alike (docs/python.md, "Training
+    steps")."""
+    if os.environ.get("OMP_NUM_THREADS") or os.environ.get("OMP_WAIT_POLICY"):
+        return None
+    ranks, cpus = comm.cpu_share
+    threads = torch.get_num_threads()
+    # Each rank's fair share (at least one thread, even where ranks
+    # outnumber the CPUs: braid's waits yield then).
+    each = max(1, cpus // ranks)
+    if ranks < 2 or threads <= each:
+        return None
+    return (
+        f"braid: {ranks} ranks of this host share {cpus} CPUs and torch runs {threads} "
+        f"intra-op threads in each ({ranks * threads} threads for {cpus} CPUs); OpenMP's "
+        "waiting threads spin on the CPUs the other ranks and the collectives need, which "
+        "can make a training step several times slower. Set OMP_NUM_THREADS="
+        f"{each} (as torchrun does), or call torch.set_num_threads({each}) before "
+        "init_process_group, or set OMP_WAIT_POLICY=passive"
+    )
+
+
+# Whether this process said `threads_advice` once already.
+_advised = False
+
+
+def advise_threads(comm: Any) -> None:
+    """Warn once per process with `threads_advice`, if it has any."""
+    global _advised
+    if _advised:
+        return
+    msg = threads_advice(comm)
+    if msg is not None:
+        _advised = True
+        warnings.warn(msg, RuntimeWarning, stacklevel=2)
 
 
 class Core:
@@ -97,6 +144,7 @@ class Core:
         # Every rank of the group creates the mailbox (a collective).
         core = cls(comm, rank, size, secs, comm._mailbox())
         core.store = store
+        advise_threads(comm)
         return core
 
     # ---- point-to-point batching --------------------------------------

@@ -150,6 +150,15 @@ impl PyComm {
         self.comm.transports().to_vec()
     }
 
+    /// ``(ranks, cpus)``: the ranks of this host that may run on this
+    /// rank's CPUs (itself included) and how many CPUs they have together.
+    /// More threads per rank than ``cpus / ranks`` (torch's intra-op
+    /// threads, OpenMP) oversubscribe them.
+    #[getter]
+    fn cpu_share(&self) -> (u32, u32) {
+        self.comm.cpu_share()
+    }
+
     /// Asynchronous operations issued and not yet finished.
     #[getter]
     fn pending(&self) -> usize {

@@ -248,10 +248,13 @@ impl Communicator {
                 local_cpus.push(std::str::from_utf8(mask).ok().and_then(CpuSet::from_mask));
             }
         }
-        let oversub = oversubscribed(me_local, &local_cpus, online_cpus());
+        let share = cpu_share(me_local, &local_cpus, online_cpus());
+        let oversub = share.oversubscribed();
         info!(
             rank,
             local_ranks = local_cpus.len(),
+            sharing = share.ranks,
+            cpus = share.cpus,
             oversubscribed = oversub,
             "braid: waits {}",
             if oversub {
@@ -296,7 +299,7 @@ impl Communicator {
                         peers.iter().filter(|p| p.host_id == me.host_id).count(),
                     )
                 }),
-                oversubscribed: oversub,
+                cpu_share: share,
                 // Mismatch detection (one 32-byte header per link per
                 // operation); BRAID_CHECK_MISMATCH=0 turns it off.
                 check_headers: settings.check_headers,

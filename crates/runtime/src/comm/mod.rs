@@ -85,8 +85,9 @@ struct Shared {
     ring: Vec<u32>,
     piece: usize,
     small_allreduce: usize,
-    /// Ranks on this host share CPUs ([`oversubscribed`]): waits yield.
-    oversubscribed: bool,
+    /// The ranks of this host that share CPUs with this one, and those
+    /// CPUs ([`cpu_share`]); more ranks than CPUs: waits yield.
+    cpu_share: CpuShare,
     direct_min: usize,
     /// Collectives whose buffers (this rank's, all together) take at least
     /// this many bytes copy with streaming stores (`braid_core::copy`).
@@ -282,7 +283,19 @@ impl Communicator {
     /// rank's CPU affinity). Then a waiting rank sleeps at once
     /// instead of spinning first (`BRAID_SPIN` overrides either way).
     pub fn oversubscribed(&self) -> bool {
-        self.shared.oversubscribed
+        self.shared.cpu_share.oversubscribed()
+    }
+
+    /// The ranks of this host that may run on this rank's CPUs (itself
+    /// included; ranks whose CPU affinities overlap, directly or through
+    /// another such rank) and how many CPUs they have together, decided at
+    /// creation. Two unbound ranks on a 2-CPU host: `(2, 2)`; two ranks
+    /// bound one per core: `(1, 1)` each. A program that runs more threads
+    /// per rank than `cpus / ranks` (torch's intra-op threads, OpenMP)
+    /// oversubscribes those CPUs.
+    pub fn cpu_share(&self) -> (u32, u32) {
+        let s = self.shared.cpu_share;
+        (s.ranks, s.cpus)
     }
 
     /// What this communicator is doing now: the running operation and the

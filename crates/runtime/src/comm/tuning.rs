@@ -151,8 +151,8 @@ pub(super) fn yield_budget(set: Option<u32>, oversubscribed: bool) -> u32 {
 /// [`yield_budget`] where ranks share CPUs.
 pub(super) const OVERSUBSCRIBED_YIELDS: u32 = 200;
 
-/// Whether this rank shares CPUs with more ranks than those CPUs can run at
-/// once. `sets` holds the CPUs each rank on this host may run on (`None`:
+/// The ranks of this host that share CPUs with this one (itself included)
+/// and the CPUs they share. `sets` holds the CPUs each rank on this host may run on (`None`:
 /// unknown, taken as all `online` CPUs); `me` indexes ours. The ranks whose
 /// sets overlap ours, directly or through other such ranks, are counted
 /// against the CPUs of their sets together: four unbound ranks on two cores
@@ -161,7 +161,7 @@ pub(super) const OVERSUBSCRIBED_YIELDS: u32 = 200;
 /// a single CPU. (Counting the CPUs a rank sees took bound ranks for
 /// oversubscribed and made them yield at every wait: an 8-byte AllReduce on
 /// 2 ranks bound to one core each took 0.42-0.58 µs instead of 0.17-0.27.)
-pub(super) fn oversubscribed(me: usize, sets: &[Option<CpuSet>], online: u32) -> bool {
+pub(super) fn cpu_share(me: usize, sets: &[Option<CpuSet>], online: u32) -> CpuShare {
     let all: Vec<u32> = (0..online.max(1)).collect();
     let cpus = |i: usize| -> &[u32] {
         match &sets[i] {
@@ -171,7 +171,10 @@ pub(super) fn oversubscribed(me: usize, sets: &[Option<CpuSet>], online: u32) ->
     };
     let mut member = vec![false; sets.len()];
     let Some(m) = member.get_mut(me) else {
-        return false;
+        return CpuShare {
+            ranks: 1,
+            cpus: all.len() as u32,
+        };
     };
     *m = true;
     let mut union: std::collections::BTreeSet<u32> = cpus(me).iter().copied().collect();
@@ -186,7 +189,33 @@ pub(super) fn oversubscribed(me: usize, sets: &[Option<CpuSet>], online: u32) ->
             }
         }
     }
-    member.iter().filter(|&&m| m).count() > union.len()
+    CpuShare {
+        ranks: member.iter().filter(|&&m| m).count() as u32,
+        cpus: union.len() as u32,
+    }
+}
+
+/// What [`cpu_share`] found: `ranks` ranks of one host (this one among
+/// them) may run on the same `cpus` CPUs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct CpuShare {
+    pub ranks: u32,
+    pub cpus: u32,
+}
+
+impl CpuShare {
+    /// More ranks than CPUs: a waiting rank's peer is likely runnable on
+    /// its core.
+    pub(super) fn oversubscribed(self) -> bool {
+        self.ranks > self.cpus
+    }
+}
+
+/// Whether this rank shares CPUs with more ranks than those CPUs can run at
+/// once ([`cpu_share`]).
+#[cfg(test)]
+fn oversubscribed(me: usize, sets: &[Option<CpuSet>], online: u32) -> bool {
+    cpu_share(me, sets, online).oversubscribed()
 }
 
 /// CPUs online on this host (`/sys/devices/system/cpu/online`), whatever
@@ -309,6 +338,28 @@ mod tests {
         // Eight ranks bound to eight distinct CPUs of a 64-CPU host.
         let spread: Vec<_> = (0..8).map(|c| cpus(&(c * 8).to_string())).collect();
         assert!((0..8).all(|r| !oversubscribed(r, &spread, 64)));
+    }
+
+    #[test]
+    fn cpu_share_counts_the_ranks_and_cpus_that_overlap() {
+        let share = |me, sets: &[Option<CpuSet>], online| {
+            let s = cpu_share(me, sets, online);
+            (s.ranks, s.cpus)
+        };
+        // Two unbound ranks on two CPUs: both share both.
+        let free = [cpus("0-1"), cpus("0-1")];
+        assert_eq!(share(0, &free, 2), (2, 2));
+        // Bound one per core: each alone on its own.
+        let bound = [cpus("0"), cpus("1")];
+        assert_eq!(share(1, &bound, 2), (1, 1));
+        // Unknown sets count as every online CPU.
+        assert_eq!(share(0, &[None, None, None], 4), (3, 4));
+        // Through a third rank: three ranks on CPUs 0-1.
+        let chain = [cpus("0-1"), cpus("0"), cpus("1"), cpus("4-7")];
+        assert_eq!(share(1, &chain, 8), (3, 2));
+        assert_eq!(share(3, &chain, 8), (1, 4));
+        // A rank index outside the list: itself on every CPU.
+        assert_eq!(share(9, &chain, 8), (1, 8));
     }
 
     #[test]
