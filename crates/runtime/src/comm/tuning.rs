@@ -152,8 +152,9 @@ pub(super) fn yield_budget(set: Option<u32>, oversubscribed: bool) -> u32 {
 pub(super) const OVERSUBSCRIBED_YIELDS: u32 = 200;
 
 /// The ranks of this host that share CPUs with this one (itself included)
-/// and the CPUs they share. `sets` holds the CPUs each rank on this host may run on (`None`:
-/// unknown, taken as all `online` CPUs); `me` indexes ours. The ranks whose
+/// and the CPUs they share. `sets` holds the CPUs each rank on this host
+/// may run on (`None`: unknown, taken as all `online` CPUs); `me` indexes
+/// ours. The ranks whose
 /// sets overlap ours, directly or through other such ranks, are counted
 /// against the CPUs of their sets together: four unbound ranks on two cores
 /// are oversubscribed, two ranks bound one per core (mpirun's default for
