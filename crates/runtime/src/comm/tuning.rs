@@ -154,12 +154,11 @@ pub(super) const OVERSUBSCRIBED_YIELDS: u32 = 200;
 /// The ranks of this host that share CPUs with this one (itself included)
 /// and the CPUs they share. `sets` holds the CPUs each rank on this host
 /// may run on (`None`: unknown, taken as all `online` CPUs); `me` indexes
-/// ours. The ranks whose
-/// sets overlap ours, directly or through other such ranks, are counted
-/// against the CPUs of their sets together: four unbound ranks on two cores
-/// are oversubscribed, two ranks bound one per core (mpirun's default for
-/// two ranks, `srun --cpu-bind=cores`, `taskset`) are not, though each sees
-/// a single CPU. (Counting the CPUs a rank sees took bound ranks for
+/// ours. The ranks whose sets overlap ours, directly or through other such
+/// ranks, are counted against the CPUs of their sets together: four
+/// unbound ranks on two cores are oversubscribed, two ranks bound one per
+/// core (mpirun's default for two ranks, `srun --cpu-bind=cores`,
+/// `taskset`) are not, though each sees a single CPU. (Counting the CPUs a rank sees took bound ranks for
 /// oversubscribed and made them yield at every wait: an 8-byte AllReduce on
 /// 2 ranks bound to one core each took 0.42-0.58 µs instead of 0.17-0.27.)
 pub(super) fn cpu_share(me: usize, sets: &[Option<CpuSet>], online: u32) -> CpuShare {
