@@ -176,7 +176,7 @@ def test_init_warns_when_torch_threads_oversubscribe_the_cpus():
         cpus = res["cpus"]
         # Two unbound ranks on this host share its CPUs.
         assert res["share"] == [2, cpus], res
-        # cpus threads each: 2 * cpus threads for cpus CPUs, said once.
+        # max(2, cpus) threads each: more than cpus // 2, said once.
         assert len(res["said"]) == 1, res
         msg = res["said"][0]
         assert f"2 ranks of this host share {cpus} CPUs" in msg, msg

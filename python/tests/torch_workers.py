@@ -656,14 +656,16 @@ def torch_sparse(rank, p, spec):
 def torch_threads(rank, p, spec):
     """The warning init_process_group gives when torch's intra-op threads
     outnumber this rank's share of the CPUs (set here to one per CPU this
-    process may run on, torch's default where nothing sets it), and the
+    process may run on, torch's default where nothing sets it, and at least
+    two), and the
     advice's answer in the cases it must stay silent."""
     import warnings
 
     from braid._torch import core
 
     cpus = len(os.sched_getaffinity(0))
-    torch.set_num_threads(cpus)
+    many = max(2, cpus)
+    torch.set_num_threads(many)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         init(rank, p, spec)
@@ -672,7 +674,7 @@ def torch_threads(rank, p, spec):
     out = {"cpus": cpus, "share": list(comm.cpu_share), "said": said}
     torch.set_num_threads(1)
     out["one thread"] = core.threads_advice(comm)
-    torch.set_num_threads(cpus)
+    torch.set_num_threads(many)
     out["again"] = core.threads_advice(comm)
     for var, val in (("OMP_NUM_THREADS", str(cpus)), ("OMP_WAIT_POLICY", "passive")):
         os.environ[var] = val
