@@ -657,8 +657,7 @@ def torch_threads(rank, p, spec):
     """The warning init_process_group gives when torch's intra-op threads
     outnumber this rank's share of the CPUs (set here to one per CPU this
     process may run on, torch's default where nothing sets it, and at least
-    two), and the
-    advice's answer in the cases it must stay silent."""
+    two), and the advice's answer in the cases it must stay silent."""
     import warnings
 
     from braid._torch import core
