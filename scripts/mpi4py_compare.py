@@ -12,8 +12,8 @@ take about WARM seconds by their estimate: the first calls of a process or a
 size pay first-use costs, such as a link's first pages, that the 2 alone
 left in the estimate, which then timed as few as 3 calls), then ITERS calls
 back to back (ITERS from rank 0's estimate over the last warm-up calls,
-about BATCH seconds per batch, 3 to 2000); its time is the loop's time per call averaged over ranks
-(as nccl-tests and tools/peers/mpi_coll_bench.c). Out of place, Broadcast in
+about BATCH seconds per batch, 3 to 2000); its time is the loop's time per
+call averaged over ranks (as nccl-tests and tools/peers/mpi_coll_bench.c). Out of place, Broadcast in
 place (as MPI_Bcast); float32 sum; root 0. Sizes follow nccl-tests: bytes of
 the whole array per rank (AllGather, ReduceScatter, AllToAll: the total
 array, at least 16 bytes per rank). Each side's result is checked once per
@@ -128,8 +128,9 @@ WARM = 0.005
 def calls(mpi: MPI.Comm, call, seconds: float, est: float, most: int) -> float:
     """Run as many calls as take about `seconds` by the estimate `est`
     (rank 0's, so every rank runs the same number; at least 3, at most
-    `most`); the time per call here."""
+    `most`), started together after a barrier; the time per call here."""
     k = mpi.bcast(max(3, min(most, int(seconds / max(est, 1e-7)))), root=0)
+    mpi.Barrier()
     t0 = time.perf_counter()
     for _ in range(k):
         call()
@@ -143,12 +144,7 @@ def batch(mpi: MPI.Comm, call, seconds: float) -> float:
     call()
     call()
     est = calls(mpi, call, WARM, (time.perf_counter() - t0) / 2, 1000)
-    iters = mpi.bcast(max(3, min(2000, int(seconds / max(est, 1e-7)))), root=0)
-    mpi.Barrier()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        call()
-    dt = (time.perf_counter() - t0) / iters
+    dt = calls(mpi, call, seconds, est, 2000)
     return mpi.allreduce(dt, op=MPI.SUM) / mpi.Get_size() * 1e6
 
 

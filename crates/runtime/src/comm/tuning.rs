@@ -158,9 +158,10 @@ pub(super) const OVERSUBSCRIBED_YIELDS: u32 = 200;
 /// ranks, are counted against the CPUs of their sets together: four
 /// unbound ranks on two cores are oversubscribed, two ranks bound one per
 /// core (mpirun's default for two ranks, `srun --cpu-bind=cores`,
-/// `taskset`) are not, though each sees a single CPU. (Counting the CPUs a rank sees took bound ranks for
-/// oversubscribed and made them yield at every wait: an 8-byte AllReduce on
-/// 2 ranks bound to one core each took 0.42-0.58 µs instead of 0.17-0.27.)
+/// `taskset`) are not, though each sees a single CPU. (Counting the CPUs a
+/// rank sees took bound ranks for oversubscribed and made them yield at
+/// every wait: an 8-byte AllReduce on 2 ranks bound to one core each took
+/// 0.42-0.58 µs instead of 0.17-0.27.)
 pub(super) fn cpu_share(me: usize, sets: &[Option<CpuSet>], online: u32) -> CpuShare {
     let all: Vec<u32> = (0..online.max(1)).collect();
     let cpus = |i: usize| -> &[u32] {
