@@ -202,3 +202,20 @@ macro_rules! element {
 }
 element!(i8 => I8, u8 => U8, i32 => I32, u32 => U32, i64 => I64, u64 => U64,
          f16 => F16, bf16 => Bf16, f32 => F32, f64 => F64);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The per-call alignment check masks with `size - 1`, which equals a
+    /// division's remainder only for powers of two.
+    #[test]
+    fn every_datatype_size_is_a_power_of_two() {
+        for dt in DataType::ALL {
+            assert!(dt.size().is_power_of_two(), "{dt}: {}", dt.size());
+            for addr in 0..64usize {
+                assert_eq!(addr & (dt.size() - 1) == 0, addr % dt.size() == 0);
+            }
+        }
+    }
+}

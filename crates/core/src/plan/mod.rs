@@ -265,13 +265,7 @@ impl Collective {
     #[inline]
     pub fn collective_counts(&self, nranks: u32) -> Result<[usize; 2]> {
         let p = nranks as usize;
-        let times = |c: usize| {
-            c.checked_mul(p).ok_or_else(|| {
-                CoreError::InvalidArgument(format!(
-                    "count {c} × {p} ranks overflows the address space; use a smaller count"
-                ))
-            })
-        };
+        let times = |c: usize| c.checked_mul(p).ok_or_else(|| count_overflow(c, p));
         Ok(match *self {
             Collective::AllReduce { count, .. }
             | Collective::Broadcast { count, .. }
@@ -292,90 +286,121 @@ impl Collective {
     }
 
     /// [`Collective::validate`], returning [`Collective::collective_counts`]
-    /// (computed once: this runs for every operation).
+    /// (computed once: this runs for every operation, so its messages are
+    /// built out of line).
     #[inline]
     pub fn validated_counts(&self, dtype: DataType, rank: u32, nranks: u32) -> Result<[usize; 2]> {
-        if nranks == 0 {
-            return Err(CoreError::InvalidArgument(
-                "nranks must be at least 1".into(),
-            ));
-        }
-        if rank >= nranks {
-            return Err(CoreError::InvalidArgument(format!(
-                "rank {rank} out of range for {nranks} ranks"
-            )));
+        if nranks == 0 || rank >= nranks {
+            return Err(rank_out_of_range(rank, nranks));
         }
         if let Some(root) = self.root() {
             if root >= nranks {
+                return Err(self.root_out_of_range(root, nranks));
+            }
+        }
+        if let Collective::Group(ops) = self {
+            self.validate_group(ops, dtype, rank, nranks)?;
+            return Ok([0, 0]);
+        }
+        let counts = self.collective_counts(nranks)?;
+        for c in counts {
+            if !fits_memory(c, dtype) {
+                return Err(too_large(c, dtype));
+            }
+        }
+        Ok(counts)
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn root_out_of_range(&self, root: u32, nranks: u32) -> CoreError {
+        CoreError::InvalidArgument(format!(
+            "{}: root {root} out of range: the communicator has ranks 0..{}",
+            self.name(),
+            nranks - 1
+        ))
+    }
+
+    /// The checks of a group's operations (peers in range, sends to itself
+    /// paired with receives, sizes).
+    fn validate_group(&self, ops: &[P2p], dtype: DataType, rank: u32, nranks: u32) -> Result<()> {
+        for (i, o) in ops.iter().enumerate() {
+            if o.peer >= nranks {
                 return Err(CoreError::InvalidArgument(format!(
-                    "{}: root {root} out of range: the communicator has ranks 0..{}",
+                    "{} #{i}: peer {} out of range: the communicator has ranks 0..{}",
                     self.name(),
+                    o.peer,
                     nranks - 1
                 )));
             }
         }
-        if let Collective::Group(ops) = self {
-            for (i, o) in ops.iter().enumerate() {
-                if o.peer >= nranks {
-                    return Err(CoreError::InvalidArgument(format!(
-                        "{} #{i}: peer {} out of range: the communicator has ranks 0..{}",
-                        self.name(),
-                        o.peer,
-                        nranks - 1
-                    )));
-                }
-            }
-            let mut to_self = ops.iter().filter(|o| o.peer == rank);
-            let sends: Vec<_> = to_self
-                .clone()
-                .filter(|o| o.kind == P2pKind::Send)
-                .collect();
-            let recvs: Vec<_> = to_self
-                .by_ref()
-                .filter(|o| o.kind == P2pKind::Recv)
-                .collect();
-            if sends.len() != recvs.len() {
-                return Err(CoreError::InvalidArgument(format!(
-                    "rank {rank}: the group has {} send(s) to itself but {} receive(s) from itself; pair them",
-                    sends.len(),
-                    recvs.len()
-                )));
-            }
-            if let Some((s, r)) = sends.iter().zip(&recvs).find(|(s, r)| s.count != r.count) {
-                return Err(CoreError::InvalidArgument(format!(
-                    "rank {rank}: a send to itself of {} elements is paired with a receive of {}",
-                    s.count, r.count
-                )));
-            }
-            if ops.len() > u16::MAX as usize {
-                return Err(CoreError::InvalidArgument(format!(
-                    "a group holds at most {} operations, got {}",
-                    u16::MAX,
-                    ops.len()
-                )));
-            }
+        let mut to_self = ops.iter().filter(|o| o.peer == rank);
+        let sends: Vec<_> = to_self
+            .clone()
+            .filter(|o| o.kind == P2pKind::Send)
+            .collect();
+        let recvs: Vec<_> = to_self
+            .by_ref()
+            .filter(|o| o.kind == P2pKind::Recv)
+            .collect();
+        if sends.len() != recvs.len() {
+            return Err(CoreError::InvalidArgument(format!(
+                "rank {rank}: the group has {} send(s) to itself but {} receive(s) from itself; pair them",
+                sends.len(),
+                recvs.len()
+            )));
         }
-        let fits = |c: usize| {
-            c.checked_mul(dtype.size())
-                .filter(|b| *b <= isize::MAX as usize)
-                .map(|_| ())
-                .ok_or_else(|| {
-                    CoreError::InvalidArgument(format!(
-                        "count {c} of {dtype} overflows the address space; use a smaller count"
-                    ))
-                })
-        };
-        match self {
-            Collective::Group(ops) => {
-                ops.iter().try_for_each(|o| fits(o.count))?;
-                Ok([0, 0])
-            }
-            _ => {
-                let counts = self.collective_counts(nranks)?;
-                counts.into_iter().try_for_each(fits)?;
-                Ok(counts)
-            }
+        if let Some((s, r)) = sends.iter().zip(&recvs).find(|(s, r)| s.count != r.count) {
+            return Err(CoreError::InvalidArgument(format!(
+                "rank {rank}: a send to itself of {} elements is paired with a receive of {}",
+                s.count, r.count
+            )));
         }
+        if ops.len() > u16::MAX as usize {
+            return Err(CoreError::InvalidArgument(format!(
+                "a group holds at most {} operations, got {}",
+                u16::MAX,
+                ops.len()
+            )));
+        }
+        match ops.iter().find(|o| !fits_memory(o.count, dtype)) {
+            Some(o) => Err(too_large(o.count, dtype)),
+            None => Ok(()),
+        }
+    }
+}
+
+/// Whether `count` elements of `dtype` fit in the address space.
+#[inline]
+fn fits_memory(count: usize, dtype: DataType) -> bool {
+    count
+        .checked_mul(dtype.size())
+        .is_some_and(|b| b <= isize::MAX as usize)
+}
+
+#[cold]
+#[inline(never)]
+fn too_large(count: usize, dtype: DataType) -> CoreError {
+    CoreError::InvalidArgument(format!(
+        "count {count} of {dtype} overflows the address space; use a smaller count"
+    ))
+}
+
+#[cold]
+#[inline(never)]
+fn count_overflow(count: usize, p: usize) -> CoreError {
+    CoreError::InvalidArgument(format!(
+        "count {count} × {p} ranks overflows the address space; use a smaller count"
+    ))
+}
+
+#[cold]
+#[inline(never)]
+fn rank_out_of_range(rank: u32, nranks: u32) -> CoreError {
+    if nranks == 0 {
+        CoreError::InvalidArgument("nranks must be at least 1".into())
+    } else {
+        CoreError::InvalidArgument(format!("rank {rank} out of range for {nranks} ranks"))
     }
 }
 

@@ -4,22 +4,34 @@
 use super::*;
 
 impl Communicator {
+    /// The element counts of `coll`'s send and receive buffers, once its
+    /// description checks out against this communicator. Every call passes
+    /// here and through [`Communicator::check_buf`]: the checks are inlined
+    /// and their messages built out of line (`#[cold]`), so that an
+    /// 8-byte call pays a few compares for them.
+    #[inline]
     pub(super) fn check_coll(&self, coll: &Collective, dt: DataType) -> Result<[usize; 2]> {
         if let Collective::Group(_) = coll {
             return Err(Error::InvalidArgument(
                 "point-to-point operations go through Communicator::group()".into(),
             ));
         }
-        let inv = |e: CoreError| match e {
+        coll.validated_counts(dt, self.shared.rank, self.shared.nranks)
+            .map_err(|e| self.invalid_coll(e))
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn invalid_coll(&self, e: CoreError) -> Error {
+        match e {
             CoreError::InvalidArgument(m) => {
                 Error::InvalidArgument(format!("rank {}: {m}", self.shared.rank))
             }
             other => Error::Core(other),
-        };
-        coll.validated_counts(dt, self.shared.rank, self.shared.nranks)
-            .map_err(inv)
+        }
     }
 
+    #[inline]
     pub(super) fn check_align(
         &self,
         coll: &Collective,
@@ -27,18 +39,27 @@ impl Communicator {
         b: RawBuf,
         dt: DataType,
     ) -> Result<()> {
-        if b.len > 0 && !(b.ptr as usize).is_multiple_of(dt.size()) {
-            return Err(Error::InvalidArgument(format!(
-                "rank {}: {} {what} buffer at {:p} is not aligned for {dt} ({} bytes)",
-                self.shared.rank,
-                coll.name(),
-                b.ptr,
-                dt.size()
-            )));
+        // Every datatype's size is a power of two (`types` tests it): a
+        // mask instead of a division.
+        if b.len > 0 && (b.ptr as usize) & (dt.size() - 1) != 0 {
+            return Err(self.misaligned(coll, what, b, dt));
         }
         Ok(())
     }
 
+    #[cold]
+    #[inline(never)]
+    fn misaligned(&self, coll: &Collective, what: &str, b: RawBuf, dt: DataType) -> Error {
+        Error::InvalidArgument(format!(
+            "rank {}: {} {what} buffer at {:p} is not aligned for {dt} ({} bytes)",
+            self.shared.rank,
+            coll.name(),
+            b.ptr,
+            dt.size()
+        ))
+    }
+
+    #[inline]
     pub(super) fn check_buf(
         &self,
         coll: &Collective,
@@ -48,18 +69,31 @@ impl Communicator {
         dt: DataType,
     ) -> Result<()> {
         self.check_align(coll, what, b, dt)?;
-        let want = count * dt.size();
-        if b.len != want {
-            let p = self.shared.nranks;
-            return Err(Error::InvalidArgument(format!(
-                "rank {}: {} {what} buffer holds {} bytes ({} elements of {dt}) but {want} bytes ({count} elements) are needed with {p} ranks",
-                self.shared.rank,
-                coll.name(),
-                b.len,
-                b.len / dt.size(),
-            )));
+        if b.len != count * dt.size() {
+            return Err(self.wrong_size(coll, what, b, count, dt));
         }
         Ok(())
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn wrong_size(
+        &self,
+        coll: &Collective,
+        what: &str,
+        b: RawBuf,
+        count: usize,
+        dt: DataType,
+    ) -> Error {
+        let want = count * dt.size();
+        let p = self.shared.nranks;
+        Error::InvalidArgument(format!(
+            "rank {}: {} {what} buffer holds {} bytes ({} elements of {dt}) but {want} bytes ({count} elements) are needed with {p} ranks",
+            self.shared.rank,
+            coll.name(),
+            b.len,
+            b.len / dt.size(),
+        ))
     }
 
     /// AllReduce: `recv[i] = op over ranks of send[i]`.
