@@ -73,7 +73,10 @@ pub(crate) struct Progress {
     seq: AtomicU64,
     op: AtomicUsize,
     /// Address and length of the name `op` was looked up for: a loop of
-    /// the same call skips the lookup (written only by `start`).
+    /// the same call skips the lookup. Only `start` touches them, and one
+    /// thread at a time calls it on a record (the communicator's, under its
+    /// operation lock; a device proxy's, on the proxy's thread), so the
+    /// pair and `op` stay consistent.
     op_name: (AtomicUsize, AtomicUsize),
     stages: AtomicUsize,
     started_ns: AtomicU64,
