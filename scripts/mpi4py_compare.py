@@ -13,10 +13,10 @@ size pay first-use costs, such as a link's first pages, that the 2 alone
 left in the estimate, which then timed as few as 3 calls), then ITERS calls
 back to back (ITERS from rank 0's estimate over the last warm-up calls,
 about BATCH seconds per batch, 3 to 2000); its time is the loop's time per
-call averaged over ranks (as nccl-tests and tools/peers/mpi_coll_bench.c). Out of place, Broadcast in
-place (as MPI_Bcast); float32 sum; root 0. Sizes follow nccl-tests: bytes of
-the whole array per rank (AllGather, ReduceScatter, AllToAll: the total
-array, at least 16 bytes per rank). Each side's result is checked once per
+call averaged over ranks (as nccl-tests and tools/peers/mpi_coll_bench.c).
+Out of place, Broadcast in place (as MPI_Bcast); float32 sum; root 0.
+Sizes follow nccl-tests: bytes of the whole array per rank (AllGather,
+ReduceScatter, AllToAll: the total array, at least 16 bytes per rank). Each side's result is checked once per
 collective and size. Rank 0 writes the rows (collective, nranks, size, side,
 round, time_us) as JSON.
 """

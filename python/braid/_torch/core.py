@@ -39,12 +39,12 @@ def threads_advice(comm: Any) -> str | None:
     """What to do when torch runs more intra-op threads per rank than this
     rank's share of the CPUs it shares with the other ranks of its host
     (``comm.cpu_share``: ``cpus // ranks``, at least one), and the user set
-    neither ``OMP_NUM_THREADS`` nor ``OMP_WAIT_POLICY``; None otherwise. torch's default is one thread per core in every process, so
-    ranks started without torchrun (``mp.spawn``, a plain ``python``) run
-    that many threads each, and OpenMP's waiting threads spin: on a 2-CPU
-    host, 2 ranks of 2 threads took 3-4x longer per DDP step than with one
-    thread each, on braid and on gloo alike (docs/python.md, "Training
-    steps")."""
+    neither ``OMP_NUM_THREADS`` nor ``OMP_WAIT_POLICY``; None otherwise.
+    torch's default is one thread per core in every process, so ranks
+    started without torchrun (``mp.spawn``, a plain ``python``) run that
+    many threads each, and OpenMP's waiting threads spin: on a 2-CPU host,
+    2 ranks of 2 threads took 3-4x longer per DDP step than with one thread
+    each, on braid and on gloo alike (docs/python.md, "Training steps")."""
     if os.environ.get("OMP_NUM_THREADS") or os.environ.get("OMP_WAIT_POLICY"):
         return None
     ranks, cpus = comm.cpu_share
