@@ -101,6 +101,7 @@ impl Internal {
             } => (single_copy, by_ref, prog.scratch_bytes()),
         };
         Planned {
+            small_max: host::small_max(&prog),
             prog: Arc::new(prog),
             single_copy,
             by_ref,

@@ -347,7 +347,7 @@ impl Communicator {
                     p2p_send_seq: vec![0; p],
                     p2p_recv_seq: vec![0; p],
                     headers: Headers::default(),
-                    header_flags: Vec::new(),
+                    header_flags: Default::default(),
                     slot_stores: SlotStores::new(p, slot_mode),
                     broken: None,
                     cache: HashMap::new(),

@@ -210,7 +210,7 @@ struct State {
     p2p_recv_seq: Vec<u64>,
     /// Reused per operation (no allocation on the hot path).
     headers: Headers,
-    header_flags: Vec<u8>,
+    header_flags: crate::engine::host::HeaderFlags,
     /// Per peer: ordinary or streaming stores into its slots.
     slot_stores: SlotStores,
     broken: Option<String>,

@@ -959,6 +959,7 @@ impl Communicator {
             // Never by reference: a round must not wait for a peer to read.
             single_copy: false,
             by_ref: false,
+            small_max: host::small_max(&prog),
         };
         let mode = Mode {
             stream_copies: false,

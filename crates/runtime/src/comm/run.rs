@@ -22,6 +22,8 @@ pub(super) struct Planned {
     pub(super) algo: Option<(braid_core::plan::Choice, braid_core::tune::Source)>,
     /// Bytes of scratch memory the plan uses (`plan::SCRATCH`).
     pub(super) scratch: usize,
+    /// The program's largest piece if it is small (`host::small_max`).
+    pub(super) small_max: Option<usize>,
 }
 
 impl Planned {
@@ -40,6 +42,7 @@ impl Planned {
         let by_ref = algo.is_none_or(|(c, _)| c.single_copy_safe());
         Planned {
             scratch: if picked { prog.scratch_bytes() } else { 0 },
+            small_max: host::small_max(&prog),
             prog: Arc::new(prog),
             single_copy: single_copy && by_ref,
             by_ref,
@@ -55,6 +58,7 @@ impl Planned {
             scratch: self.scratch,
             single_copy: self.single_copy,
             by_ref: self.by_ref,
+            small_max: self.small_max,
         }
     }
 }
@@ -93,13 +97,15 @@ pub(super) struct Job<'p> {
     pub(super) scratch: usize,
     pub(super) single_copy: bool,
     pub(super) by_ref: bool,
+    /// The program's largest piece if it is small (`host::small_max`).
+    pub(super) small_max: Option<usize>,
 }
 
 /// What of the [`State`] the engine uses while a program runs, borrowed
 /// beside the last plan ([`State::split`]).
 pub(super) struct Engine<'s> {
     pub(super) chans: &'s mut Channels,
-    pub(super) header_flags: &'s mut Vec<u8>,
+    pub(super) header_flags: &'s mut host::HeaderFlags,
     pub(super) plan_scratch: &'s mut Vec<u64>,
     pub(super) slot_stores: &'s SlotStores,
     pub(super) headers: &'s Headers,
@@ -189,6 +195,7 @@ impl Engine<'_> {
             rank: sh.rank,
             headers: mode.headers.then_some(self.headers),
             progress: Some(&sh.progress),
+            small_max: job.small_max,
         };
         // SAFETY: `bufs` are valid as this function's contract says, and
         // the scratch buffer points into `plan_scratch`, resized above to

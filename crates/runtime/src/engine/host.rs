@@ -56,6 +56,47 @@ pub(crate) struct Exec<'a> {
     pub headers: Option<&'a Headers>,
     /// Where blocked waits are published (hang localisation).
     pub progress: Option<&'a Progress>,
+    /// The program's [`small_max`], computed once with its plan.
+    pub small_max: Option<usize>,
+}
+
+/// Per peer, what of the operation headers the running operation has
+/// checked and sent ([`GOT`], [`SENT`], [`PREFIX`] bits), kept from one
+/// operation to the next (no allocation on the hot path). Each entry is
+/// stamped with the operation it belongs to, so a new operation starts
+/// with every peer clear without touching the entries: clearing them took
+/// a `memset` of one byte per rank on every call.
+#[derive(Debug, Default)]
+pub(crate) struct HeaderFlags {
+    /// The running operation's stamp (never 0 once one ran).
+    epoch: u32,
+    /// Per peer: `epoch << 8 | bits`.
+    per_peer: Vec<u32>,
+}
+
+impl HeaderFlags {
+    /// Clear every peer's bits for a new operation on `n` ranks.
+    fn start(&mut self, n: usize) {
+        if self.per_peer.len() != n {
+            self.per_peer.clear();
+            self.per_peer.resize(n, 0);
+        }
+        self.epoch = (self.epoch + 1) & 0x00ff_ffff;
+        if self.epoch == 0 {
+            // Wrapped: stamps of 2^24 operations ago would read as current.
+            self.per_peer.fill(0);
+            self.epoch = 1;
+        }
+    }
+
+    fn bits(&self, peer: u32) -> Option<u8> {
+        let &e = self.per_peer.get(peer as usize)?;
+        Some(if e >> 8 == self.epoch { e as u8 } else { 0 })
+    }
+
+    fn len(&self) -> usize {
+        self.per_peer.len()
+    }
 }
 
 /// Operation headers in flight: which peers' headers were checked and sent
@@ -63,8 +104,7 @@ pub(crate) struct Exec<'a> {
 /// a peer when both fit one slot, else as a message of its own.
 struct HeaderCheck<'a> {
     headers: Option<&'a Headers>,
-    /// Per peer: [`GOT`], [`SENT`], [`PREFIX`] bits (reused memory).
-    flags: &'a mut Vec<u8>,
+    flags: &'a mut HeaderFlags,
 }
 
 /// The peer's header was checked.
@@ -76,17 +116,15 @@ const PREFIX: u8 = 4;
 
 impl HeaderCheck<'_> {
     fn flag(&self, peer: u32, bit: u8) -> bool {
-        self.flags.get(peer as usize).is_some_and(|f| f & bit != 0)
+        self.flags.bits(peer).is_some_and(|f| f & bit != 0)
     }
 
     fn set(&mut self, peer: u32, bit: u8, on: bool) {
-        if let Some(f) = self.flags.get_mut(peer as usize) {
-            if on {
-                *f |= bit;
-            } else {
-                *f &= !bit;
-            }
-        }
+        let Some(f) = self.flags.bits(peer) else {
+            return;
+        };
+        let f = if on { f | bit } else { f & !bit };
+        self.flags.per_peer[peer as usize] = self.flags.epoch << 8 | f as u32;
     }
 
     /// Our header for `to`, if it still has to be sent.
@@ -121,16 +159,16 @@ pub(crate) unsafe fn execute(
     prog: &Program,
     chans: &mut Channels,
     ex: &Exec<'_>,
-    flags: &mut Vec<u8>,
+    flags: &mut HeaderFlags,
 ) -> Result<(), CoreError> {
     let mut waiter = Waiter::new(ex.policy, ex.abort, ex.progress);
-    let n = ex.headers.map(|h| h.nranks()).unwrap_or(0);
-    flags.clear();
-    flags.resize(n, 0);
+    flags.start(ex.headers.map(|h| h.nranks()).unwrap_or(0));
     let mut run = HostRun {
         prog,
         ex,
-        small: small_program(prog, ex.direct_min.min(ex.free_direct_min)),
+        small: ex
+            .small_max
+            .is_some_and(|m| m < ex.direct_min.min(ex.free_direct_min)),
         direct: Vec::new(),
         scratch_owner: None,
         hdr: HeaderCheck {
@@ -178,9 +216,14 @@ const SMALL_PIECE_BYTES: usize = 1024;
 /// Operations larger than the cache (`ex.stream_copies`) take `big` and are
 /// not timed; the others take what the link's [`SlotStores`] chooses, and
 /// pieces it times are timed here.
+#[inline(always)]
 fn slot_write(ex: &Exec, to: u32, len: usize, big: bool, write: impl FnOnce(bool)) {
+    if len < crate::slot_stores::TIMED_MIN_BYTES {
+        // Never timed (`SlotStores::choose` picks ordinary stores).
+        return write(ex.stream_copies && big);
+    }
     match ex.slot_stores {
-        Some(s) if !ex.stream_copies && len >= crate::slot_stores::TIMED_MIN_BYTES => {
+        Some(s) if !ex.stream_copies => {
             let stream = s.choose(to, len);
             let t0 = Instant::now();
             write(stream);
@@ -190,19 +233,28 @@ fn slot_write(ex: &Exec, to: u32, len: usize, big: bool, write: impl FnOnce(bool
     }
 }
 
-/// Whether `prog` is small: one op per stage, every piece and copy at most
-/// [`SMALL_PIECE_BYTES`] and below the single-copy threshold, so that no
-/// piece goes by reference. O(1) for large programs (their first op is
+/// The largest piece (or local copy) of `prog` if it is small: one op per
+/// stage and every piece and copy at most [`SMALL_PIECE_BYTES`]. A call
+/// runs it on the small path when that piece is also below its
+/// single-copy threshold (so that no piece goes by reference). Computed
+/// once per plan (`Planned`); O(1) for large programs (their first op is
 /// large).
-fn small_program(prog: &Program, direct_min: usize) -> bool {
-    prog.stage_ends.len() == prog.ops.len()
-        && prog.ops.iter().all(|op| {
-            let len = match *op {
-                Op::Copy { src, .. } => src.len,
-                _ => op.wire_len(),
-            };
-            len <= SMALL_PIECE_BYTES && len < direct_min
-        })
+pub(crate) fn small_max(prog: &Program) -> Option<usize> {
+    if prog.stage_ends.len() != prog.ops.len() {
+        return None;
+    }
+    let mut max = 0;
+    for op in &prog.ops {
+        let len = match *op {
+            Op::Copy { src, .. } => src.len,
+            _ => op.wire_len(),
+        };
+        if len > SMALL_PIECE_BYTES {
+            return None;
+        }
+        max = max.max(len);
+    }
+    Some(max)
 }
 
 /// The error for a piece of the wrong length.
@@ -904,4 +956,57 @@ unsafe fn finalize_region(prog: &Program, d: *mut u8, len: usize) -> Result<(), 
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn check<'a>(flags: &'a mut HeaderFlags) -> HeaderCheck<'a> {
+        HeaderCheck {
+            headers: None,
+            flags,
+        }
+    }
+
+    #[test]
+    fn header_flags_start_clear_for_every_operation() {
+        let mut f = HeaderFlags::default();
+        f.start(4);
+        let mut c = check(&mut f);
+        c.set(1, SENT, true);
+        c.set(3, GOT, true);
+        c.set(3, PREFIX, true);
+        c.set(3, PREFIX, false);
+        assert!(c.flag(1, SENT) && !c.flag(1, GOT));
+        assert!(c.flag(3, GOT) && !c.flag(3, PREFIX));
+        // A peer out of range has no bits and takes none.
+        c.set(9, SENT, true);
+        assert!(!c.flag(9, SENT));
+        f.start(4);
+        let c = check(&mut f);
+        for peer in 0..4 {
+            for bit in [GOT, SENT, PREFIX] {
+                assert!(!c.flag(peer, bit), "peer {peer} bit {bit} survived");
+            }
+        }
+        // Another size: every peer starts clear.
+        f.start(6);
+        assert_eq!(f.len(), 6);
+        assert!((0..6).all(|p| f.bits(p) == Some(0)));
+    }
+
+    #[test]
+    fn header_flags_stamps_from_before_a_wrap_read_clear() {
+        let mut f = HeaderFlags::default();
+        f.start(2);
+        assert_eq!(f.epoch, 1);
+        check(&mut f).set(0, SENT, true);
+        // 2^24 - 1 operations later the stamp wraps back to 1: the entry
+        // written by operation 1 must not read as the new operation's.
+        f.epoch = 0x00ff_ffff;
+        f.start(2);
+        assert_eq!(f.epoch, 1);
+        assert_eq!(f.bits(0), Some(0));
+    }
 }

@@ -85,6 +85,13 @@ impl std::fmt::Debug for Channels {
     }
 }
 
+/// The error for a link this rank lacks (built out of the hot path).
+#[cold]
+#[inline(never)]
+fn not_connected(dir: &str, peer: u32) -> CoreError {
+    CoreError::InvalidArgument(format!("no connection {dir} rank {peer}"))
+}
+
 impl Channels {
     /// Tell every peer that this side gave up.
     pub(crate) fn abort_all(&mut self, reason: &str) {
@@ -96,18 +103,20 @@ impl Channels {
         }
     }
 
+    #[inline]
     pub(crate) fn sender(&mut self, peer: u32) -> Result<&mut Box<dyn SendChannel>, CoreError> {
-        self.send
-            .get_mut(peer as usize)
-            .and_then(|c| c.as_mut())
-            .ok_or_else(|| CoreError::InvalidArgument(format!("no connection to rank {peer}")))
+        match self.send.get_mut(peer as usize) {
+            Some(Some(c)) => Ok(c),
+            _ => Err(not_connected("to", peer)),
+        }
     }
 
+    #[inline]
     pub(crate) fn receiver(&mut self, peer: u32) -> Result<&mut Box<dyn RecvChannel>, CoreError> {
-        self.recv
-            .get_mut(peer as usize)
-            .and_then(|c| c.as_mut())
-            .ok_or_else(|| CoreError::InvalidArgument(format!("no connection from rank {peer}")))
+        match self.recv.get_mut(peer as usize) {
+            Some(Some(c)) => Ok(c),
+            _ => Err(not_connected("from", peer)),
+        }
     }
 
     /// The smallest slot size over all connected channels (the plans' piece).
