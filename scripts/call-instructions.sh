@@ -11,10 +11,13 @@
 # the count is the rank's whole process (start-up and braid-perf's loop
 # included, a few instructions a call) over its 2N + 20 calls.
 # PERF=/path/to/braid-perf measures that binary instead of building this
-# tree's (to compare two builds). Installs valgrind if missing (apt-get).
+# tree's (to compare two builds). NP=2 runs two ranks and prints each one's
+# count (the root's, Broadcast and Reduce, first; the ranks' processes run
+# under valgrind side by side). Installs valgrind if missing (apt-get).
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 n=${N:-100000}
+np=${NP:-1}
 colls=("$@")
 [ ${#colls[@]} -gt 0 ] || colls=(broadcast reduce all_reduce)
 command -v valgrind >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq valgrind >/dev/null; }
@@ -26,15 +29,20 @@ else
 fi
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
-echo "# $(date -u +%FT%TZ) $(git -C "$here" rev-parse --short HEAD 2>/dev/null || echo '?') $perf, 1 rank, 8 bytes, $n calls each way"
-echo "# collective  instructions/call"
+echo "# $(date -u +%FT%TZ) $(git -C "$here" rev-parse --short HEAD 2>/dev/null || echo '?') $perf, $np rank(s), 8 bytes, $n calls each way"
+echo "# collective  instructions/call (per rank, rank 0 first)"
 for c in "${colls[@]}"; do
     rm -f "$out"/cg.*
     valgrind --tool=callgrind --trace-children=yes --callgrind-out-file="$out/cg.%p" \
-        "$perf" "$c" -np 1 -b 8 -e 8 -n "$n" -w 10 -c 0 >"$out/log" 2>&1 ||
+        "$perf" "$c" -np "$np" -b 8 -e 8 -n "$n" -w 10 -c 0 >"$out/log" 2>&1 ||
         { cat "$out/log" >&2; exit 1; }
-    # The rank is the process that ran the calls: the largest profile.
-    f=$(ls -S "$out"/cg.* | head -1)
-    total=$(callgrind_annotate "$f" 2>/dev/null | awk '/PROGRAM TOTALS/ && !t { gsub(",", "", $1); t = $1 } END { print t }')
-    awk -v c="$c" -v t="$total" -v k=$((2 * n + 20)) 'BEGIN { printf "%-12s %8.0f\n", c, t / k }'
+    # Each rank's profile names it on its command line (--child-rank R).
+    counts=()
+    for r in $(seq 0 $((np - 1))); do
+        f=$(grep -l -- "--child-rank $r " "$out"/cg.* 2>/dev/null | head -1 || true)
+        [ -n "$f" ] || f=$(ls -S "$out"/cg.* | head -1)
+        total=$(callgrind_annotate "$f" 2>/dev/null | awk '/PROGRAM TOTALS/ && !t { gsub(",", "", $1); t = $1 } END { print t }')
+        counts+=("$(awk -v t="$total" -v k=$((2 * n + 20)) 'BEGIN { printf "%.0f", t / k }')")
+    done
+    printf '%-12s %s\n' "$c" "${counts[*]}"
 done
