@@ -241,6 +241,9 @@ pub(crate) struct Waiter<'a> {
     /// after its sender failed (a direct message lives in the sender's
     /// memory, which it may reuse once its operation returned the error).
     peer_error: Option<CoreError>,
+    /// `idle_any` ran since the last [`Waiter::progressed`]: only then has
+    /// that anything to reset (most ops of a small call never wait).
+    idled: bool,
     /// Sleeps on doorbells so far (for tests).
     pub(crate) sleeps: u64,
     /// Yields (before a doorbell sleep, or on ends without a doorbell)
@@ -278,6 +281,7 @@ impl<'a> Waiter<'a> {
             warned: false,
             armed: Vec::new(),
             peer_error: None,
+            idled: false,
             sleeps: 0,
             yields: 0,
             naps: 0,
@@ -285,7 +289,16 @@ impl<'a> Waiter<'a> {
     }
 
     /// Something moved: the next wait starts afresh.
+    #[inline]
     pub(crate) fn progressed(&mut self, chans: &mut Channels) {
+        if self.idled {
+            self.reset(chans);
+        }
+    }
+
+    /// What [`Waiter::progressed`] does after a wait.
+    fn reset(&mut self, chans: &mut Channels) {
+        self.idled = false;
         self.peer_error = None;
         self.iters = 0;
         self.yielded = 0;
@@ -353,6 +366,7 @@ impl<'a> Waiter<'a> {
         let Some(&first) = blocked.first() else {
             return Ok(());
         };
+        self.idled = true;
         if !helping.is_empty() && first.wait != Wait::Data {
             for &peer in helping {
                 if let Some(d) = chans.sender(peer)?.direct() {
